@@ -1,0 +1,146 @@
+"""Collectives on flat tensors over a transport: picks a plan, runs it, applies the op's final touches.
+
+`Communicator` knows nothing about torch.distributed: the backend layer flattens torch's arguments into
+contiguous 1-D tensors and calls these methods, one at a time, in the same order on every rank.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ..config import Config
+from ..protocol.signature import encode_sig
+from ..transport.base import Transport
+from . import direct, select
+from .layout import offsets
+from .plan import Plan, run_plan
+from .reduce_ops import make_reducer
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _noop(d: torch.Tensor, s: torch.Tensor) -> None:
+    raise AssertionError("this plan has no reductions")
+
+
+class Communicator:
+    def __init__(self, transport: Transport, cfg: Config, timeout: float = 1800.0,
+                 ring_order: list[int] | None = None) -> None:
+        self.t = transport
+        self.cfg = cfg
+        self.rank, self.world = transport.rank, transport.world
+        self.timeout = timeout
+        self.ring_order = ring_order
+        self.seq = 0
+        self._plans: dict[tuple, Plan] = {}
+        self._scratch: torch.Tensor | None = None
+
+    # -- machinery -----------------------------------------------------------------------------------------
+    def _plan(self, key: tuple, build: Callable[[], Plan]) -> Plan:
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 512:
+                self._plans.clear()
+            plan = self._plans[key] = build()
+        return plan
+
+    def _tmp(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        """Scratch reused across ops (allocating fresh pages for every 64 MB op costs page faults)."""
+        nbytes = n * like.element_size()
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        return self._scratch[:nbytes].view(like.dtype) if nbytes else like.new_empty(0)
+
+    def _run(self, plan: Plan, what: str, bufs: dict[str, torch.Tensor], op: str | None, like: torch.Tensor,
+             root: int = 0, count: int = 0) -> None:
+        self.seq += 1
+        bufs["tmp"] = self._tmp(plan.tmp, like)
+        reducer = make_reducer(op, like.dtype) if op else _noop
+        sig = encode_sig(what, _dtype_name(like), root, count)
+        deadline = time.monotonic() + self.timeout
+        run_plan(plan, self.t, bufs, reducer, tag=self.seq, sig=sig, deadline=deadline,
+                 what=f"{what} (op #{self.seq}, {_dtype_name(like)}, {count} elements)")
+
+    # -- collectives ----------------------------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor, op: str = "sum", premul: object = None) -> None:
+        if op in ("avg",) or op == "premul_sum":
+            make_reducer(op, x.dtype)  # validate before any traffic
+        if op == "premul_sum" and premul is not None:
+            x.mul_(premul)
+        n, es = x.numel(), x.element_size()
+        plan = self._plan(("ar", n, es), lambda: select.allreduce_plan(
+            self.cfg, self.rank, self.world, n, es, self.ring_order))
+        self._run(plan, "all_reduce", {"out": x}, op, x, count=n)
+        if op == "avg":
+            x.div_(self.world)
+
+    def broadcast(self, x: torch.Tensor, root: int) -> None:
+        n, es = x.numel(), x.element_size()
+        plan = self._plan(("bc", n, es, root), lambda: select.broadcast_plan(
+            self.cfg, self.rank, self.world, root, n, es))
+        self._run(plan, "broadcast", {"out": x}, None, x, root=root, count=n)
+
+    def reduce(self, x: torch.Tensor, root: int, op: str = "sum") -> None:
+        n, es = x.numel(), x.element_size()
+        plan = self._plan(("rd", n, es, root), lambda: select.reduce_plan(
+            self.cfg, self.rank, self.world, root, n, es))
+        self._run(plan, "reduce", {"in": x, "out": x}, op, x, root=root, count=n)
+        if op == "avg" and self.rank == root:
+            x.div_(self.world)
+
+    def all_gather(self, out: torch.Tensor, x: torch.Tensor, counts: list[int] | None = None) -> None:
+        """`out` holds every rank's block in rank order; `counts` gives uneven block sizes."""
+        counts = counts or [x.numel()] * self.world
+        offs = offsets(counts)
+        out[offs[self.rank] : offs[self.rank] + counts[self.rank]].copy_(x)
+        es = x.element_size()
+        plan = self._plan(("ag", tuple(counts), es), lambda: select.all_gather_plan(
+            self.cfg, self.rank, self.world, counts, es, self.ring_order))
+        self._run(plan, "all_gather", {"out": out}, None, out, count=sum(counts))
+
+    def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, counts: list[int], op: str = "sum") -> None:
+        """Reduce `x` (all ranks' blocks, `counts` long) and keep this rank's block in `out`."""
+        make_reducer(op, x.dtype)
+        es = x.element_size()
+        plan, in_place = self._plan(("rs", tuple(counts), es), lambda: select.reduce_scatter_plan(
+            self.cfg, self.rank, self.world, counts, es, self.ring_order))
+        if in_place:  # ring: reduce a full working copy, then keep our block
+            work = self._tmp_full(x)
+            self._run(plan, "reduce_scatter", {"out": work}, op, x, count=sum(counts))
+            start = offsets(counts)[self.rank]
+            out.copy_(work[start : start + counts[self.rank]])
+        else:
+            self._run(plan, "reduce_scatter", {"in": x, "out": out}, op, x, count=sum(counts))
+        if op == "avg":
+            out.div_(self.world)
+
+    def _tmp_full(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    def gather(self, out: torch.Tensor | None, x: torch.Tensor, root: int, counts: list[int]) -> None:
+        segs = list(zip(offsets(counts), counts))
+        plan = self._plan(("ga", tuple(counts), root), lambda: direct.gather(self.rank, self.world, root, segs))
+        bufs = {"in": x, "out": out if out is not None else x}
+        self._run(plan, "gather", bufs, None, x, root=root, count=sum(counts))
+
+    def scatter(self, out: torch.Tensor, x: torch.Tensor | None, root: int, counts: list[int]) -> None:
+        segs = list(zip(offsets(counts), counts))
+        plan = self._plan(("sc", tuple(counts), root), lambda: direct.scatter(self.rank, self.world, root, segs))
+        bufs = {"in": x if x is not None else out, "out": out}
+        self._run(plan, "scatter", bufs, None, out, root=root, count=sum(counts))
+
+    def all_to_all(self, out: torch.Tensor, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> None:
+        ss = list(zip(offsets(send_counts), send_counts))
+        rs = list(zip(offsets(recv_counts), recv_counts))
+        plan = self._plan(("a2a", tuple(send_counts), tuple(recv_counts)),
+                          lambda: direct.all_to_all(self.rank, self.world, ss, rs))
+        self._run(plan, "all_to_all", {"in": x, "out": out}, None, x)
+
+    def barrier(self) -> None:
+        plan = self._plan(("barrier",), lambda: direct.barrier(self.rank, self.world))
+        empty = torch.empty(0, dtype=torch.uint8)
+        self._run(plan, "barrier", {"out": empty}, None, empty)

@@ -1,0 +1,152 @@
+"""One-shot algorithms: every rank talks to every other rank directly, once.
+
+Latency-optimal for small messages on the small full meshes Thunderbolt clusters are (2–5 Macs), and
+the natural shape of gather, scatter and all-to-all. Reductions are applied in rank order, so every rank
+computes bit-identical results.
+"""
+from __future__ import annotations
+
+from .plan import Plan
+
+Segments = list[tuple[int, int]]
+
+
+def _peers(rank: int, world: int) -> tuple[list[int], list[int]]:
+    """Send to rank+1, rank+2, ... and receive from rank-1, rank-2, ...: no rank is everyone's first."""
+    return [(rank + k) % world for k in range(1, world)], [(rank - k) % world for k in range(1, world)]
+
+
+def _rank_order_reduce(plan: Plan, dst: str, dst_off: int, n: int, source: dict[int, tuple[str, int]],
+                       recv_step: dict[int, int], after: tuple[int, ...]) -> None:
+    """dst := source[0] ⊕ source[1] ⊕ ... in rank order (source[r] = (buffer, offset))."""
+    buf0, off0 = source[0]
+    deps = after + ((recv_step[0],) if 0 in recv_step else ())
+    prev = plan.copy(dst, dst_off, buf0, off0, n, deps) if (buf0, off0) != (dst, dst_off) else None
+    for r in range(1, plan.world):
+        buf, off = source[r]
+        deps = ((recv_step[r],) if r in recv_step else ()) + ((prev,) if prev is not None else after)
+        prev = plan.reduce(dst, dst_off, buf, off, n, deps)
+
+
+def direct_allreduce(rank: int, world: int, count: int) -> Plan:
+    plan = Plan(rank, world, "direct")
+    if world == 1:
+        return plan
+    plan.tmp = world * count
+    to, frm = _peers(rank, world)
+    sends = tuple(plan.send(p, "out", 0, count, 0) for p in to)
+    recvs = {p: plan.recv(p, "tmp", p * count, count, 0) for p in frm}
+    source = {p: ("tmp", p * count) for p in frm}
+    after: tuple[int, ...] = sends
+    if rank == 0:
+        source[0] = ("out", 0)
+    else:  # keep our own contribution, since "out" is overwritten with rank 0's first
+        after = sends + (plan.copy("tmp", rank * count, "out", 0, count),)
+        source[rank] = ("tmp", rank * count)
+    _rank_order_reduce(plan, "out", 0, count, source, recvs, after)
+    return plan
+
+
+def direct_reduce_scatter(rank: int, world: int, segs: Segments) -> Plan:
+    """"in" holds every segment; "out" receives this rank's reduced segment."""
+    plan = Plan(rank, world, "direct")
+    my_off, my_n = segs[rank]
+    plan.tmp = world * my_n
+    to, frm = _peers(rank, world)
+    for p in to:
+        plan.send(p, "in", segs[p][0], segs[p][1], 0)
+    recvs = {p: plan.recv(p, "tmp", p * my_n, my_n, 0) for p in frm}
+    source = {p: ("tmp", p * my_n) for p in frm}
+    source[rank] = ("in", my_off)
+    _rank_order_reduce(plan, "out", 0, my_n, source, recvs, ())
+    return plan
+
+
+def direct_all_gather(rank: int, world: int, segs: Segments) -> Plan:
+    """Every rank's segment of "out" is in place on that rank; send it to all, receive all others."""
+    plan = Plan(rank, world, "direct")
+    to, frm = _peers(rank, world)
+    for p in to:
+        plan.send(p, "out", segs[rank][0], segs[rank][1], 0)
+    for p in frm:
+        plan.recv(p, "out", segs[p][0], segs[p][1], 0)
+    return plan
+
+
+def flat_broadcast(rank: int, world: int, root: int, count: int) -> Plan:
+    plan = Plan(rank, world, "direct")
+    if rank == root:
+        for k in range(1, world):
+            plan.send((root + k) % world, "out", 0, count, 0)
+    elif world > 1:
+        plan.recv(root, "out", 0, count, 0)
+    return plan
+
+
+def direct_reduce(rank: int, world: int, root: int, count: int) -> Plan:
+    """Reduce "in" of every rank into "out" on root ("out" is "in" there)."""
+    plan = Plan(rank, world, "direct")
+    if world == 1:
+        return plan
+    if rank != root:
+        plan.send(root, "in", 0, count, 0)
+        return plan
+    plan.tmp = world * count
+    _, frm = _peers(rank, world)
+    recvs = {p: plan.recv(p, "tmp", p * count, count, 0) for p in frm}
+    source = {p: ("tmp", p * count) for p in frm}
+    after: tuple[int, ...] = ()
+    if root == 0:
+        source[0] = ("out", 0)
+    else:
+        after = (plan.copy("tmp", root * count, "in", 0, count),)
+        source[root] = ("tmp", root * count)
+    _rank_order_reduce(plan, "out", 0, count, source, recvs, after)
+    return plan
+
+
+def gather(rank: int, world: int, root: int, segs: Segments) -> Plan:
+    """"in" of each rank lands in "out"[segs[rank]] on root."""
+    plan = Plan(rank, world, "direct")
+    if rank != root:
+        plan.send(root, "in", 0, segs[rank][1], 0)
+        return plan
+    plan.copy("out", segs[root][0], "in", 0, segs[root][1])
+    for p in _peers(rank, world)[1]:
+        plan.recv(p, "out", segs[p][0], segs[p][1], 0)
+    return plan
+
+
+def scatter(rank: int, world: int, root: int, segs: Segments) -> Plan:
+    """Root's "in"[segs[p]] lands in "out" of rank p."""
+    plan = Plan(rank, world, "direct")
+    if rank != root:
+        plan.recv(root, "out", 0, segs[rank][1], 0)
+        return plan
+    plan.copy("out", 0, "in", segs[root][0], segs[root][1])
+    for p in _peers(rank, world)[0]:
+        plan.send(p, "in", segs[p][0], segs[p][1], 0)
+    return plan
+
+
+def all_to_all(rank: int, world: int, send_segs: Segments, recv_segs: Segments) -> Plan:
+    """"in"[send_segs[p]] goes to rank p, which stores it at "out"[its recv_segs[rank]]."""
+    plan = Plan(rank, world, "direct")
+    plan.copy("out", recv_segs[rank][0], "in", send_segs[rank][0], send_segs[rank][1])
+    to, frm = _peers(rank, world)
+    for p in to:
+        plan.send(p, "in", send_segs[p][0], send_segs[p][1], 0)
+    for p in frm:
+        plan.recv(p, "out", recv_segs[p][0], recv_segs[p][1], 0)
+    return plan
+
+
+def barrier(rank: int, world: int) -> Plan:
+    """Zero-byte messages to and from every rank: nobody leaves before everybody arrived."""
+    plan = Plan(rank, world, "direct")
+    to, frm = _peers(rank, world)
+    for p in to:
+        plan.send(p, "out", 0, 0, 0)
+    for p in frm:
+        plan.recv(p, "out", 0, 0, 0)
+    return plan

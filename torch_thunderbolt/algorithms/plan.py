@@ -1,0 +1,162 @@
+"""Collectives as plans: a list of steps with dependencies, built by pure functions, run by one executor.
+
+A plan names buffers ("in", "out", "tmp"), offsets and counts in elements. Unit tests inspect plans
+directly (who talks to whom, how many bytes, in which order) and run them over the in-memory transport.
+
+Ordering rule the executor guarantees and the plan checker verifies: for every pair of ranks, the sender
+posts its messages in plan order and the receiver posts its receives in the same order, so a transport may
+stall a stream on a message whose receive is not posted yet without ever deadlocking.
+"""
+from __future__ import annotations
+
+import ctypes
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..protocol.framing import Space
+from ..transport.base import Request, Transport
+
+SEND, RECV, REDUCE, COPY = 0, 1, 2, 3
+KIND_NAMES = ("send", "recv", "reduce", "copy")
+
+
+class Step(NamedTuple):
+    kind: int
+    peer: int  # SEND/RECV: the peer; else -1
+    buf: str  # SEND: source; RECV: destination; REDUCE/COPY: destination
+    off: int
+    n: int
+    msg: int  # message id within the op, unique per (sender, receiver) pair
+    src: str  # REDUCE/COPY source buffer
+    src_off: int
+    deps: tuple[int, ...]
+
+
+@dataclass
+class Plan:
+    rank: int
+    world: int
+    algo: str
+    steps: list[Step] = field(default_factory=list)
+    tmp: int = 0  # scratch elements needed
+
+    def send(self, peer: int, buf: str, off: int, n: int, msg: int, deps: tuple[int, ...] = ()) -> int:
+        return self._add(Step(SEND, peer, buf, off, n, msg, "", 0, deps))
+
+    def recv(self, peer: int, buf: str, off: int, n: int, msg: int, deps: tuple[int, ...] = ()) -> int:
+        return self._add(Step(RECV, peer, buf, off, n, msg, "", 0, deps))
+
+    def reduce(self, dst: str, off: int, src: str, src_off: int, n: int, deps: tuple[int, ...] = ()) -> int:
+        return self._add(Step(REDUCE, -1, dst, off, n, -1, src, src_off, deps))
+
+    def copy(self, dst: str, off: int, src: str, src_off: int, n: int, deps: tuple[int, ...] = ()) -> int:
+        return self._add(Step(COPY, -1, dst, off, n, -1, src, src_off, deps))
+
+    def _add(self, step: Step) -> int:
+        self.steps.append(step)
+        return len(self.steps) - 1
+
+    def traffic(self) -> dict[int, int]:
+        """Elements this rank sends to each peer."""
+        out: dict[int, int] = {}
+        for s in self.steps:
+            if s.kind == SEND:
+                out[s.peer] = out.get(s.peer, 0) + s.n
+        return out
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous tensor's storage (the tensor must outlive the view)."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    if not t.is_contiguous():
+        raise ValueError("tensor must be contiguous")
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+Reducer = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+class _Run:
+    """Executes one plan: posts sends/receives as their dependencies complete, in per-peer order."""
+
+    def __init__(self, plan: Plan, transport: Transport, bufs: dict[str, torch.Tensor], reducer: Reducer,
+                 tag: int, sig: int) -> None:
+        self.plan, self.t, self.bufs, self.reducer, self.tag, self.sig = plan, transport, bufs, reducer, tag, sig
+        es = next(iter(bufs.values())).element_size()
+        self.es = es
+        self.views = {name: tensor_bytes(b) for name, b in bufs.items()}
+        steps = plan.steps
+        self.waiting = [len(s.deps) for s in steps]
+        self.children: list[list[int]] = [[] for _ in steps]
+        for i, s in enumerate(steps):
+            for d in s.deps:
+                self.children[d].append(i)
+        # per-peer FIFO of message steps, so posting order follows plan order
+        self.queues: dict[tuple[int, int], deque[int]] = {}
+        for i, s in enumerate(steps):
+            if s.kind in (SEND, RECV):
+                self.queues.setdefault((s.kind, s.peer), deque()).append(i)
+        self.ready = [False] * len(steps)
+        self.inflight: dict[int, Request] = {}
+        self.remaining = len(steps)
+
+    def run(self, deadline: float | None, what: str) -> None:
+        steps = self.plan.steps
+        todo = deque(i for i, s in enumerate(steps) if not s.deps)
+        while self.remaining:
+            while todo:
+                self._start(todo.popleft(), todo)
+            if not self.remaining:
+                break
+            reqs = list(self.inflight.values())
+            self.t.wait_any(reqs, deadline, what)
+            for i, r in list(self.inflight.items()):
+                if r.done:
+                    del self.inflight[i]
+                    self._complete(i, todo)
+
+    def _start(self, i: int, todo: deque[int]) -> None:
+        s = self.plan.steps[i]
+        if s.kind == REDUCE or s.kind == COPY:
+            dst = self.bufs[s.buf][s.off : s.off + s.n]
+            src = self.bufs[s.src][s.src_off : s.src_off + s.n]
+            if s.kind == REDUCE:
+                self.reducer(dst, src)
+            else:
+                dst.copy_(src)
+            self._complete(i, todo)
+            return
+        self.ready[i] = True
+        q = self.queues[(s.kind, s.peer)]
+        while q and self.ready[q[0]]:  # post in plan order per peer
+            j = q.popleft()
+            self._post(j)
+
+    def _post(self, j: int) -> None:
+        s = self.plan.steps[j]
+        view = self.views[s.buf][s.off * self.es : (s.off + s.n) * self.es]
+        key = (Space.COLL, self.tag, s.msg)
+        if s.kind == SEND:
+            self.inflight[j] = self.t.isend(s.peer, key, view, self.sig)
+        else:
+            self.inflight[j] = self.t.irecv(s.peer, key, view, self.sig)
+
+    def _complete(self, i: int, todo: deque[int]) -> None:
+        self.remaining -= 1
+        for c in self.children[i]:
+            self.waiting[c] -= 1
+            if self.waiting[c] == 0:
+                todo.append(c)
+
+
+def run_plan(plan: Plan, transport: Transport, bufs: dict[str, torch.Tensor], reducer: Reducer, *,
+             tag: int, sig: int = 0, deadline: float | None = None, what: str = "") -> None:
+    """Run `plan` on this rank. `bufs` maps buffer names to flat tensors of one dtype."""
+    if not plan.steps:
+        return
+    _Run(plan, transport, bufs, reducer, tag, sig).run(deadline, what)

@@ -1,0 +1,87 @@
+"""Registering the "thunderbolt" backend and the thunderbolt:// rendezvous scheme with torch.distributed.
+
+Kept import-light: the autoload hook runs at the end of `import torch`, so nothing here may import the
+rest of the package until a group is actually created.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlencode, urlparse, parse_qsl
+
+BACKEND = "thunderbolt"
+DEVICES = ["cpu", "cuda", "mps"]
+
+
+def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
+    """The creator torch calls for every group using our backend (extended API)."""
+    from ..config import Config
+    from ..transport.memory import MemoryHub
+    from .process_group import ThunderboltProcessGroup
+
+    cfg = Config.from_env()
+    rank, size = dist_opts.group_rank, dist_opts.group_size
+    timeout = dist_opts.timeout.total_seconds() if isinstance(dist_opts.timeout, timedelta) else 1800.0
+    if size == 1:
+        transport = MemoryHub(1).transports[0]
+    elif cfg.transport == "shm":
+        from ..errors import ConfigError
+
+        raise ConfigError("THUNDERBOLT_TRANSPORT=shm: the shared-memory transport is not available in this "
+                          "version; use tcp or auto")
+    else:
+        from ..transport.bootstrap import connect_tcp
+
+        transport = connect_tcp(dist_opts.store, rank, size, cfg, timeout)
+    return ThunderboltProcessGroup(transport, cfg, timeout, description=str(getattr(dist_opts, "group_id", "")))
+
+
+def _thunderbolt_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any):
+    """thunderbolt://HOST:PORT — a TCPStore on HOST:PORT; rank and world size from the URL or environment."""
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
+    parsed = urlparse(url)
+    query = dict(parse_qsl(parsed.query))
+    query.setdefault("rank", os.environ.get("RANK", ""))
+    query.setdefault("world_size", os.environ.get("WORLD_SIZE", ""))
+    if not query["rank"] or not query["world_size"]:
+        raise ValueError("thunderbolt:// rendezvous needs rank and world_size (arguments, or RANK and WORLD_SIZE "
+                         "in the environment)")
+    host = parsed.hostname or os.environ.get("MASTER_ADDR", "")
+    port = parsed.port or int(os.environ.get("MASTER_PORT", "0") or 0)
+    if not host or not port:
+        raise ValueError(f"thunderbolt:// rendezvous needs HOST:PORT, got {url!r}")
+    tcp_url = f"tcp://{host}:{port}?{urlencode(query)}"
+    return rdzv._tcp_rendezvous_handler(tcp_url, timeout=timeout, **kwargs)
+
+
+def register() -> None:
+    """Idempotent: safe from both the autoload hook and `import torch_thunderbolt`."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    if BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND, create_process_group, extended_api=True, devices=DEVICES)
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
+    if "thunderbolt" not in getattr(rdzv, "_rendezvous_handlers", {}):
+        rdzv.register_rendezvous_handler("thunderbolt", _thunderbolt_rendezvous)
+    _install_exit_hook()
+
+
+_exit_hook_installed: list[bool] = []  # a one-element latch; registration is per interpreter by nature
+
+
+def _install_exit_hook() -> None:
+    if _exit_hook_installed:
+        return
+    _exit_hook_installed.append(True)
+
+    def _close_groups() -> None:
+        from .process_group import shutdown_all
+
+        shutdown_all()
+
+    atexit.register(_close_groups)

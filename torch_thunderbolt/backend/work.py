@@ -1,0 +1,93 @@
+"""Work objects handed back to torch: wait / get_future / is_completed, errors propagated faithfully.
+
+Facts this relies on (torch 2.13): C++ callers (DDP) only reach `wait` and `get_future`; a zero timedelta
+passed to `wait` means "no timeout"; an exception set with `Future.set_exception` from Python looks like
+success to C++, so the future we hand out is chained with `.then` and *raises* inside the callback.
+"""
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CollectiveTimeout
+
+
+class Work(dist._Work):
+    def __init__(self, what: str, result: Any = None, wait_fn: Callable[[float | None], None] | None = None) -> None:
+        super().__init__()
+        self.what = what
+        self._result = result if result is not None else []
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._exc: BaseException | None = None
+        self._source = -1
+        self._wait_fn = wait_fn  # p2p works make progress themselves when waited on
+        self._raw = torch.futures.Future()
+        self._fut = self._raw.then(self._unwrap)
+
+    # -- completion (from the worker thread or a waiter) ------------------------------------------------
+    def finish(self, exc: BaseException | None = None) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._exc = exc
+            # The future first, then waiters: a waiter may tear the group down right after waking.
+            self._raw.set_result(self._result)
+            self._done.set()
+
+    def _unwrap(self, fut: torch.futures.Future) -> Any:
+        if self._exc is not None:
+            raise self._exc
+        return fut.value()
+
+    # -- torch's Work API ----------------------------------------------------------------------------------
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        seconds = None
+        if timeout is not None and timeout.total_seconds() > 0:
+            seconds = timeout.total_seconds()
+        if self._wait_fn is not None and not self._done.is_set():
+            try:
+                self._wait_fn(seconds)
+            except CollectiveTimeout:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - handed to torch via the future as well
+                self.finish(exc)
+        if not self._done.wait(seconds):
+            raise CollectiveTimeout(f"Timed out after {seconds:.1f}s waiting for {self.what}")
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._exc is None
+
+    def exception(self) -> BaseException | None:
+        return self._exc
+
+    def result(self) -> Any:
+        return self._result
+
+    def source_rank(self) -> int:
+        return self._source
+
+    def _source_rank(self) -> int:
+        return self._source
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+def completed_work(what: str, result: Any = None) -> Work:
+    w = Work(what, result)
+    w.finish()
+    return w

@@ -1,0 +1,62 @@
+"""`torch-thunderbolt` command line: a thin dispatcher over one module per subcommand.
+
+Each subcommand module defines `configure(parser: argparse.ArgumentParser) -> None` and
+`run(args: argparse.Namespace) -> int`. Modules are imported only when their subcommand runs, so
+`torch-thunderbolt topo` does not pay for importing torch.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from typing import Sequence
+
+from ..errors import ConfigError, ThunderboltError
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("torch_thunderbolt.cli.demo", "run a small all_reduce/send-recv demo on local ranks"),
+    "bench": ("torch_thunderbolt.cli.bench", "nccl-tests-style benchmark, side by side with gloo"),
+    "topo": ("torch_thunderbolt.cli.topo", "discover Thunderbolt links, check for loops, plan addresses"),
+    "lab": ("torch_thunderbolt.cli.lab", "an emulated N-Mac cluster from Linux network namespaces"),
+    "launch": ("torch_thunderbolt.cli.launch", "start ranks on several hosts (torchrun-compatible env)"),
+    "doctor": ("torch_thunderbolt.cli.doctor", "check this machine's setup for torch-thunderbolt"),
+}
+
+
+def _available() -> dict[str, tuple[str, str]]:
+    found = {}
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        if importlib.util.find_spec(module) is not None:
+            found[name] = (module, help_text)
+    return found
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="torch-thunderbolt", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in _available().items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).configure(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except (ConfigError, ThunderboltError) as exc:
+        print(f"torch-thunderbolt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Exceptions, named by whose fault the failure is.
+
+Every exception raised by torch-thunderbolt derives from `ThunderboltError`. OS errors are translated into
+these in one place (`translate_os_error`) so callers never have to catch raw `OSError`s.
+"""
+from __future__ import annotations
+
+
+class ThunderboltError(RuntimeError):
+    """Base class of everything torch-thunderbolt raises."""
+
+
+class ConfigError(ThunderboltError, ValueError):
+    """The user's configuration (environment variables, arguments, hostfile) is wrong."""
+
+
+class ProtocolError(ThunderboltError):
+    """A peer sent bytes that do not follow the wire protocol (or is not one of ours)."""
+
+
+class HandshakeError(ProtocolError):
+    """A connection failed the handshake: wrong magic, version, secret, rank or group."""
+
+
+class MismatchError(ThunderboltError):
+    """Ranks called different collectives, or the same one with different sizes/dtypes/roots."""
+
+
+class PeerLostError(ThunderboltError, ConnectionError):
+    """The connection to a peer broke (it died, or the cable went away). `__cause__` is the OS error."""
+
+    def __init__(self, message: str, *, rank: int = -1, peer: int = -1, address: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.peer = peer
+        self.address = address
+
+
+class CollectiveTimeout(ThunderboltError, TimeoutError):
+    """A collective did not finish within the group's timeout. The message contains "Timed out"."""
+
+
+class BackendClosedError(ThunderboltError):
+    """The process group was destroyed or shut down; no further operations are possible."""

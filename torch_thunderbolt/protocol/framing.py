@@ -1,0 +1,140 @@
+"""Data frames on an established stream.
+
+Every message part travels as one frame: a fixed 48-byte header followed by `length` payload bytes. The
+decoder is sans-IO: the I/O shell feeds it bytes and asks for events. For large payloads the shell reads
+straight into the destination buffer (zero copy); the decoder only tracks how much of the payload is left,
+and hands out whatever payload bytes it already buffered.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+from ..errors import ProtocolError
+
+MAGIC = 0x7442  # "Bt"
+_HEADER = struct.Struct("<HBBIqIIQQQ")
+FRAME_HEADER_SIZE = _HEADER.size  # 48
+
+#: Defaults for what a peer may announce; anything larger is a protocol error, never an allocation.
+DEFAULT_MAX_MESSAGE = 1 << 40
+
+
+class Kind(enum.IntEnum):
+    DATA = 1
+    BYE = 2  # orderly shutdown: the peer will send nothing more
+
+
+class Space(enum.IntEnum):
+    COLL = 0  # collectives: tag = op sequence number, seq = message index within the op
+    P2P = 1  # point to point: tag = user tag, seq = per (peer, tag) message counter
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    kind: Kind
+    space: Space
+    sig: int  # signature of the operation (cheap mismatch check)
+    tag: int
+    seq: int
+    offset: int  # byte offset of this part within the whole message
+    length: int  # payload bytes in this frame
+    total: int  # bytes of the whole message
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (int(self.space), self.tag, self.seq)
+
+
+def encode_frame_header(
+    kind: Kind, space: Space, sig: int, tag: int, seq: int, offset: int, length: int, total: int
+) -> bytes:
+    return _HEADER.pack(MAGIC, kind, space, sig & 0xFFFFFFFF, tag, seq & 0xFFFFFFFF, 0, offset, length, total)
+
+
+def _parse(raw: bytes | memoryview, max_message: int) -> Frame:
+    magic, kind, space, sig, tag, seq, _res, offset, length, total = _HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic 0x{magic:04x} (expected 0x{MAGIC:04x})")
+    try:
+        kind_e, space_e = Kind(kind), Space(space)
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {kind} or space {space}") from None
+    if total > max_message:
+        raise ProtocolError(f"frame announces a {total}-byte message; the limit is {max_message}")
+    if offset + length > total:
+        raise ProtocolError(f"frame part [{offset}, {offset + length}) lies outside its {total}-byte message")
+    if kind_e is Kind.BYE and (length or total):
+        raise ProtocolError("BYE frame carries a payload")
+    return Frame(kind_e, space_e, sig, tag, seq, offset, length, total)
+
+
+class FrameDecoder:
+    """Turns a byte stream into frames.
+
+    Usage: `feed(data)`; `next_frame()` returns a Frame or None (needs more bytes). After a frame with a
+    payload, the shell moves the payload: `take_buffered(n)` gives already-buffered payload bytes, and
+    `consumed_direct(n)` records bytes it read from the socket straight into its own buffer.
+    `payload_remaining` says how many payload bytes of the current frame are still to come.
+    """
+
+    def __init__(self, max_message: int = DEFAULT_MAX_MESSAGE) -> None:
+        self._buf = bytearray()
+        self._pos = 0
+        self._max_message = max_message
+        self.payload_remaining = 0
+        self.closed = False
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self.closed:
+            raise ProtocolError("data after BYE")
+        if self._pos and self._pos == len(self._buf):
+            self._buf.clear()
+            self._pos = 0
+        self._buf += data
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf) - self._pos
+
+    def next_frame(self) -> Frame | None:
+        if self.payload_remaining:
+            raise ProtocolError("next_frame() called while the previous payload is unread")
+        if self.buffered < FRAME_HEADER_SIZE:
+            return None
+        frame = _parse(memoryview(self._buf)[self._pos : self._pos + FRAME_HEADER_SIZE], self._max_message)
+        self._pos += FRAME_HEADER_SIZE
+        self.payload_remaining = frame.length
+        if frame.kind is Kind.BYE:
+            self.closed = True
+        return frame
+
+    def take_buffered(self, n: int) -> bytes:
+        """Up to `n` payload bytes of the current frame that are already buffered."""
+        n = min(n, self.payload_remaining, self.buffered)
+        out = bytes(memoryview(self._buf)[self._pos : self._pos + n])
+        self._pos += n
+        self.payload_remaining -= n
+        self._compact()
+        return out
+
+    def take_buffered_into(self, dest: memoryview) -> int:
+        """Copy buffered payload bytes into `dest`; returns how many."""
+        n = min(len(dest), self.payload_remaining, self.buffered)
+        if n:
+            dest[:n] = memoryview(self._buf)[self._pos : self._pos + n]
+            self._pos += n
+            self.payload_remaining -= n
+            self._compact()
+        return n
+
+    def consumed_direct(self, n: int) -> None:
+        if n > self.payload_remaining or self.buffered:
+            raise ProtocolError("direct payload read out of step with the decoder")
+        self.payload_remaining -= n
+
+    def _compact(self) -> None:
+        if self._pos > (1 << 16) and self._pos * 2 > len(self._buf):
+            del self._buf[: self._pos]
+            self._pos = 0

@@ -1,0 +1,175 @@
+"""The transport interface every algorithm is written against.
+
+A transport moves byte buffers between the ranks of one group: `isend`/`irecv` post a message and return a
+`Request`; `wait` drives progress until the requests finish (or raises). Messages are matched by key
+`(space, tag, seq)`; see `protocol.framing.Space`. Once a transport fails it is BROKEN for good: every
+pending and later request gets the same error at once.
+"""
+from __future__ import annotations
+
+import abc
+import threading
+import time
+from collections import defaultdict
+from typing import Iterable, Sequence
+
+from ..errors import BackendClosedError, CollectiveTimeout
+from ..protocol.framing import Space
+
+Key = tuple[int, int, int]  # (space, tag, seq)
+ANY_SOURCE = -1
+
+
+class Request:
+    """One posted send or receive. `source` is the peer a receive actually came from."""
+
+    __slots__ = ("peer", "key", "sig", "buf", "nbytes", "received", "done", "error", "source", "is_send", "pending")
+
+    def __init__(self, peer: int, key: Key, sig: int, buf: memoryview, is_send: bool) -> None:
+        self.peer = peer
+        self.key = key
+        self.sig = sig
+        self.buf = buf
+        self.nbytes = buf.nbytes
+        self.received = 0
+        self.done = False
+        self.error: BaseException | None = None
+        self.source = peer
+        self.is_send = is_send
+        self.pending = 0  # parts still in flight (sends striped over streams)
+
+    def describe(self) -> str:
+        what = "send to" if self.is_send else "receive from"
+        peer = "any rank" if self.peer == ANY_SOURCE else f"rank {self.peer}"
+        space = "p2p tag" if self.key[0] == Space.P2P else "op"
+        return f"{what} {peer} ({space} {self.key[1]}, message {self.key[2]}, {self.nbytes} bytes)"
+
+
+class Transport(abc.ABC):
+    """Base class: request bookkeeping, p2p sequence numbers, the BROKEN state and `wait`."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank = rank
+        self.world = world
+        self.broken: BaseException | None = None
+        self.closed = False
+        self._p2p_send_seq: dict[tuple[int, int], int] = defaultdict(int)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._cv = threading.Condition(threading.RLock())
+
+    # -- to implement ------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _post_send(self, req: Request) -> None: ...
+
+    @abc.abstractmethod
+    def _post_recv(self, req: Request) -> None: ...
+
+    @abc.abstractmethod
+    def _progress(self, timeout: float) -> None:
+        """Make progress on posted requests, blocking at most `timeout` seconds."""
+
+    @abc.abstractmethod
+    def _shutdown(self) -> None: ...
+
+    def peer_address(self, peer: int) -> str:
+        return f"rank {peer}"
+
+    # -- public API ----------------------------------------------------------------------------------
+    def isend(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
+        self._check_usable()
+        self._check_peer(peer)
+        req = Request(peer, key, sig, _bytes_view(buf), is_send=True)
+        self._post_send(req)
+        return req
+
+    def irecv(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
+        self._check_usable()
+        if peer != ANY_SOURCE:
+            self._check_peer(peer)
+        req = Request(peer, key, sig, _bytes_view(buf), is_send=False)
+        self._post_recv(req)
+        return req
+
+    def isend_p2p(self, peer: int, tag: int, buf: memoryview) -> Request:
+        with self._cv:
+            seq = self._p2p_send_seq[(peer, tag)]
+            self._p2p_send_seq[(peer, tag)] = seq + 1
+        return self.isend(peer, (Space.P2P, tag, seq), buf)
+
+    def irecv_p2p(self, peer: int, tag: int, buf: memoryview) -> Request:
+        """Receive the next message with `tag` from `peer` (or from any peer with ANY_SOURCE)."""
+        # The sequence number is assigned at match time (see matching.Matcher), so -1 here.
+        return self.irecv(peer, (Space.P2P, tag, -1), buf)
+
+    def wait(self, reqs: Sequence[Request], deadline: float | None = None, what: str = "") -> None:
+        """Block until every request is done; raise its error, or CollectiveTimeout at `deadline`."""
+        while True:
+            for r in reqs:
+                if r.error is not None:
+                    raise r.error
+            if all(r.done for r in reqs):
+                return
+            if self.broken is not None:
+                raise self.broken
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise self._timeout_error(reqs, what)
+            self._progress(0.2 if deadline is None else min(0.2, deadline - now))
+
+    def wait_any(self, reqs: Sequence[Request], deadline: float | None = None, what: str = "") -> None:
+        """Block until at least one request is done (raising the first error found)."""
+        while True:
+            for r in reqs:
+                if r.error is not None:
+                    raise r.error
+                if r.done:
+                    return
+            if self.broken is not None:
+                raise self.broken
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise self._timeout_error(reqs, what)
+            self._progress(0.2 if deadline is None else min(0.2, deadline - now))
+
+    def test(self, reqs: Iterable[Request]) -> bool:
+        reqs = list(reqs)
+        if not all(r.done for r in reqs) and self.broken is None:
+            self._progress(0.0)
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
+        return all(r.done for r in reqs)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._shutdown()
+
+    # -- helpers for subclasses -------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self.broken is not None:
+            raise self.broken
+        if self.closed:
+            raise BackendClosedError(f"rank {self.rank}: the transport is closed")
+
+    def _check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self.world or peer == self.rank:
+            raise ValueError(f"rank {self.rank}: invalid peer rank {peer} (group size {self.world})")
+
+    def _timeout_error(self, reqs: Sequence[Request], what: str) -> CollectiveTimeout:
+        waiting = [r for r in reqs if not r.done]
+        missing = sorted({r.peer for r in waiting if not r.is_send})
+        detail = "; ".join(r.describe() for r in waiting[:4])
+        who = f" ranks that did not arrive: {missing};" if missing else ""
+        return CollectiveTimeout(
+            f"Timed out: rank {self.rank} waiting in {what or 'an operation'};{who} pending: {detail}"
+        )
+
+
+def _bytes_view(buf: memoryview | bytearray | bytes) -> memoryview:
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv

@@ -1,0 +1,221 @@
+"""Building a TCP transport for one group: addresses and secret through the rendezvous store, listeners on
+the chosen addresses only, authenticated streams to every peer.
+
+Rank r connects to every lower rank and accepts from every higher one; each stream is authenticated with
+the per-group secret (protocol.handshake). Anything else that connects is refused and logged. Listeners are
+closed once the group is connected, so stray connections later get "connection refused".
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from ..config import Config
+from ..errors import ConfigError, HandshakeError, PeerLostError, ThunderboltError
+from ..protocol import handshake as hs
+from .netif import choose_addresses
+from .tcp import TcpTransport
+
+log = logging.getLogger("torch_thunderbolt.bootstrap")
+
+
+def store_host(store: Any) -> str | None:
+    """The TCPStore host behind (possibly prefixed) `store`, or MASTER_ADDR, or None."""
+    seen = 0
+    while store is not None and seen < 16:
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        store = getattr(store, "underlying_store", None)
+        seen += 1
+    return os.environ.get("MASTER_ADDR") or None
+
+
+def tune_socket(sock: socket.socket, cfg: Config) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.socket_buffer)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, cfg.socket_buffer)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    # Half-open connections (a frozen or unplugged peer) are found within ~15 s even when idle.
+    for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPALIVE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 4)):
+        if hasattr(socket, name):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+            except OSError:
+                pass
+    if cfg.congestion_control and hasattr(socket, "TCP_CONGESTION"):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cfg.congestion_control.encode())
+        except OSError as exc:
+            raise ConfigError(f"THUNDERBOLT_CC={cfg.congestion_control}: not available here ({exc})") from exc
+
+
+def _nodelay(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionResetError("connection closed during the handshake")
+        buf += chunk
+    return buf
+
+
+class _Acceptor:
+    """Accepts and authenticates the streams of every higher rank, each handshake on its own thread."""
+
+    def __init__(self, listeners: list[socket.socket], rank: int, world: int, streams: int, secret: bytes,
+                 group_id: str, peer_addrs: dict[int, set[str]], cfg: Config, deadline: float) -> None:
+        self.listeners, self.rank, self.world, self.streams = listeners, rank, world, streams
+        self.secret, self.group_id, self.peer_addrs, self.cfg = secret, group_id, peer_addrs, cfg
+        self.deadline = deadline
+        self.expected = (world - 1 - rank) * streams
+        self.conns: dict[tuple[int, int], socket.socket] = {}
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name=f"tb-accept-{rank}", daemon=True)
+        self.rejected = 0
+
+    def start(self) -> None:
+        if self.expected == 0:
+            self.done.set()
+        self.thread.start()
+
+    def _loop(self) -> None:
+        for lst in self.listeners:
+            lst.settimeout(0.2)
+        while not self.done.is_set() and time.monotonic() < self.deadline:
+            for lst in self.listeners:
+                try:
+                    sock, addr = lst.accept()
+                except (socket.timeout, BlockingIOError):
+                    continue
+                except OSError:
+                    return
+                threading.Thread(target=self._handshake, args=(sock, addr), daemon=True).start()
+
+    def _claim(self, src_ip: str, rank: int, stream: int) -> bool:
+        if not self.rank < rank < self.world:
+            return False
+        allowed = self.peer_addrs.get(rank, set())
+        if not self.cfg.listen_all and src_ip not in allowed and "0.0.0.0" not in allowed:
+            log.warning("rank %d: refused rank %d's stream from unexpected address %s (expected %s)",
+                        self.rank, rank, src_ip, sorted(allowed))
+            return False
+        with self.lock:
+            if (rank, stream) in self.conns:
+                return False
+            self.conns[(rank, stream)] = None  # reserved
+            return True
+
+    def _handshake(self, sock: socket.socket, addr: tuple) -> None:
+        server = hs.ServerHandshake(self.secret, self.rank, self.group_id,
+                                    lambda r, s: self._claim(addr[0], r, s), self.streams)
+        try:
+            sock.settimeout(10.0)
+            sock.sendall(server.challenge())
+            result = server.receive(_recv_exact(sock, hs.HELLO_SIZE))
+            sock.sendall(server.reply)
+        except (HandshakeError, OSError) as exc:
+            self.rejected += 1
+            log.warning("rank %d: refused a connection from %s:%s: %s", self.rank, addr[0], addr[1], exc)
+            if server.reply:
+                try:
+                    sock.sendall(server.reply)
+                except OSError:
+                    pass
+            sock.close()
+            return
+        _nodelay(sock)
+        with self.lock:
+            self.conns[(result.peer_rank, result.stream)] = sock
+            if sum(1 for s in self.conns.values() if s is not None) == self.expected:
+                self.done.set()
+
+
+def _listen(address: str, cfg: Config) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    tune_socket(sock, cfg)
+    bind_to = "0.0.0.0" if cfg.listen_all else address
+    try:
+        sock.bind((bind_to, cfg.port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {bind_to}:{cfg.port}: {exc}") from exc
+    sock.listen(128)
+    return sock
+
+
+def _connect(rank: int, peer: int, stream: int, target: tuple[str, int], source: str, secret: bytes,
+             group_id: str, cfg: Config, deadline: float) -> socket.socket:
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            tune_socket(sock, cfg)
+            if source and source != "0.0.0.0" and not (source.startswith("127.") ^ target[0].startswith("127.")):
+                sock.bind((source, 0))
+            sock.settimeout(10.0)
+            sock.connect(target)
+            client = hs.ClientHandshake(secret, rank, peer, stream, group_id)
+            sock.sendall(client.receive_challenge(_recv_exact(sock, hs.CHALLENGE_SIZE)))
+            client.receive_reply(_recv_exact(sock, hs.REPLY_SIZE))
+            _nodelay(sock)
+            return sock
+        except HandshakeError:
+            sock.close()
+            raise
+        except OSError as exc:
+            sock.close()
+            last = exc
+            time.sleep(0.1)
+    err = PeerLostError(f"rank {rank}: could not connect to rank {peer} at {target[0]}:{target[1]}: {last}",
+                        rank=rank, peer=peer, address=f"{target[0]}:{target[1]}")
+    raise err from last
+
+
+def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) -> TcpTransport:
+    deadline = time.monotonic() + min(timeout, cfg.connect_timeout)
+    addrs = choose_addresses(cfg.ifnames, store_host(store))
+    listeners = [_listen(a, cfg) for a in (addrs[:1] if cfg.listen_all else addrs)]
+    try:
+        if rank == 0:
+            store.set("tb/secret", json.dumps({"secret": os.urandom(32).hex(), "group": uuid.uuid4().hex}))
+        shared = json.loads(store.get("tb/secret"))
+        secret, group_id = bytes.fromhex(shared["secret"]), shared["group"]
+        endpoints = [[a, lst.getsockname()[1]] for a, lst in zip(addrs, listeners)]
+        store.set(f"tb/ep/{rank}", json.dumps({"endpoints": endpoints, "host": socket.gethostname()}))
+        infos = {p: json.loads(store.get(f"tb/ep/{p}")) for p in range(world) if p != rank}
+        peer_addrs = {p: {a for a, _ in i["endpoints"]} for p, i in infos.items()}
+        acceptor = _Acceptor(listeners, rank, world, cfg.streams, secret, group_id, peer_addrs, cfg, deadline)
+        acceptor.start()
+        conns: dict[int, list[socket.socket]] = {}
+        for p in range(rank):
+            eps = infos[p]["endpoints"]
+            conns[p] = [
+                _connect(rank, p, s, tuple(eps[s % len(eps)]), addrs[s % len(addrs)], secret, group_id, cfg,
+                         deadline)
+                for s in range(cfg.streams)
+            ]
+        if not acceptor.done.wait(max(0.0, deadline - time.monotonic())):
+            missing = sorted({p for p in range(rank + 1, world)
+                              for s in range(cfg.streams) if acceptor.conns.get((p, s)) is None})
+            raise PeerLostError(f"rank {rank}: timed out waiting for ranks {missing} to connect "
+                                f"(listening on {endpoints})", rank=rank, peer=missing[0] if missing else -1)
+        for (p, s), sock in sorted(acceptor.conns.items()):
+            conns.setdefault(p, []).append(sock)
+        return TcpTransport(rank, world, conns, stripe_bytes=cfg.stripe_bytes)
+    except ThunderboltError:
+        raise
+    finally:
+        for lst in listeners:
+            lst.close()

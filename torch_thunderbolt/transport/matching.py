@@ -1,0 +1,157 @@
+"""Matching of incoming message parts to posted receives. No I/O: shared by every transport.
+
+Keys are (space, tag, seq). Collective messages are matched exactly. Point-to-point messages carry the
+sender's per-(peer, tag) counter as `seq`, so each pair's messages with one tag are received in order; a
+receive from any source takes the next in-order message of that tag from whichever peer has one first.
+Messages that arrive before their receive is posted are buffered ("unexpected"), except that a transport
+may park collective messages instead (flow control keeps them in the kernel, no copy).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ..errors import MismatchError, ProtocolError
+from ..protocol.framing import Frame, Space
+from ..protocol.signature import describe_sig, sig_compatible
+from .base import ANY_SOURCE, Key, Request
+
+
+class Unexpected:
+    __slots__ = ("buf", "total", "received", "sig", "claimed_by", "order")
+
+    def __init__(self, total: int, sig: int, order: int) -> None:
+        self.buf = bytearray(total)
+        self.total = total
+        self.received = 0
+        self.sig = sig
+        self.claimed_by: Request | None = None
+        self.order = order
+
+
+Target = "Request | Unexpected"
+
+
+class Matcher:
+    def __init__(self, rank: int, max_unexpected: int = 1 << 34) -> None:
+        self.rank = rank
+        self.posted: dict[tuple[int, Key], Request] = {}
+        self.any_source: list[Request] = []
+        self.recv_seq: dict[tuple[int, int], int] = defaultdict(int)
+        self.unexpected: dict[tuple[int, Key], Unexpected] = {}
+        self._arrivals = 0
+        self.max_unexpected = max_unexpected
+
+    # -- receives being posted -----------------------------------------------------------------------
+    def post(self, req: Request) -> list[Request]:
+        """Register a receive; returns the requests that completed right away."""
+        space, tag, _ = req.key
+        if space == Space.P2P and req.peer != ANY_SOURCE:
+            req.key = (space, tag, self._take_seq(req.peer, tag))
+        if space == Space.P2P and req.peer == ANY_SOURCE:
+            found = self._oldest_unexpected_p2p(tag)
+            if found is None:
+                self.any_source.append(req)
+                return []
+            peer, key = found
+            req.key, req.source = key, peer
+            self._take_seq(peer, tag)
+            return self._claim(peer, key, req)
+        if (req.peer, req.key) in self.unexpected:
+            return self._claim(req.peer, req.key, req)
+        self.posted[(req.peer, req.key)] = req
+        return []
+
+    def _take_seq(self, peer: int, tag: int) -> int:
+        seq = self.recv_seq[(peer, tag)]
+        self.recv_seq[(peer, tag)] = seq + 1
+        return seq
+
+    def _oldest_unexpected_p2p(self, tag: int) -> tuple[int, Key] | None:
+        best = None
+        for (peer, key), u in self.unexpected.items():
+            if key[0] == Space.P2P and key[1] == tag and u.claimed_by is None:
+                if key[2] == self.recv_seq[(peer, tag)] and (best is None or u.order < best[0]):
+                    best = (u.order, peer, key)
+        return None if best is None else (best[1], best[2])
+
+    def _claim(self, peer: int, key: Key, req: Request) -> list[Request]:
+        u = self.unexpected[(peer, key)]
+        self._check(req, peer, u.total, u.sig)
+        u.claimed_by = req
+        return self._finish_unexpected(peer, key, u) if u.received == u.total else []
+
+    def _finish_unexpected(self, peer: int, key: Key, u: Unexpected) -> list[Request]:
+        req = u.claimed_by
+        if req is None:
+            return []
+        del self.unexpected[(peer, key)]
+        req.buf[: u.total] = u.buf
+        req.received = u.total
+        req.source = peer
+        req.done = True
+        return [req]
+
+    # -- frames arriving -------------------------------------------------------------------------------
+    def match(self, peer: int, frame: Frame, allow_park: bool = False) -> tuple[memoryview, object] | None:
+        """Where to put this frame's payload: (destination view, target), or None to park it."""
+        key = frame.key
+        req = self.posted.get((peer, key))
+        if req is None and frame.space == Space.P2P:
+            req = self._bind_any_source(peer, key)
+        if req is not None:
+            self._check(req, peer, frame.total, frame.sig)
+            return req.buf[frame.offset : frame.offset + frame.length], req
+        u = self.unexpected.get((peer, key))
+        if u is None:
+            if allow_park and frame.space == Space.COLL:
+                return None
+            if frame.total > self.max_unexpected:
+                raise ProtocolError(f"rank {peer} sent an unsolicited {frame.total}-byte message (too large)")
+            self._arrivals += 1
+            u = self.unexpected[(peer, key)] = Unexpected(frame.total, frame.sig, self._arrivals)
+        elif u.total != frame.total:
+            raise ProtocolError(f"rank {peer}: parts of one message disagree on its size")
+        return memoryview(u.buf)[frame.offset : frame.offset + frame.length], u
+
+    def _bind_any_source(self, peer: int, key: Key) -> Request | None:
+        _, tag, seq = key
+        if seq != self.recv_seq[(peer, tag)]:
+            return None
+        for i, req in enumerate(self.any_source):
+            if req.key[1] == tag:
+                del self.any_source[i]
+                self._take_seq(peer, tag)
+                req.key, req.source = key, peer
+                self.posted[(peer, key)] = req
+                return req
+        return None
+
+    def part_done(self, peer: int, key: Key, target: object, length: int) -> list[Request]:
+        """Record `length` payload bytes written to `target`; returns requests that completed."""
+        target.received += length
+        if isinstance(target, Request):
+            if target.received >= target.nbytes:
+                self.posted.pop((peer, key), None)
+                target.source = peer
+                target.done = True
+                return [target]
+            return []
+        if target.received >= target.total:
+            return self._finish_unexpected(peer, key, target)
+        return []
+
+    def _check(self, req: Request, peer: int, total: int, sig: int) -> None:
+        if total != req.nbytes or not sig_compatible(sig, req.sig):
+            raise MismatchError(
+                f"rank {self.rank}: mismatched operation with rank {peer} (op/tag {req.key[1]}): "
+                f"rank {peer} sent {describe_sig(sig)} of {total} bytes, but rank {self.rank} expected "
+                f"{describe_sig(req.sig)} of {req.nbytes} bytes"
+            )
+
+    def pending(self) -> list[Request]:
+        return list(self.posted.values()) + list(self.any_source) + [
+            u.claimed_by for u in self.unexpected.values() if u.claimed_by is not None
+        ]
+
+    def pending_from(self, peer: int) -> bool:
+        return any(p == peer for p, _ in self.posted) or bool(self.any_source)
