@@ -42,3 +42,9 @@ class CollectiveTimeout(ThunderboltError, TimeoutError):
 
 class BackendClosedError(ThunderboltError):
     """The process group was destroyed or shut down; no further operations are possible."""
+
+
+class PeerAbortedError(ThunderboltError):
+    """A peer failed (for a reason of its own) and told us before closing its connections."""
+
+    peer: int = -1

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from ..config import Config
+from ..errors import CollectiveTimeout
 from ..protocol.signature import encode_sig
 from ..transport.base import Transport
 from . import direct, select
@@ -62,8 +63,13 @@ class Communicator:
         reducer = make_reducer(op, like.dtype) if op else _noop
         sig = encode_sig(what, _dtype_name(like), root, count)
         deadline = time.monotonic() + self.timeout
-        run_plan(plan, self.t, bufs, reducer, tag=self.seq, sig=sig, deadline=deadline,
-                 what=f"{what} (op #{self.seq}, {_dtype_name(like)}, {count} elements)")
+        try:
+            run_plan(plan, self.t, bufs, reducer, tag=self.seq, sig=sig, deadline=deadline,
+                     what=f"{what} (op #{self.seq}, {_dtype_name(like)}, {count} elements)")
+        except CollectiveTimeout as exc:
+            # Peers may still send for this op: the streams can't be trusted any more. Tell everyone.
+            self.t.abort(exc)
+            raise
 
     # -- collectives ----------------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: str = "sum", premul: object = None) -> None:

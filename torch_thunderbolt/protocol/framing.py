@@ -19,11 +19,13 @@ FRAME_HEADER_SIZE = _HEADER.size  # 48
 
 #: Defaults for what a peer may announce; anything larger is a protocol error, never an allocation.
 DEFAULT_MAX_MESSAGE = 1 << 40
+MAX_ABORT_PAYLOAD = 4096
 
 
 class Kind(enum.IntEnum):
     DATA = 1
     BYE = 2  # orderly shutdown: the peer will send nothing more
+    ABORT = 3  # the peer failed (mismatch, timeout, ...): payload = "ErrorClass: reason" (utf-8)
 
 
 class Space(enum.IntEnum):
@@ -67,6 +69,8 @@ def _parse(raw: bytes | memoryview, max_message: int) -> Frame:
         raise ProtocolError(f"frame part [{offset}, {offset + length}) lies outside its {total}-byte message")
     if kind_e is Kind.BYE and (length or total):
         raise ProtocolError("BYE frame carries a payload")
+    if kind_e is Kind.ABORT and total > MAX_ABORT_PAYLOAD:
+        raise ProtocolError(f"ABORT frame of {total} bytes (limit {MAX_ABORT_PAYLOAD})")
     return Frame(kind_e, space_e, sig, tag, seq, offset, length, total)
 
 
@@ -110,6 +114,7 @@ class FrameDecoder:
             self.closed = True
         return frame
 
+
     def take_buffered(self, n: int) -> bytes:
         """Up to `n` payload bytes of the current frame that are already buffered."""
         n = min(n, self.payload_remaining, self.buffered)
@@ -138,3 +143,9 @@ class FrameDecoder:
         if self._pos > (1 << 16) and self._pos * 2 > len(self._buf):
             del self._buf[: self._pos]
             self._pos = 0
+
+
+def encode_abort(error: BaseException) -> bytes:
+    """An ABORT frame carrying the error's class name and message."""
+    body = f"{type(error).__name__}: {error}".encode()[:MAX_ABORT_PAYLOAD]
+    return encode_frame_header(Kind.ABORT, Space.COLL, 0, 0, 0, 0, len(body), len(body)) + body

@@ -141,6 +141,13 @@ class Transport(abc.ABC):
                 raise r.error
         return all(r.done for r in reqs)
 
+    def abort(self, error: BaseException) -> None:
+        """Enter the BROKEN state with `error` (and tell peers, where the transport can)."""
+        with self._cv:
+            if self.broken is None:
+                self.broken = error
+            self._cv.notify_all()
+
     def close(self) -> None:
         if self.closed:
             return

@@ -9,20 +9,25 @@ and nothing is copied twice. Any socket error or EOF puts the whole transport in
 from __future__ import annotations
 
 import errno
+import re
 import logging
 import select
 import socket
 import threading
 from collections import deque
 
-from ..errors import BackendClosedError, PeerLostError, ThunderboltError
-from ..protocol.framing import Frame, FrameDecoder, Kind, Space, encode_frame_header
+from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerAbortedError, PeerLostError,
+                      ProtocolError, ThunderboltError)
+from ..protocol.framing import Frame, FrameDecoder, Kind, Space, encode_abort, encode_frame_header
 from .base import ANY_SOURCE, Request, Transport
 from .layout import split_aligned
 from .matching import Matcher
 
 log = logging.getLogger("torch_thunderbolt.tcp")
 _STAGING = 1 << 16
+_ABORT = object()  # marks an inbound ABORT payload
+_REMOTE_ERRORS = {"MismatchError": MismatchError, "CollectiveTimeout": CollectiveTimeout,
+                  "ProtocolError": ProtocolError, "PeerLostError": PeerLostError}
 
 
 class _Conn:
@@ -204,6 +209,9 @@ class TcpTransport(Transport):
                     moved = True
                     continue
                 c.parked = None
+                if frame.kind is Kind.ABORT:
+                    c.inbound = [memoryview(bytearray(frame.length)), _ABORT, frame, 0]
+                    continue
                 if frame.kind is Kind.BYE:
                     c.bye = True
                     self._peer_said_bye(c)
@@ -239,10 +247,32 @@ class TcpTransport(Transport):
             c.inbound[3] = got
             return True
         c.inbound = None
+        if target is _ABORT:
+            self._remote_abort(c, bytes(dest).decode(errors="replace"))
+            return None
         self.bytes_received += frame.length
         if self.matcher.part_done(c.peer, frame.key, target, frame.length):
             self._cv.notify_all()
         return True
+
+    def _remote_abort(self, c: _Conn, text: str) -> None:
+        name, _, reason = text.partition(": ")
+        cls = _REMOTE_ERRORS.get(name, PeerAbortedError)
+        message = f"rank {self.rank}: rank {c.peer} aborted the group: {reason or name}"
+        if cls is PeerLostError:  # name the rank that was actually lost, not the messenger
+            lost = re.search(r"connection to rank (\d+)", reason)
+            err: BaseException = PeerLostError(message, rank=self.rank, peer=int(lost.group(1)) if lost else c.peer)
+        else:
+            err = cls(message)
+            if isinstance(err, PeerAbortedError):
+                err.peer = c.peer
+        self._fail(c, err, wrap=False, tell_peers=False)
+
+    def abort(self, error: BaseException) -> None:
+        """Fail this transport with `error` and tell every peer why, so they fail fast and clearly too."""
+        with self._cv:
+            if self.broken is None and self._all:
+                self._fail(self._all[0], error, wrap=False)
 
     def _peer_said_bye(self, c: _Conn) -> None:
         if all(x.bye for x in self.conns[c.peer]) and any(
@@ -254,7 +284,8 @@ class TcpTransport(Transport):
         self._fail(c, ConnectionResetError(errno.ECONNRESET, "connection closed by peer"))
         return True
 
-    def _fail(self, c: _Conn, exc: BaseException, wrap: bool = True) -> None:
+    def _fail(self, c: _Conn, exc: BaseException, wrap: bool = True, tell_peers: bool = True) -> None:
+        """Enter BROKEN: every pending and later request gets the error; peers learn the root cause."""
         if self.broken is not None:
             return
         if wrap:
@@ -264,6 +295,8 @@ class TcpTransport(Transport):
             err.__cause__ = exc
         else:
             err = exc
+        if tell_peers:
+            self._send_abort(err)
         log.error("%s", err)
         self.broken = err
         for r in self.matcher.pending():
@@ -274,6 +307,16 @@ class TcpTransport(Transport):
             other.sendq.clear()
         self._close_sockets()
         self._cv.notify_all()
+
+    def _send_abort(self, exc: BaseException) -> None:
+        frame = encode_abort(exc)
+        for c in self._all:
+            if c.sendq:  # mid-frame: an ABORT now would be garbage to the peer; closing says enough
+                continue
+            try:
+                c.sock.send(frame)
+            except OSError:
+                pass
 
     # -- shutdown -----------------------------------------------------------------------------------------
     def _close_sockets(self) -> None:
