@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from ..config import Config
 from ..errors import ConfigError, HandshakeError, PeerLostError, ThunderboltError
@@ -73,7 +73,7 @@ class _Acceptor:
     """Accepts and authenticates the streams of every higher rank, each handshake on its own thread."""
 
     def __init__(self, listeners: list[socket.socket], rank: int, world: int, streams: int, secret: bytes,
-                 group_id: str, peer_addrs: dict[int, set[str]], cfg: Config, deadline: float) -> None:
+                 group_id: str, peer_addrs: "Callable[[int], set[str]]", cfg: Config, deadline: float) -> None:
         self.listeners, self.rank, self.world, self.streams = listeners, rank, world, streams
         self.secret, self.group_id, self.peer_addrs, self.cfg = secret, group_id, peer_addrs, cfg
         self.deadline = deadline
@@ -83,6 +83,11 @@ class _Acceptor:
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._loop, name=f"tb-accept-{rank}", daemon=True)
         self.rejected = 0
+
+    def stop(self) -> None:
+        self.done.set()
+        if self.thread.is_alive():
+            self.thread.join(2.0)
 
     def start(self) -> None:
         if self.expected == 0:
@@ -105,7 +110,7 @@ class _Acceptor:
     def _claim(self, src_ip: str, rank: int, stream: int) -> bool:
         if not self.rank < rank < self.world:
             return False
-        allowed = self.peer_addrs.get(rank, set())
+        allowed = self.peer_addrs(rank)  # published before that rank connects, so this never waits
         if not self.cfg.listen_all and src_ip not in allowed and "0.0.0.0" not in allowed:
             log.warning("rank %d: refused rank %d's stream from unexpected address %s (expected %s)",
                         self.rank, rank, src_ip, sorted(allowed))
@@ -187,6 +192,7 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) 
     deadline = time.monotonic() + min(timeout, cfg.connect_timeout)
     addrs = choose_addresses(cfg.ifnames, store_host(store))
     listeners = [_listen(a, cfg) for a in (addrs[:1] if cfg.listen_all else addrs)]
+    acceptor: _Acceptor | None = None
     try:
         if rank == 0:
             store.set("tb/secret", json.dumps({"secret": os.urandom(32).hex(), "group": uuid.uuid4().hex}))
@@ -194,10 +200,12 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) 
         secret, group_id = bytes.fromhex(shared["secret"]), shared["group"]
         endpoints = [[a, lst.getsockname()[1]] for a, lst in zip(addrs, listeners)]
         store.set(f"tb/ep/{rank}", json.dumps({"endpoints": endpoints, "host": socket.gethostname()}))
-        infos = {p: json.loads(store.get(f"tb/ep/{p}")) for p in range(world) if p != rank}
-        peer_addrs = {p: {a for a, _ in i["endpoints"]} for p, i in infos.items()}
-        acceptor = _Acceptor(listeners, rank, world, cfg.streams, secret, group_id, peer_addrs, cfg, deadline)
+        # Accept before waiting for anyone: peers may connect as soon as we published our endpoint.
+        acceptor = _Acceptor(listeners, rank, world, cfg.streams, secret, group_id,
+                             lambda p: {a for a, _ in json.loads(store.get(f"tb/ep/{p}"))["endpoints"]},
+                             cfg, deadline)
         acceptor.start()
+        infos = {p: json.loads(store.get(f"tb/ep/{p}")) for p in range(rank)}
         conns: dict[int, list[socket.socket]] = {}
         for p in range(rank):
             eps = infos[p]["endpoints"]
@@ -214,8 +222,8 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) 
         for (p, s), sock in sorted(acceptor.conns.items()):
             conns.setdefault(p, []).append(sock)
         return TcpTransport(rank, world, conns, stripe_bytes=cfg.stripe_bytes)
-    except ThunderboltError:
-        raise
     finally:
+        if acceptor is not None:
+            acceptor.stop()  # before closing the listeners, so no accept() keeps one alive
         for lst in listeners:
             lst.close()

@@ -90,10 +90,11 @@ class TcpTransport(Transport):
     def _post_recv(self, req: Request) -> None:
         with self._cv:
             self._check_usable()
-            if req.peer != ANY_SOURCE and all(c.bye for c in self.conns[req.peer]):
+            self.matcher.post(req)  # it may match a message that arrived before the peer said BYE
+            if not req.done and req.peer != ANY_SOURCE and all(c.bye for c in self.conns[req.peer]):
+                self.matcher.posted.pop((req.peer, req.key), None)
                 raise PeerLostError(f"rank {self.rank}: rank {req.peer} has shut down its connections",
                                     rank=self.rank, peer=req.peer, address=self.peer_address(req.peer))
-            self.matcher.post(req)
             peers = self.conns.values() if req.peer == ANY_SOURCE else [self.conns[req.peer]]
             for conns in peers:
                 for c in conns:

@@ -1,0 +1,147 @@
+"""The sans-IO wire protocol: frames and handshake, bytes in, events out."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torch_thunderbolt.errors import HandshakeError, ProtocolError
+from torch_thunderbolt.protocol import handshake as hs
+from torch_thunderbolt.protocol.framing import (FRAME_HEADER_SIZE, FrameDecoder, Kind, Space, encode_abort,
+                                                encode_frame_header)
+
+
+def frame(payload: bytes, tag: int = 5, seq: int = 1, offset: int = 0, total: int | None = None) -> bytes:
+    total = len(payload) if total is None else total
+    return encode_frame_header(Kind.DATA, Space.COLL, 0x01020304, tag, seq, offset, len(payload), total) + payload
+
+
+def drain(dec: FrameDecoder) -> list[tuple]:
+    out = []
+    while (f := dec.next_frame()) is not None:
+        out.append((f, dec.take_buffered(f.length)))
+    return out
+
+
+def test_header_round_trip_and_size() -> None:
+    assert FRAME_HEADER_SIZE == 48
+    dec = FrameDecoder()
+    dec.feed(frame(b"hello", tag=-3, seq=9))
+    (f, payload), = drain(dec)
+    assert (f.kind, f.space, f.sig, f.tag, f.seq, f.length, f.total, payload) == (
+        Kind.DATA, Space.COLL, 0x01020304, -3, 9, 5, 5, b"hello")
+
+
+@given(st.lists(st.binary(max_size=300), max_size=8), st.integers(1, 97))
+@settings(max_examples=200, deadline=None)
+def test_any_split_of_the_stream_gives_the_same_frames(payloads: list[bytes], cut: int) -> None:
+    wire = b"".join(frame(p, seq=i) for i, p in enumerate(payloads))
+    dec = FrameDecoder()
+    got = []
+    for i in range(0, len(wire), cut):
+        dec.feed(wire[i : i + cut])
+        while True:
+            if dec.payload_remaining:
+                got[-1][1] += dec.take_buffered(dec.payload_remaining)
+                if dec.payload_remaining:
+                    break
+            f = dec.next_frame()
+            if f is None:
+                break
+            got.append([f.seq, dec.take_buffered(f.length)])
+    assert [(s, bytes(p)) for s, p in got] == list(enumerate(payloads))
+
+
+def test_direct_payload_reads_are_tracked() -> None:
+    dec = FrameDecoder()
+    dec.feed(frame(b"x" * 100)[:FRAME_HEADER_SIZE + 10])
+    f = dec.next_frame()
+    assert f.length == 100 and dec.take_buffered(100) == b"x" * 10
+    dec.consumed_direct(90)  # the shell read the rest straight into its buffer
+    assert dec.payload_remaining == 0 and dec.next_frame() is None
+
+
+@pytest.mark.parametrize("bad, what", [
+    (b"\x00" * FRAME_HEADER_SIZE, "magic"),
+    (encode_frame_header(Kind.DATA, Space.COLL, 0, 0, 0, 10, 10, 15), "outside"),
+    (encode_frame_header(Kind.DATA, Space.COLL, 0, 0, 0, 0, 0, 1 << 50), "limit"),
+    (encode_frame_header(Kind.BYE, Space.COLL, 0, 0, 0, 0, 3, 3), "BYE"),
+    (encode_frame_header(Kind.ABORT, Space.COLL, 0, 0, 0, 0, 1 << 20, 1 << 20), "ABORT"),
+])
+def test_bad_headers_are_protocol_errors(bad: bytes, what: str) -> None:
+    dec = FrameDecoder(max_message=1 << 40)
+    dec.feed(bad)
+    with pytest.raises(ProtocolError, match=what):
+        dec.next_frame()
+
+
+@given(st.binary(min_size=0, max_size=400))
+@settings(max_examples=500, deadline=None)
+def test_fuzz_only_protocol_errors_escape(data: bytes) -> None:
+    dec = FrameDecoder(max_message=1 << 20)
+    try:
+        dec.feed(data)
+        drain(dec)
+    except ProtocolError:
+        pass
+
+
+def test_abort_frame_carries_the_reason() -> None:
+    dec = FrameDecoder()
+    dec.feed(encode_abort(ValueError("boom")))
+    (f, payload), = drain(dec)
+    assert f.kind is Kind.ABORT and payload == b"ValueError: boom"
+
+
+def _pair(secret_s: bytes = b"s" * 32, secret_c: bytes = b"s" * 32, group_s: str = "g", group_c: str = "g",
+          accept=lambda r, s: True, client_rank: int = 3, server_rank: int = 1, stream: int = 0):
+    server = hs.ServerHandshake(secret_s, server_rank, group_s, accept, streams=2)
+    client = hs.ClientHandshake(secret_c, client_rank, server_rank, stream, group_c)
+    return server, client
+
+
+def test_handshake_accepts_the_right_peer() -> None:
+    server, client = _pair()
+    hello = client.receive_challenge(server.challenge())
+    res = server.receive(hello[:10])
+    assert res is None  # needs the rest
+    res = server.receive(hello[10:])
+    assert (res.peer_rank, res.stream) == (3, 0)
+    client.receive_reply(server.reply)  # mutual: the server proved the secret too
+
+
+@pytest.mark.parametrize("case, match", [
+    ({"secret_c": b"x" * 32}, "secret"),
+    ({"group_c": "other"}, "group"),
+    ({"accept": lambda r, s: False}, "not expected"),
+    ({"stream": 5}, "out of range"),
+])
+def test_handshake_refusals(case: dict, match: str) -> None:
+    server, client = _pair(**case)
+    try:
+        hello = client.receive_challenge(server.challenge())
+    except HandshakeError as exc:  # the client already sees the listener belongs to another group
+        assert match in str(exc)
+        return
+    with pytest.raises(HandshakeError, match=match):
+        server.receive(hello)
+    with pytest.raises(HandshakeError, match="refused"):
+        client.receive_reply(server.reply)
+
+
+def test_handshake_rejects_garbage_and_wrong_version() -> None:
+    server, _ = _pair()
+    with pytest.raises(HandshakeError, match="not a torch-thunderbolt"):
+        server.receive(b"GET / HTTP/1.1\r\n" + b"x" * (hs.HELLO_SIZE - 16))
+    server, client = _pair()
+    hello = bytearray(client.receive_challenge(server.challenge()))
+    hello[6:8] = (99).to_bytes(2, "little")
+    with pytest.raises(HandshakeError, match="version 99"):
+        server.receive(bytes(hello))
+
+
+def test_client_detects_wrong_rank_at_address() -> None:
+    server = hs.ServerHandshake(b"s" * 32, 2, "g", lambda r, s: True, 1)
+    client = hs.ClientHandshake(b"s" * 32, 3, 1, 0, "g")
+    with pytest.raises(HandshakeError, match="expected rank 1"):
+        client.receive_challenge(server.challenge())

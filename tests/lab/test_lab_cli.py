@@ -1,0 +1,53 @@
+"""`torch-thunderbolt lab ...` through the real CLI dispatcher, without root (dry runs and saved state)."""
+import json
+
+from torch_thunderbolt.cli.main import main
+from torch_thunderbolt.lab.plan import plan_lab
+from torch_thunderbolt.lab.state import save_state
+
+
+def test_dry_run_prints_the_plan(capsys):
+    assert main(["lab", "up", "--hosts", "3", "--topology", "chain", "--name", "c1", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "ip netns add c1-mac0"
+    assert "ip netns exec c1-mac1 sysctl -qw net.ipv4.ip_forward=1" in out
+    assert any("tbf rate 10gbit" in line for line in out)  # 10gbit is the default rate
+
+
+def test_bad_input_is_one_line_exit_2(capsys, tmp_path):
+    assert main(["lab", "up", "--hosts", "3", "--topology", "pair", "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "torch-thunderbolt lab: error: topology 'pair' needs exactly 2 hosts, got 3"
+    assert main(["lab", "status", "--name", "c2", "--state-dir", str(tmp_path)]) == 2
+    assert "no lab named 'c2'" in capsys.readouterr().err
+    assert main(["lab", "exec", "--name", "c2", "--state-dir", str(tmp_path), "mac0"]) == 2
+    assert main(["lab"]) == 2
+    assert "expected an action" in capsys.readouterr().err
+
+
+def test_hostfile_from_saved_state(capsys, tmp_path):
+    save_state(plan_lab(2, "pair", 2, None, None, name="c3"), tmp_path)
+    out = tmp_path / "hosts.json"
+    assert main(["lab", "hostfile", "--name", "c3", "--state-dir", str(tmp_path), "-o", str(out)]) == 0
+    hosts = json.loads(out.read_text())
+    assert [h["ifname"] for h in hosts] == ["tb1_0,tb1_1", "tb0_0,tb0_1"]
+    assert all(h["exec"] == "lab" and h["lab"] == "c3" for h in hosts)
+
+
+def test_exec_needs_a_command(capsys, tmp_path):
+    save_state(plan_lab(2, "pair", name="c4"), tmp_path)
+    assert main(["lab", "exec", "--name", "c4", "--state-dir", str(tmp_path), "mac0", "--"]) == 2
+    assert "expected a command" in capsys.readouterr().err
+
+
+def test_without_root_the_error_says_so(capsys, tmp_path, monkeypatch):
+    import os
+
+    from torch_thunderbolt.lab.testing import lab_skip_reason
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["lab", "up", "--hosts", "2", "--topology", "pair", "--name", "c5",
+                 "--state-dir", str(tmp_path)]) == 2
+    assert "`lab up` needs root" in capsys.readouterr().err
+    assert not (tmp_path / "lab-c5.json").exists()
+    assert "needs root" in lab_skip_reason()

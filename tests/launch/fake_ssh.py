@@ -1,0 +1,35 @@
+#!/usr/bin/env python3
+"""Stands in for `ssh HOST 'remote command'` in tests: runs the command with `sh -c`, as sshd would.
+
+Like a real ssh session, the remote side lives in its own session (our signals do not reach it) and
+its stdin is a relay of ours: when this process dies, the remote command sees EOF on stdin.
+Each call appends the target host to $FAKE_SSH_LOG.
+"""
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+
+def main() -> int:
+    args = sys.argv[1:]
+    while args and args[0] != "--":
+        args = args[2:] if args[0] == "-o" else args[1:]
+    host, remote = args[1], " ".join(args[2:])
+    with open(os.environ["FAKE_SSH_LOG"], "a") as log:
+        log.write(host + "\n")
+    child = subprocess.Popen(["sh", "-c", remote], stdin=subprocess.PIPE, start_new_session=True)
+
+    def relay() -> None:
+        for chunk in iter(lambda: os.read(0, 4096), b""):
+            child.stdin.write(chunk)
+        child.stdin.close()
+
+    threading.Thread(target=relay, daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(255))  # the connection drops; child gets EOF
+    return child.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

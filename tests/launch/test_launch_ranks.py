@@ -1,0 +1,120 @@
+import os
+import subprocess
+
+import pytest
+
+from torch_thunderbolt.errors import ConfigError
+from torch_thunderbolt.launch.hostfile import Host, parse_hostfile
+from torch_thunderbolt.launch.ranks import (
+    build_rank_specs, master_address, parse_env_assignments, rank_env, remote_script, ssh_argv)
+
+TWO_MACS = parse_hostfile([
+    {"name": "a", "ssh": "me@a.local", "addresses": ["169.254.1.1", "169.254.2.1"], "ifname": "en2,en3"},
+    {"name": "b", "ssh": "me@b.local", "addresses": ["169.254.1.2"], "ifname": "en2"}])
+
+
+def test_torchrun_compatible_env_for_every_rank():
+    specs = build_rank_specs(TWO_MACS, 2, ["python", "train.py"], cwd="/w", master_port=29600, inherited={})
+    assert [s.rank for s in specs] == [0, 1, 2, 3]
+    env = specs[3].env
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} == {
+        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "169.254.1.1", "MASTER_PORT": "29600"}
+    assert specs[0].env["THUNDERBOLT_IFNAME"] == "en2,en3"
+    assert specs[0].env["GLOO_SOCKET_IFNAME"] == "en2"  # gloo: one device per rank, same count everywhere
+    assert specs[0].env["OMP_NUM_THREADS"] == "1"
+    assert specs[2].label == "rank 2" and specs[2].host.name == "b"
+
+
+def test_omp_threads_left_alone_when_set_or_single_rank():
+    assert "OMP_NUM_THREADS" not in rank_env(TWO_MACS, 0, 0, 2, "x", 1, inherited={"OMP_NUM_THREADS": "4"})
+    assert "OMP_NUM_THREADS" not in rank_env(TWO_MACS, 0, 0, 1, "x", 1, inherited={})
+
+
+def test_host_env_then_cli_env_override():
+    host = Host(name="h", exec="local", env={"GLOO_SOCKET_IFNAME": "lo", "A": "host"}, ifname="en2")
+    env = rank_env([host], 0, 0, 1, "127.0.0.1", 1, extra_env={"A": "cli"})
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["A"] == "cli" and env["THUNDERBOLT_IFNAME"] == "en2"
+
+
+def test_master_address_prefers_a_thunderbolt_address_on_a_cable_to_everyone():
+    cables = lambda *pairs: [{"address": a, "peer": p} for a, p in pairs]  # noqa: E731
+    pair = parse_hostfile([{"name": "a", "ssh": "a.local", "addresses": ["169.254.0.1"],
+                            "cables": cables(("169.254.0.1", "b"))}, {"name": "b", "ssh": "b.local"}])
+    assert master_address(pair) == "169.254.0.1"
+    # A chain a-b-c: a's only address is not on a cable to c, so the store goes on a's ssh address.
+    chain = parse_hostfile([{"name": "a", "ssh": "me@a.local", "addresses": ["169.254.0.1"],
+                             "cables": cables(("169.254.0.1", "b"))}, "b", "c"])
+    assert master_address(chain) == "a.local"
+
+
+def test_master_address_choice():
+    assert master_address(TWO_MACS) == "169.254.1.1"
+    assert master_address(parse_hostfile(["me@[fe80::1]", "b"])) == "fe80::1"
+    assert master_address([Host(name="x")]) == "127.0.0.1"
+    with pytest.raises(ConfigError, match="cannot choose MASTER_ADDR"):
+        master_address([Host(name="x", exec="lab", lab="l"), Host(name="y", exec="ssh", ssh="y")])
+    specs = build_rank_specs(TWO_MACS, 1, ["p"], cwd="/", master_addr="10.9.9.9")
+    assert specs[1].env["MASTER_ADDR"] == "10.9.9.9"
+
+
+def test_argv_per_exec_mode():
+    lab_host = parse_hostfile([{"name": "mac1", "exec": "lab", "lab": "l7", "addresses": ["10.0.0.1"]}])
+    spec = build_rank_specs(lab_host, 1, ["python", "t.py"], cwd="/w")[0]
+    assert spec.argv == ["ip", "netns", "exec", "l7-mac1", "python", "t.py"]
+    assert (spec.cwd, spec.env_in_argv) == ("/w", False)
+    ssh = build_rank_specs(TWO_MACS, 1, ["python", "t.py"], cwd="/w", ssh_options=["-p2222"])[1]
+    assert ssh.argv[:6] == ["ssh", "-o", "BatchMode=yes", "-p2222", "--", "me@b.local"]
+    assert ssh.argv[6].startswith("sh -c ") and ssh.env_in_argv and ssh.cwd is None
+
+
+def test_remote_script_runs_in_cwd_with_env_and_keeps_the_exit_code(tmp_path):
+    cwd = tmp_path / "dir with 'quotes' and $dollar"
+    cwd.mkdir()
+    env = {"RANK": "1", "ODD": "it's a \"test\" $HOME `x`"}
+    cmd = ["sh", "-c", 'pwd; printf "%s\\n" "$ODD" "$RANK" "$1"; exit 4', "sh", "arg with space"]
+    argv = ssh_argv(Host(name="h", exec="ssh", ssh="h"), env, cmd, str(cwd))
+    # What sshd does with the remote string: hand it to the user's shell with -c.
+    # Its stdin stays open as an ssh channel would (EOF there means "launcher gone": stop the job).
+    channel_r, channel_w = os.pipe()
+    try:
+        done = subprocess.run(["sh", "-c", argv[-1]], stdin=channel_r, capture_output=True, timeout=10)
+    finally:
+        os.close(channel_r)
+        os.close(channel_w)
+    assert done.stdout.decode().splitlines() == [str(cwd), env["ODD"], "1", "arg with space"]
+    assert done.returncode == 4
+
+
+@pytest.mark.timeout(20)
+def test_remote_job_is_stopped_when_the_ssh_channel_closes(tmp_path):
+    pidfile = tmp_path / "pid"
+    script = remote_script({}, ["sh", "-c", f"echo $$ > {pidfile}; exec sleep 30"], str(tmp_path))
+    proc = subprocess.Popen(["sh", "-c", script], stdin=subprocess.PIPE)
+    try:
+        for _ in range(100):
+            if pidfile.exists() and pidfile.read_text().strip():
+                break
+            subprocess.run(["sleep", "0.05"])
+        proc.stdin.close()  # the connection went away
+        assert proc.wait(timeout=10) == 128 + 15  # the job got SIGTERM, and wait reports it
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("bad", [dict(nproc_per_host=0), dict(cmd=[]), dict(master_port=70000)])
+def test_bad_rank_arguments(bad):
+    kwargs = dict(nproc_per_host=1, cmd=["p"], master_port=29500)
+    kwargs.update(bad)
+    with pytest.raises(ConfigError):
+        build_rank_specs(TWO_MACS, kwargs["nproc_per_host"], kwargs["cmd"], cwd="/",
+                         master_port=kwargs["master_port"])
+
+
+def test_env_assignments():
+    assert parse_env_assignments(["A=1", "B_2=x=y", "C="]) == {"A": "1", "B_2": "x=y", "C": ""}
+    for bad in ("A", "=1", "1A=2", "A-B=1"):
+        with pytest.raises(ConfigError, match="expected NAME=value"):
+            parse_env_assignments([bad])

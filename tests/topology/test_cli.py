@@ -1,0 +1,177 @@
+import json
+
+import pytest
+
+from torch_thunderbolt.cli import topo
+from torch_thunderbolt.cli.main import build_parser, main
+from torch_thunderbolt.errors import ThunderboltError
+from torch_thunderbolt.topology.discover import CommandResult
+from torch_thunderbolt.topology.macos import MACOS_COMMANDS
+from torch_thunderbolt.topology.model import load_host_dump
+
+from topo_fixtures import mac_host, mac_outputs, scenario_hosts, write_dumps
+
+
+def _args(*argv):
+    return build_parser().parse_args(["topo", *argv])
+
+
+def mac_runner(scenario, host, log=None, fail=()):
+    """A fake `run` answering macOS discovery from fixtures and recording every other command."""
+    outputs = mac_outputs(scenario, host)
+    by_argv = {tuple(argv): outputs[key] for key, argv in MACOS_COMMANDS.items()}
+
+    def run(argv):
+        if tuple(argv) in by_argv:
+            return CommandResult(0, by_argv[tuple(argv)])
+        if log is not None:
+            log.append(list(argv))
+        if any(f in " ".join(argv) for f in fail):
+            return CommandResult(1, "", "** Error: The parameters were not valid.")
+        return CommandResult(0, "")
+    return run
+
+
+def test_cluster_from_dumps_json(tmp_path, capsys):
+    dumps = write_dumps(scenario_hosts("ring3"), tmp_path)
+    assert main(["topo", "--from", *dumps, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["shape"] == "ring" and len(data["cables"]) == 3 and data["bridge_loops"] == []
+    assert all(c["satisfied"] for c in data["commands"])
+
+
+def test_outputs_written(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    dumps = write_dumps(scenario_hosts("chain3"), tmp_path)
+    hf, dot, png = tmp_path / "hosts.json", tmp_path / "g.dot", tmp_path / "g.png"
+    assert main(["topo", "--from", *dumps, "--hostfile", str(hf), "--dot", str(dot), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "shape: chain" in out and "10.77.0.4/30" in out
+    assert [h["name"] for h in json.loads(hf.read_text())] == ["mac-a", "mac-b", "mac-c"]
+    assert dot.read_text().startswith("graph thunderbolt {") and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bridge_loop_exits_1_and_says_how_to_fix(tmp_path, capsys):
+    dumps = write_dumps(scenario_hosts("bridge_loop"), tmp_path)
+    assert main(["topo", "--from", *dumps]) == 1
+    out = capsys.readouterr().out
+    assert "1 FOUND" in out and "broadcast storm" in out and "deletem en2" in out
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{ not json", "invalid JSON"),
+    ('{"SPThunderboltDataType": []}', "non-empty 'name'"),
+])
+def test_malformed_dump_is_a_clean_error(tmp_path, capsys, content, message):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    assert main(["topo", "--from", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.startswith("torch-thunderbolt topo: error:")
+
+
+def test_missing_dump_and_bad_options(tmp_path, capsys):
+    assert main(["topo", "--from", str(tmp_path / "nope.json")]) == 2
+    assert "cannot read dump" in capsys.readouterr().err
+    assert main(["topo", "--hostfile", "x.json"]) == 2
+    assert "need the cluster" in capsys.readouterr().err
+    dumps = write_dumps(scenario_hosts("pair"), tmp_path)
+    assert main(["topo", "--from", *dumps, "--base", "10.0.0.0/33"]) == 2
+    assert "--base" in capsys.readouterr().err
+
+
+def test_local_summary_on_linux_without_thunderbolt(tmp_path, capsys):
+    no_ip = lambda argv: CommandResult(127, "", "not found")  # noqa: E731
+    assert topo.run(_args(), runner=no_ip, system="Linux", hostname="vm", sysfs_root=str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "No Thunderbolt interfaces found on vm" in out and "/sys/bus/thunderbolt/devices" in out
+
+
+def test_local_topo_on_this_machine_runs(capsys):
+    assert main(["topo"]) == 0
+    assert "Thunderbolt" in capsys.readouterr().out
+
+
+def test_dump_on_a_mac_round_trips(capsys):
+    assert topo.run(_args("--dump", "-"), runner=mac_runner("pair", "mac-a"), system="Darwin",
+                    hostname="mac-a") == 0
+    assert load_host_dump(capsys.readouterr().out, "stdout") == mac_host("pair", "mac-a")
+
+
+def test_local_summary_on_a_mac(capsys):
+    assert topo.run(_args(), runner=mac_runner("pair", "mac-a"), system="Darwin", hostname="mac-a") == 0
+    assert "Thunderbolt 1  en2  connected" in capsys.readouterr().out
+
+
+def test_failing_system_profiler_is_a_clean_error(capsys):
+    def run(argv):
+        return CommandResult(1, "", "system_profiler: not permitted")
+    with pytest.raises(ThunderboltError, match="system_profiler SPThunderboltDataType -json` failed .*not permitted"):
+        topo.run(_args(), runner=run, system="Darwin", hostname="m")
+
+
+def ssh_runner(scenario, log):
+    dumps = {f"admin@{h.name}": json.dumps(h.to_json()) for h in scenario_hosts(scenario)}
+
+    def run(argv):
+        log.append(list(argv))
+        assert argv[0] == "ssh"
+        target = argv[-2]
+        if argv[-1] == "torch-thunderbolt topo --dump -":
+            return CommandResult(0, dumps[target]) if target in dumps else CommandResult(255, "", "no route")
+        return CommandResult(0, "")
+    return run
+
+
+def test_ssh_gather_and_hostfile(tmp_path, capsys):
+    log, hf = [], tmp_path / "hosts.json"
+    args = _args("--ssh", "admin@mac-a,admin@mac-b,admin@mac-c", "--hostfile", str(hf))
+    assert topo.run(args, runner=ssh_runner("chain3", log), hostname="laptop") == 0
+    assert [a[-2] for a in log] == ["admin@mac-a", "admin@mac-b", "admin@mac-c"]
+    assert all("BatchMode=yes" in a for a in log)
+    assert [h["ssh"] for h in json.loads(hf.read_text())] == ["admin@mac-a", "admin@mac-b", "admin@mac-c"]
+
+
+def test_ssh_unreachable_host_is_a_clean_error(capsys):
+    log = []
+    with pytest.raises(ThunderboltError) as info:
+        topo.run(_args("--ssh", "admin@mac-a,admin@ghost"), runner=ssh_runner("pair", log), hostname="x")
+    assert "ssh admin@ghost" in str(info.value) and "no route" in str(info.value)
+
+
+def test_apply_over_ssh_runs_only_unsatisfied_commands(capsys):
+    log = []
+    args = _args("--ssh", "admin@mac-a,admin@mac-b,admin@mac-c,admin@mac-d", "--apply")
+    assert topo.run(args, runner=ssh_runner("mesh4", log), hostname="laptop") == 0
+    applied = [a[-1] for a in log if a[-1] != "torch-thunderbolt topo --dump -"]
+    assert len(applied) == 24 and all(cmd.startswith("sudo -n networksetup") for cmd in applied)
+    assert "sudo -n networksetup -setmanual 'Thunderbolt 1' 10.77.0.1 255.255.255.252" in applied
+    assert "Applied 24 commands, 4 already satisfied" in capsys.readouterr().err
+
+
+def test_apply_already_configured_cluster_runs_nothing(capsys):
+    log = []
+    assert topo.run(_args("--ssh", "admin@mac-a,admin@mac-b,admin@mac-c", "--apply"),
+                    runner=ssh_runner("ring3", log), hostname="laptop") == 0
+    assert all(a[-1] == "torch-thunderbolt topo --dump -" for a in log)
+
+
+def test_apply_from_dumps_runs_locally_and_reports_unreachable_hosts(tmp_path, capsys):
+    dumps = write_dumps(scenario_hosts("pair"), tmp_path)
+    log = []
+    rc = topo.run(_args("--from", *dumps, "--apply"), runner=mac_runner("pair", "mac-a", log),
+                  system="Darwin", hostname="mac-a")
+    assert rc == 1  # mac-b's commands could not be run from here
+    assert [a[-4:] for a in log][-1] == ["-setmanual", "Thunderbolt 1", "10.77.0.1", "255.255.255.252"]
+    assert len(log) == 4 and all(a[0] in ("sudo", "networksetup", "ifconfig") for a in log)
+    assert "on mac-b:" in capsys.readouterr().err
+
+
+def test_apply_stops_at_the_first_failure(tmp_path, capsys):
+    dumps = write_dumps(scenario_hosts("pair"), tmp_path)
+    log = []
+    runner = mac_runner("pair", "mac-a", log, fail=("-createnetworkservice",))
+    with pytest.raises(ThunderboltError) as info:
+        topo.run(_args("--from", *dumps, "--apply"), runner=runner, system="Darwin", hostname="mac-a")
+    assert "on mac-a" in str(info.value) and "parameters were not valid" in str(info.value)
+    assert not any("-setmanual" in a for a in log)

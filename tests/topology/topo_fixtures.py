@@ -1,0 +1,39 @@
+"""Helpers that turn the recorded-style fixtures into Hosts (through the real parsers)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch_thunderbolt.topology.linux import build_linux_host
+from torch_thunderbolt.topology.macos import build_macos_host
+from torch_thunderbolt.topology.model import Host
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
+FILES = {"system_profiler": "system_profiler.json", "hardware_ports": "hardware_ports.txt",
+         "services": "services.txt", "ifconfig": "ifconfig.txt"}
+
+
+def mac_outputs(scenario: str, host: str) -> dict[str, str]:
+    folder = FIXTURES / scenario / host
+    return {key: (folder / name).read_text() for key, name in FILES.items()}
+
+
+def mac_host(scenario: str, host: str) -> Host:
+    return build_macos_host(host, mac_outputs(scenario, host))
+
+
+def scenario_hosts(scenario: str) -> list[Host]:
+    folders = sorted(p for p in (FIXTURES / scenario).iterdir() if p.is_dir())
+    if (folders[0] / "sysfs.json").exists():
+        return [build_linux_host(p.name, json.loads((p / "sysfs.json").read_text()),
+                                 (p / "ip_addr.json").read_text()) for p in folders]
+    return [mac_host(scenario, p.name) for p in folders]
+
+
+def write_dumps(hosts: list[Host], folder: Path) -> list[str]:
+    paths = []
+    for h in hosts:
+        path = folder / f"{h.name}.json"
+        path.write_text(json.dumps(h.to_json()))
+        paths.append(str(path))
+    return paths

@@ -1,0 +1,230 @@
+"""One benchmark run: spawn local ranks, or act as one rank of a launched job.
+
+A rank initialises the default group with gloo (the control group: rendezvous, gathering times, the
+raw-link handshake) and one `new_group` per measured backend over all ranks, so the measured traffic
+never shares a group with the bookkeeping.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import socket
+import sys
+import time
+from typing import Any, Mapping, Sequence, TextIO
+
+from ..errors import ConfigError
+from . import link, metrics, report, spawn, spec, table
+from .config import BackendSpec, BenchConfig, RankEnv, backend_streams, rank_env, to_argv, validate_for_world
+from .sizes import format_size
+
+LINK_SOCKBUF = 4 << 20
+LINK_PINGS = 2000
+
+
+def main(cfg: BenchConfig, environ: Mapping[str, str] | None = None) -> int:
+    environ = os.environ if environ is None else environ
+    env = rank_env(environ)
+    if cfg.plot_path:
+        report.require_matplotlib()
+    if env is None:
+        validate_for_world(cfg, cfg.nproc)
+        _check_backends(cfg.backends)  # one clear error here rather than one per spawned rank
+        return spawn.run_local(cfg.nproc, to_argv(cfg), cfg.timeout, cfg.transport)
+    return run_rank(cfg, env)
+
+
+class Progress:
+    """A progress bar on rank 0's terminal; silent when stderr is not a terminal."""
+
+    def __init__(self, stream: TextIO, total: int, enabled: bool) -> None:
+        self.stream, self.total, self.done, self.label = stream, total, 0, ""
+        self.enabled = enabled and stream.isatty()
+        self._last = 0.0
+
+    def step(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if self.enabled and (now - self._last > 0.1 or self.done == self.total):
+            self._last = now
+            self.stream.write(table.format_progress(self.done, self.total, self.label))
+            self.stream.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            self.stream.write("\r" + " " * 100 + "\r")
+            self.stream.flush()
+
+
+def _check_backends(backends: Sequence[BackendSpec]) -> None:
+    import torch.distributed as dist
+
+    if any(b.kind == "thunderbolt" for b in backends):
+        importlib.import_module("torch_thunderbolt")  # registers the backend with torch.distributed
+    for b in backends:
+        if b.kind not in dist.Backend.backend_list:
+            hint = " (import torch_thunderbolt did not register it: is the core installed?)" \
+                if b.kind == "thunderbolt" else ""
+            raise ConfigError(f"backend {b.kind!r} is not registered with torch.distributed{hint}; "
+                              f"measure others with e.g. --backends gloo")
+
+
+def _transport_of(kind: str, group: Any) -> str:
+    """What carries a group's bytes; for our backend, what "auto" actually chose when it says so."""
+    if kind == "gloo":
+        return "tcp"
+    described = getattr(group, "transport", None)
+    if isinstance(described, str):
+        return described
+    if described is not None:  # a transport object: TcpTransport -> "tcp"
+        name = str(getattr(described, "name", "") or type(described).__name__).lower()
+        return name.removesuffix("transport") or name
+    return os.environ.get("THUNDERBOLT_TRANSPORT", "auto") if kind == "thunderbolt" else "?"
+
+
+def _link_streams_of(kind: str, streams: int) -> int | None:
+    """The stream count whose raw throughput a backend's busbw is compared to (gloo: one socket per peer)."""
+    return {"thunderbolt": streams, "gloo": 1}.get(kind)
+
+
+def run_rank(cfg: BenchConfig, env: RankEnv, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
+             op_table: Mapping[str, Any] | None = None) -> int:
+    """Everything one rank does; rank 0 prints and writes files. Returns the exit code."""
+    validate_for_world(cfg, env.world_size)
+    if cfg.transport is not None:
+        os.environ["THUNDERBOLT_TRANSPORT"] = cfg.transport  # read by the backend when its group is made
+    os.environ.setdefault("MASTER_ADDR", env.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    streams = backend_streams(os.environ)
+    import torch.distributed as dist
+
+    _check_backends(cfg.backends)
+    timeout = datetime.timedelta(seconds=cfg.timeout)
+    dist.init_process_group("gloo", init_method="env://", rank=env.rank, world_size=env.world_size,
+                            timeout=timeout)
+    try:
+        groups = [dist.new_group(backend=b.kind, timeout=timeout) for b in cfg.backends]
+        return _Session(cfg, env, streams, groups, out, err, op_table).run()
+    finally:
+        dist.destroy_process_group()
+
+
+class _Session:
+    def __init__(self, cfg: BenchConfig, env: RankEnv, streams: int, groups: list[Any], out: TextIO,
+                 err: TextIO, op_table: Mapping[str, Any] | None) -> None:
+        self.cfg, self.env, self.streams, self.groups = cfg, env, streams, groups
+        self.out, self.err, self.op_table = out, err, op_table
+        self.lead = env.rank == 0
+        self.transports = {b.label: _transport_of(b.kind, g) for b, g in zip(cfg.backends, groups)}
+        self.records: list[dict] = []
+        self.wrong_results = 0
+        self.progress = Progress(err, 0, enabled=False)  # replaced once the number of steps is known
+
+    def say(self, text: str) -> None:
+        if self.lead:
+            print(text, file=self.out, flush=True)
+
+    def run(self) -> int:
+        import torch.distributed as dist
+
+        hosts: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+        congestion = report.system_congestion_control()
+        transport = self.cfg.transport or os.environ.get("THUNDERBOLT_TRANSPORT", "auto")
+        backends = [{"label": b.label, "kind": b.kind, "transport": self.transports[b.label],
+                     "link_streams": _link_streams_of(b.kind, self.streams)} for b in self.cfg.backends]
+        meta = report.build_meta(self.cfg, self.env.world_size, hosts, backends, transport, self.streams, congestion)
+        meta["thunderbolt_cc"] = os.environ.get("THUNDERBOLT_CC") or None
+        self._warn_unfair_cc(meta["thunderbolt_cc"], congestion)
+        self.say(f"# torch-thunderbolt bench: world_size {self.env.world_size} on {', '.join(sorted(set(hosts)))}; "
+                 f"dtype {self.cfg.dtype}; backends {', '.join(b.label for b in self.cfg.backends)}"
+                 f"{' interleaved' if len(self.cfg.backends) > 1 else ''}; "
+                 f"{self.cfg.iters} iters after {self.cfg.warmup} warmup; time = median of per-iteration max over "
+                 f"ranks; tcp congestion control {congestion or '?'}")
+        link_gbps = self._link() if self.cfg.link else {}
+        plan = {op: self._layouts(op) for op in self.cfg.ops}
+        steps = sum(len(lays) for lays in plan.values()) * (self.cfg.warmup + self.cfg.iters)
+        self.progress = Progress(self.err, steps, self.cfg.progress and self.lead)
+        for op, layouts in plan.items():
+            self._op(op, layouts, link_gbps)
+        if self.lead:
+            self._write(meta)
+        if self.wrong_results:
+            if self.lead:
+                print(f"torch-thunderbolt bench: error: {self.wrong_results} result(s) had wrong values "
+                      "(see the #wrong column)", file=self.err)
+            return 1
+        return 0
+
+    def _warn_unfair_cc(self, ours: str | None, system: str | None) -> None:
+        """Congestion control alone moves TCP throughput 2-3x; gloo always uses the system's."""
+        kinds = {b.kind for b in self.cfg.backends}
+        if ours and ours != system and {"thunderbolt", "gloo"} <= kinds:
+            self.say(f"# warning: THUNDERBOLT_CC={ours} but gloo uses the system's {system or '?'}: "
+                     "the ratio column compares congestion controls as much as backends")
+
+    def _link(self) -> dict[int, float]:
+        import torch.distributed as dist
+
+        needed = {s for b in self.cfg.backends if (s := _link_streams_of(b.kind, self.streams))}
+        plan = link.LinkPlan(tuple(sorted(set(self.cfg.link_streams) | needed)), self.cfg.link_bytes,
+                             self.cfg.link_repeats, LINK_PINGS,
+                             link.socket_buffer(LINK_SOCKBUF, link.read_rmem_max()), self.cfg.timeout)
+
+        def share(obj: object) -> object:
+            box = [obj]
+            dist.broadcast_object_list(box, src=1)
+            return box[0]
+
+        outcome = link.run(self.env.rank, plan, (self.env.master_addr, self.env.master_port), share)
+        if outcome is None:
+            return {}
+        throughput, latency, address = outcome
+        self.say(table.format_link(throughput, latency, address, plan.nbytes, plan.repeats))
+        self.records += report.link_records(throughput, latency, address, self.env.world_size)
+        return {rec["streams"]: rec["gbps"] for rec in throughput}
+
+    def _layouts(self, op: str) -> list[spec.Layout]:
+        """One layout per distinct rounded size (small sizes may round to the same one)."""
+        itemsize = spec.dtype(self.cfg.dtype).itemsize
+        layouts = (spec.layout(op, s, itemsize, self.env.world_size) for s in self.cfg.sizes)
+        return list({lay.nbytes: lay for lay in layouts}.values())
+
+    def _op(self, op: str, layouts: list[spec.Layout], link_gbps: dict[int, float]) -> None:
+        from . import runner
+
+        cfg, n, progress = self.cfg, self.env.world_size, self.progress
+        dt = spec.dtype(cfg.dtype)
+        fn = runner.op_function(op, self.op_table)
+        results: list[metrics.Result] = []
+        for lay in layouts:
+            progress.label = f"{op} {format_size(lay.nbytes)}B"
+            try:
+                local = runner.time_size(op, lay, self.groups, self.env.rank, n, runner.torch_dtype(dt.name),
+                                         cfg.warmup, cfg.iters, fn, progress.step)
+            except runner.OpFailedError as exc:
+                progress.clear()
+                label = cfg.backends[exc.group_index].label
+                raise runner.OpFailedError(f"rank {self.env.rank}, backend {label}: {exc}", exc.group_index) from exc
+            total = runner.reduce_over_ranks(local, None)
+            for b, times, wrong in zip(cfg.backends, total.times_us, total.wrong):
+                results.append(metrics.make_result(b.label, b.kind, op, lay, n, dt.name, self.transports[b.label],
+                                                   times, wrong))
+        progress.clear()
+        metrics.add_ratios(results, cfg.baseline)
+        streams_of = {b.label: s for b in cfg.backends if (s := _link_streams_of(b.kind, self.streams))}
+        metrics.add_efficiency(results, link_gbps, streams_of)
+        self.wrong_results += sum(1 for r in results if r.wrong)
+        for b in cfg.backends:
+            rows = [r for r in results if r.backend == b.label]
+            self.say(table.format_table(rows, cfg.baseline, self.transports[b.label]))
+        self.records += [r.record() for r in results]
+
+    def _write(self, meta: dict) -> None:
+        if self.cfg.json_path:
+            report.write_json(self.cfg.json_path, report.document(meta, self.records))
+            self.say(f"# wrote {self.cfg.json_path}")
+        if self.cfg.plot_path:
+            report.write_plot(self.cfg.plot_path, self.records)
+            self.say(f"# wrote {self.cfg.plot_path}")

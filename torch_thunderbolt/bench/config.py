@@ -1,0 +1,210 @@
+"""Benchmark configuration: command-line flags <-> BenchConfig <-> argv, and the launcher environment.
+
+`to_argv` is the inverse of parsing, so locally spawned ranks are re-invoked with exactly the
+configuration the user asked for.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ..errors import ConfigError
+from . import sizes as sz
+from .spec import DTYPES, OP_ALIASES, OPS, check_world_size, dtype
+
+DEFAULT_SIZES = "4K,64K,1M,16M,64M"
+DEFAULT_STREAMS = 4  # used only when the core's Config cannot be imported
+TRANSPORTS = ("tcp", "shm", "auto")
+_LABEL_RE = re.compile(r"^[A-Za-z0-9_.#:-]+$")
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    label: str  # unique name in tables and JSON ("gloo", "gloo#2", or user-given)
+    kind: str   # the torch.distributed backend name passed to new_group
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    backends: tuple[BackendSpec, ...]
+    baseline: str | None
+    ops: tuple[str, ...]
+    sizes: tuple[int, ...]
+    dtype: str = "float32"
+    iters: int = 20
+    warmup: int = 5
+    nproc: int = 2
+    link: bool = False
+    link_streams: tuple[int, ...] = (1, 2, 4)
+    link_bytes: int = 256 << 20
+    link_repeats: int = 3
+    transport: str | None = None
+    json_path: str | None = None
+    plot_path: str | None = None
+    timeout: float = 1800.0
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """This process's place in a job started by torchrun, our launcher, or our own spawner."""
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def parse_backends(text: str) -> tuple[BackendSpec, ...]:
+    """'thunderbolt,gloo' / 'gloo,gloo' (-> gloo, gloo#2) / 'a=gloo,b=gloo' (explicit labels)."""
+    specs: list[BackendSpec] = []
+    for item in sz.split_list(text, "backends"):
+        label, _, kind = item.rpartition("=")
+        kind = kind.strip().lower()
+        label = label.strip() or kind
+        if not _LABEL_RE.match(label) or not re.match(r"^[a-z][a-z0-9_]*$", kind):
+            raise ConfigError(f"bad --backends entry {item!r}: expected BACKEND or LABEL=BACKEND, e.g. gloo")
+        taken = {s.label for s in specs}
+        if label in taken and "=" in item:
+            raise ConfigError(f"duplicate backend label {label!r} in --backends")
+        number = 2
+        base = label
+        while label in taken:
+            label, number = f"{base}#{number}", number + 1
+        specs.append(BackendSpec(label, kind))
+    return tuple(specs)
+
+
+def default_baseline(backends: Sequence[BackendSpec]) -> str | None:
+    """The ratio column compares against gloo when gloo is measured alongside something else."""
+    if len(backends) < 2:
+        return None
+    return next((b.label for b in backends if b.kind == "gloo"), None)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--nproc", type=int, default=2, help="local ranks to start (ignored when RANK/WORLD_SIZE are set)")
+    a("--backends", default="thunderbolt,gloo", help="comma list, interleaved per size; LABEL=BACKEND to name")
+    a("--baseline", default=None, help="label the ratio column compares to (default: gloo)")
+    a("--ops", default="all", help=f"comma list of {', '.join(OPS)} or all")
+    a("--sizes", default=None, help=f"comma list of sizes in bytes, K/M/G suffixes (default {DEFAULT_SIZES})")
+    a("-b", "--minbytes", default=None, help="nccl-tests style: first size")
+    a("-e", "--maxbytes", default=None, help="nccl-tests style: last size")
+    a("-f", "--stepfactor", type=float, default=2.0, help="nccl-tests style: size multiplier (default 2)")
+    a("-n", "--iters", type=int, default=20, help="timed iterations per size and backend (default 20)")
+    a("-w", "--warmup", type=int, default=5, help="untimed iterations first (default 5)")
+    a("-d", "--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
+    a("--link", action="store_true", help="also measure the raw TCP link between rank 0 and rank 1")
+    a("--link-streams", default="1,2,4", help="TCP stream counts for --link (default 1,2,4)")
+    a("--link-bytes", default="256M", help="bytes per --link throughput measurement (default 256M)")
+    a("--link-repeats", type=int, default=3, help="--link measurements per stream count (median)")
+    a("--transport", choices=TRANSPORTS, default=None, help="sets THUNDERBOLT_TRANSPORT for the ranks")
+    a("--json", dest="json_path", metavar="FILE", default=None, help="write one record per result")
+    a("--plot", dest="plot_path", metavar="FILE.png", default=None, help="plot busbw and latency (matplotlib)")
+    a("--timeout", type=float, default=1800.0, help="seconds for the whole run (default 1800)")
+    a("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+
+
+def from_args(ns: argparse.Namespace) -> BenchConfig:
+    """Validate parsed flags into a BenchConfig; every problem is a ConfigError naming the flag."""
+    if ns.sizes and (ns.minbytes or ns.maxbytes):
+        raise ConfigError("give either --sizes or -b/-e/-f, not both")
+    if ns.minbytes or ns.maxbytes:
+        begin = sz.parse_size(ns.minbytes or ns.maxbytes)
+        end = sz.parse_size(ns.maxbytes or ns.minbytes)
+        sizes = sz.size_range(begin, end, ns.stepfactor)
+    else:
+        sizes = sz.parse_sizes(ns.sizes or DEFAULT_SIZES)
+    backends = parse_backends(ns.backends)
+    labels = [b.label for b in backends]
+    baseline = ns.baseline if ns.baseline is not None else default_baseline(backends)
+    if baseline is not None and baseline not in labels:
+        raise ConfigError(f"--baseline {baseline!r} is not one of the measured backends ({', '.join(labels)})")
+    for flag, value, low in (("--iters", ns.iters, 1), ("--warmup", ns.warmup, 0), ("--nproc", ns.nproc, 1),
+                             ("--link-repeats", ns.link_repeats, 1)):
+        if value < low:
+            raise ConfigError(f"bad {flag} {value}: expected at least {low}")
+    if ns.timeout <= 0:
+        raise ConfigError(f"bad --timeout {ns.timeout}: expected seconds > 0")
+    return BenchConfig(
+        backends=backends, baseline=baseline,
+        ops=tuple(sz.choose(sz.split_list(ns.ops, "ops"), OPS, "op", OP_ALIASES)),
+        sizes=tuple(sizes), dtype=dtype(ns.dtype).name, iters=ns.iters, warmup=ns.warmup, nproc=ns.nproc,
+        link=ns.link, link_streams=tuple(sz.parse_int_list(ns.link_streams, "link-streams")),
+        link_bytes=sz.parse_size(ns.link_bytes), link_repeats=ns.link_repeats, transport=ns.transport,
+        json_path=ns.json_path, plot_path=ns.plot_path, timeout=ns.timeout, progress=ns.progress)
+
+
+def to_argv(cfg: BenchConfig) -> list[str]:
+    """Flags that parse back (through add_arguments + from_args) into exactly `cfg`."""
+    argv = [
+        "--nproc", str(cfg.nproc),
+        "--backends", ",".join(f"{b.label}={b.kind}" for b in cfg.backends),
+        "--ops", ",".join(cfg.ops), "--sizes", ",".join(str(s) for s in cfg.sizes),
+        "--iters", str(cfg.iters), "--warmup", str(cfg.warmup), "--dtype", cfg.dtype,
+        "--link-streams", ",".join(map(str, cfg.link_streams)), "--link-bytes", str(cfg.link_bytes),
+        "--link-repeats", str(cfg.link_repeats), "--timeout", repr(cfg.timeout),
+    ]
+    if cfg.baseline is not None:
+        argv += ["--baseline", cfg.baseline]
+    for flag, value in (("--transport", cfg.transport), ("--json", cfg.json_path), ("--plot", cfg.plot_path)):
+        if value is not None:
+            argv += [flag, value]
+    argv += ["--link"] if cfg.link else []
+    argv += [] if cfg.progress else ["--no-progress"]
+    return argv
+
+
+def _int_env(environ: Mapping[str, str], name: str) -> int:
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise ConfigError(f"bad {name}={environ[name]!r}: expected a whole number") from None
+
+
+def rank_env(environ: Mapping[str, str]) -> RankEnv | None:
+    """The torchrun-style environment, or None when this process should spawn its own ranks."""
+    if "RANK" not in environ and "WORLD_SIZE" not in environ:
+        return None
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not environ.get(k)]
+    if missing:
+        raise ConfigError(f"launched as a rank but {', '.join(missing)} not set: expected RANK, WORLD_SIZE, "
+                          "MASTER_ADDR and MASTER_PORT (as torchrun sets them)")
+    rank, world = _int_env(environ, "RANK"), _int_env(environ, "WORLD_SIZE")
+    if not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    local = _int_env(environ, "LOCAL_RANK") if environ.get("LOCAL_RANK") else rank
+    return RankEnv(rank, world, local, environ["MASTER_ADDR"], _int_env(environ, "MASTER_PORT"))
+
+
+def _core_default_streams() -> int:
+    """The backend's own default, so bench and backend never disagree; 4 if the core is absent."""
+    try:
+        from ..config import Config
+    except ImportError:
+        return DEFAULT_STREAMS
+    return int(getattr(Config(), "streams", DEFAULT_STREAMS))
+
+
+def backend_streams(environ: Mapping[str, str]) -> int:
+    """THUNDERBOLT_STREAMS: TCP streams per peer the thunderbolt backend opens (default: the backend's)."""
+    text = environ.get("THUNDERBOLT_STREAMS", "").strip()
+    if not text:
+        return _core_default_streams()
+    try:
+        streams = int(text)
+    except ValueError:
+        raise ConfigError(f"bad THUNDERBOLT_STREAMS={text!r}: expected a whole number >= 1") from None
+    if streams < 1:
+        raise ConfigError(f"bad THUNDERBOLT_STREAMS={text!r}: expected a whole number >= 1")
+    return streams
+
+
+def validate_for_world(cfg: BenchConfig, world_size: int) -> None:
+    """Checks that need the world size, run before any process group exists."""
+    check_world_size(list(cfg.ops), world_size, dtype(cfg.dtype))
+    if cfg.link and world_size < 2:
+        raise ConfigError("--link needs at least 2 ranks (it measures rank 0 <-> rank 1)")

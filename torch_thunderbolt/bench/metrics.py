@@ -1,0 +1,105 @@
+"""Statistics over timed iterations and the derived result rows. Pure."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+from . import spec
+
+
+@dataclass(frozen=True)
+class Stats:
+    median: float
+    minimum: float
+    maximum: float
+    p10: float
+    p90: float
+    samples: int
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), q in [0, 100]."""
+    if not sorted_values:
+        raise ValueError("percentile of no values")
+    pos = (len(sorted_values) - 1) * q / 100.0
+    low, high = math.floor(pos), math.ceil(pos)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (pos - low)
+
+
+def summarize(values: Sequence[float]) -> Stats:
+    ordered = sorted(values)
+    return Stats(percentile(ordered, 50), ordered[0], ordered[-1], percentile(ordered, 10),
+                 percentile(ordered, 90), len(ordered))
+
+
+def max_over_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Iteration i took as long as its slowest rank: the op is done only when every rank is done."""
+    return [max(column) for column in zip(*per_rank)]
+
+
+@dataclass
+class Result:
+    """One row of a table and one JSON record: a backend running an op at one size."""
+    backend: str
+    backend_kind: str
+    op: str
+    bytes: int
+    count: int
+    world_size: int
+    dtype: str
+    transport: str
+    time_us: float
+    time_us_min: float
+    time_us_max: float
+    time_us_p10: float
+    time_us_p90: float
+    algbw_gbps: float
+    busbw_gbps: float
+    wrong: int
+    iters: int
+    redop: str = "none"
+    root: int = -1
+    ratio: float | None = None       # speed vs the baseline backend, > 1 = this one is faster
+    efficiency: float | None = None  # busbw / raw TCP link throughput at the backend's stream count
+    link_streams: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def record(self) -> dict:
+        data = asdict(self)
+        data.update(data.pop("extra"))
+        return data
+
+
+def make_result(backend: str, kind: str, op: str, lay: spec.Layout, world_size: int, dtype: str,
+                transport: str, times_us: Sequence[float], wrong: int) -> Result:
+    stats = summarize(times_us)
+    algbw = spec.algbw_gbps(lay.nbytes, stats.median)
+    return Result(
+        backend=backend, backend_kind=kind, op=op, bytes=lay.nbytes, count=lay.count, world_size=world_size,
+        dtype=dtype, transport=transport, time_us=stats.median, time_us_min=stats.minimum,
+        time_us_max=stats.maximum, time_us_p10=stats.p10, time_us_p90=stats.p90, algbw_gbps=algbw,
+        busbw_gbps=algbw * spec.busbw_factor(op, world_size), wrong=wrong, iters=stats.samples,
+        redop=spec.redop(op), root=spec.root(op))
+
+
+def add_ratios(results: list[Result], baseline: str | None) -> None:
+    """Fill `ratio` = baseline time / own time for every (op, bytes) the baseline also measured."""
+    if baseline is None:
+        return
+    base = {(r.op, r.bytes): r for r in results if r.backend == baseline}
+    for r in results:
+        ref = base.get((r.op, r.bytes))
+        if r.backend == baseline or ref is None or r.wrong or ref.wrong or r.time_us <= 0:
+            continue  # a wrong result is an error, not a number to compare
+        r.ratio = ref.time_us / r.time_us
+
+
+def add_efficiency(results: list[Result], link_gbps: dict[int, float], streams_of: dict[str, int]) -> None:
+    """Fill `efficiency` = busbw / raw link GB/s at the stream count each backend uses."""
+    for r in results:
+        streams = streams_of.get(r.backend)
+        gbps = link_gbps.get(streams) if streams is not None else None
+        if gbps and not r.wrong:
+            r.efficiency = r.busbw_gbps / gbps
+            r.link_streams = streams

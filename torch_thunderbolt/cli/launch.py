@@ -1,0 +1,73 @@
+"""`torch-thunderbolt launch [--hostfile F | --lab NAME] [--nproc-per-host K] -- python train.py ...`"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+
+from ..errors import ConfigError
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--hostfile", help="JSON list of hosts (see README); without it all ranks run here")
+    src.add_argument("--lab", metavar="NAME", help="run on every host of a running `lab` (no hostfile needed)")
+    parser.add_argument("--nproc-per-host", type=int, default=1, help="ranks per host (default 1)")
+    parser.add_argument("--via", choices=("ssh", "lab", "local"), default=None,
+                        help="how to reach every host, overriding the hostfile's 'exec'")
+    parser.add_argument("--lab-state-dir", default=None, help="state directory of the lab (with --lab)")
+    parser.add_argument("--master-addr", default=None,
+                        help="rendezvous address (default: host 0's first Thunderbolt address)")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="rendezvous port (default 29500; a free port in local mode)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="extra environment for every rank (repeatable)")
+    parser.add_argument("--ssh-option", action="append", default=[], metavar="OPT",
+                        help="extra ssh option, e.g. --ssh-option=-p2222 (repeatable)")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
+    parser.add_argument("--dry-run", action="store_true", help="print each rank's env and command, run nothing")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the program and its arguments")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _hosts(args: argparse.Namespace):
+    from ..launch.hostfile import local_hosts, parse_hostfile, read_hostfile
+
+    if args.lab:
+        from ..lab.view import Lab
+
+        return parse_hostfile(Lab.load(args.lab, args.lab_state_dir).hostfile(), args.via)
+    if args.hostfile:
+        return read_hostfile(args.hostfile, args.via)
+    return local_hosts()
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..launch.ranks import DEFAULT_MASTER_PORT, build_rank_specs, parse_env_assignments
+    from ..launch.supervise import supervise
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if args.grace < 0:
+        raise ConfigError(f"--grace must be >= 0 seconds, got {args.grace}")
+    hosts = _hosts(args)
+    port = args.master_port
+    if port is None:
+        local_only = all(h.exec == "local" for h in hosts)
+        port = _free_port() if local_only else DEFAULT_MASTER_PORT
+    specs = build_rank_specs(hosts, args.nproc_per_host, cmd, cwd=os.getcwd(), master_addr=args.master_addr,
+                             master_port=port, extra_env=parse_env_assignments(args.env),
+                             ssh_options=args.ssh_option, inherited=os.environ)
+    if args.dry_run:
+        for spec in specs:
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in spec.env.items())
+            print(f"# {spec.label} on {spec.host.name} ({spec.host.exec}): {env}")
+            print(shlex.join(spec.argv))
+        return 0
+    return supervise(specs, grace=args.grace)

@@ -1,0 +1,146 @@
+"""Pure construction of every rank's environment and command line (no processes started here).
+
+The environment matches what torchrun gives a worker (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+GROUP_RANK, MASTER_ADDR, MASTER_PORT, ...), plus THUNDERBOLT_IFNAME/GLOO_SOCKET_IFNAME from the hostfile
+so both our backend and gloo use the Thunderbolt interfaces rather than Wi-Fi or LAN.
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from ..errors import ConfigError
+from .hostfile import Host
+
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    rank: int
+    host: Host
+    local_rank: int
+    env: dict[str, str]  # what the launcher sets for this rank
+    argv: list[str]  # what to start on this machine
+    cwd: str | None = None  # for local/lab ranks (ssh ranks `cd` inside argv)
+    env_in_argv: bool = False  # ssh: env travels inside the remote command, not the local process
+    label: str = field(default="")
+
+
+def master_address(hosts: Sequence[Host]) -> str:
+    """An address of host 0 that every rank can reach, for the rendezvous store (control traffic only).
+
+    Macs with one /30 per cable do not forward between cables, so beyond a pair host 0's Thunderbolt
+    address is usually not reachable from every host. When the hostfile's cable list shows that, the
+    store goes on host 0's ssh address instead; data still flows over THUNDERBOLT_IFNAME. Without cable
+    information the first Thunderbolt address is trusted (the lab routes between all its addresses).
+    """
+    first = hosts[0]
+    if first.exec == "local" and all(h.exec == "local" for h in hosts):
+        return first.addresses[0] if first.addresses else "127.0.0.1"
+    others = {h.name for h in hosts[1:]}
+    if first.links and first.exec != "lab":
+        for addr in first.addresses:
+            if others <= {peer for a, peer in first.links if a == addr}:
+                return addr
+        if first.ssh_address:
+            return first.ssh_address
+    if first.addresses:
+        return first.addresses[0]
+    if first.ssh_address:
+        return first.ssh_address
+    raise ConfigError(f"cannot choose MASTER_ADDR: host {first.name!r} has no 'addresses' and no 'ssh' "
+                      "(add its Thunderbolt address to the hostfile or pass --master-addr)")
+
+
+def rank_env(hosts: Sequence[Host], host_index: int, local_rank: int, nproc_per_host: int, master_addr: str,
+             master_port: int, extra_env: Mapping[str, str] | None = None,
+             inherited: Mapping[str, str] | None = None) -> dict[str, str]:
+    """torchrun-compatible variables for one rank; host env then `extra_env` (--env) override them."""
+    host = hosts[host_index]
+    world = len(hosts) * nproc_per_host
+    rank = host_index * nproc_per_host + local_rank
+    env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(rank),
+           "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nproc_per_host),
+           "GROUP_RANK": str(host_index), "GROUP_WORLD_SIZE": str(len(hosts)), "ROLE_RANK": str(rank),
+           "ROLE_WORLD_SIZE": str(world), "ROLE_NAME": "default"}
+    if host.ifname:
+        env["THUNDERBOLT_IFNAME"] = host.ifname
+        # Gloo opens one context per listed device and every rank must list the same number, so a
+        # middle host with two cables would hang it: give gloo only the first interface.
+        env["GLOO_SOCKET_IFNAME"] = host.ifname.split(",")[0]
+    if nproc_per_host > 1 and "OMP_NUM_THREADS" not in (inherited or {}):
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun does: K ranks on one host must not each take all cores
+    env.update(host.env)
+    env.update(extra_env or {})
+    return env
+
+
+def remote_script(env: Mapping[str, str], cmd: Sequence[str], cwd: str) -> str:
+    """POSIX sh script run on the remote host: same cwd, env exported, stopped when ssh goes away.
+
+    Without a tty, killing the local ssh does not signal the remote process. So the job runs in the
+    background while `cat` waits on the ssh channel's stdin; when the channel closes (launcher killed
+    ssh, or the connection dropped) cat sees EOF and the job gets SIGTERM. `wait` returns its status.
+    """
+    assigns = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+    job = f"cd {shlex.quote(cwd)} && exec env {assigns} {shlex.join(cmd)}"
+    return ("exec 3<&0; (" + job + ") </dev/null & p=$!; "
+            "(cat <&3 >/dev/null; kill -TERM $p 2>/dev/null) >/dev/null 2>&1 & "
+            "wait $p")
+
+
+def ssh_argv(host: Host, env: Mapping[str, str], cmd: Sequence[str], cwd: str,
+             ssh_options: Sequence[str] = ()) -> list[str]:
+    # The remote login shell may be zsh (macOS default): hand the script to sh explicitly.
+    remote = "sh -c " + shlex.quote(remote_script(env, cmd, cwd))
+    return ["ssh", "-o", "BatchMode=yes", *ssh_options, "--", str(host.ssh), remote]
+
+
+def lab_namespace(host: Host) -> str:
+    return host.namespace or f"{host.lab}-{host.name}"
+
+
+def rank_argv(host: Host, env: Mapping[str, str], cmd: Sequence[str], cwd: str,
+              ssh_options: Sequence[str] = ()) -> tuple[list[str], bool]:
+    """(argv to start locally, whether the env is already inside argv)."""
+    if host.exec == "ssh":
+        return ssh_argv(host, env, cmd, cwd, ssh_options), True
+    if host.exec == "lab":
+        return ["ip", "netns", "exec", lab_namespace(host), *cmd], False
+    return list(cmd), False
+
+
+def build_rank_specs(hosts: Sequence[Host], nproc_per_host: int, cmd: Sequence[str], *, cwd: str,
+                     master_addr: str | None = None, master_port: int = DEFAULT_MASTER_PORT,
+                     extra_env: Mapping[str, str] | None = None, ssh_options: Sequence[str] = (),
+                     inherited: Mapping[str, str] | None = None) -> list[RankSpec]:
+    """Every rank of the job, in rank order (host 0's ranks first)."""
+    if not cmd:
+        raise ConfigError("expected a command to launch: launch [OPTIONS] -- python train.py ...")
+    if not isinstance(nproc_per_host, int) or nproc_per_host < 1:
+        raise ConfigError(f"--nproc-per-host must be a positive integer, got {nproc_per_host!r}")
+    if not 0 < master_port < 65536:
+        raise ConfigError(f"--master-port must be from 1 to 65535, got {master_port}")
+    addr = master_addr or master_address(hosts)
+    specs = []
+    for h, host in enumerate(hosts):
+        for local in range(nproc_per_host):
+            env = rank_env(hosts, h, local, nproc_per_host, addr, master_port, extra_env, inherited)
+            argv, inside = rank_argv(host, env, cmd, cwd, ssh_options)
+            rank = h * nproc_per_host + local
+            specs.append(RankSpec(rank=rank, host=host, local_rank=local, env=env, argv=argv,
+                                  cwd=None if inside else cwd, env_in_argv=inside, label=f"rank {rank}"))
+    return specs
+
+
+def parse_env_assignments(items: Sequence[str]) -> dict[str, str]:
+    """`--env NAME=value` options -> dict, with a clear error for anything else."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not (name.replace("_", "a").isalnum() and not name[0].isdigit()):
+            raise ConfigError(f"--env {item!r} is invalid: expected NAME=value")
+        out[name] = value
+    return out

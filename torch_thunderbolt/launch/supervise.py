@@ -1,0 +1,151 @@
+"""Run the ranks as local child processes (ssh, `ip netns exec` or the program itself) and supervise them.
+
+Every output line is prefixed with its rank. The first rank to fail stops all the others (SIGTERM to
+each rank's process group, SIGKILL after a grace period) and its exit code becomes the launcher's.
+Ctrl-C (or SIGTERM/SIGHUP to the launcher) stops everything and returns 130.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Callable, Iterator, Mapping, Sequence
+
+from ..errors import ConfigError
+from .ranks import RankSpec
+
+DEFAULT_GRACE = 5.0
+
+
+def exit_code(returncode: int) -> int:
+    """Popen's -N (killed by signal N) becomes the shell's 128+N."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def prefix_lines(stream: IO[bytes], label: str, sink: IO[str], lock: threading.Lock) -> None:
+    """Copy `stream` to `sink` line by line as `[label] line` (a final unterminated line included)."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        with lock:
+            sink.write(f"[{label}] {line}\n")
+            sink.flush()
+
+
+def start_rank(spec: RankSpec, base_env: Mapping[str, str]) -> subprocess.Popen:
+    env = dict(base_env)
+    if not spec.env_in_argv:
+        env.update(spec.env)
+    try:
+        # Own session per rank: the terminal's Ctrl-C reaches only us, and we can kill the rank's whole
+        # process group (its children too). ssh ranks get a stdin pipe we never close until the end:
+        # the remote side treats EOF on it as "launcher gone".
+        return subprocess.Popen(spec.argv, env=env, cwd=spec.cwd, start_new_session=True,
+                                stdin=subprocess.PIPE if spec.env_in_argv else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except FileNotFoundError:
+        raise ConfigError(f"cannot start {spec.label} on {spec.host.name}: `{spec.argv[0]}` not found") from None
+    except PermissionError:
+        raise ConfigError(f"cannot start {spec.label} on {spec.host.name}: `{spec.argv[0]}` is not "
+                          "executable (or `ip netns exec` needs root)") from None
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_all(procs: Sequence[subprocess.Popen], grace: float) -> None:
+    """SIGTERM every live rank, wait up to `grace` seconds in total, then SIGKILL the rest."""
+    for proc in procs:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in procs:
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+
+
+def first_failure(procs: Sequence[subprocess.Popen], poll_interval: float) -> int | None:
+    """Block until every rank has succeeded (-> None) or one has failed (-> its index)."""
+    while True:
+        running = False
+        for i, proc in enumerate(procs):
+            rc = proc.poll()
+            if rc is None:
+                running = True
+            elif rc != 0:
+                return i
+        if not running:
+            return None
+        time.sleep(poll_interval)
+
+
+@contextlib.contextmanager
+def _interrupt_on_termination() -> Iterator[None]:
+    """Treat SIGTERM/SIGHUP to the launcher like Ctrl-C, so the ranks are stopped rather than orphaned."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    saved = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)
+
+
+def supervise(specs: Sequence[RankSpec], *, grace: float = DEFAULT_GRACE, poll_interval: float = 0.05,
+              stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+              base_env: Mapping[str, str] | None = None, log: Callable[[str], None] | None = None) -> int:
+    """Run all ranks to completion; -> 0, the first failed rank's exit code, or 130 when interrupted."""
+    out, err = stdout or sys.stdout, stderr or sys.stderr
+    say = log or (lambda msg: print(f"torch-thunderbolt launch: {msg}", file=err, flush=True))
+    env = dict(os.environ if base_env is None else base_env)
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    try:
+        with _interrupt_on_termination():
+            for spec in specs:
+                proc = start_rank(spec, env)
+                procs.append(proc)
+                for stream, sink in ((proc.stdout, out), (proc.stderr, err)):
+                    t = threading.Thread(target=prefix_lines, args=(stream, spec.label, sink, lock), daemon=True)
+                    t.start()
+                    pumps.append(t)
+            failed = first_failure(procs, poll_interval)
+            if failed is None:
+                return 0
+            spec, code = specs[failed], exit_code(procs[failed].returncode)
+            others = sum(p.poll() is None for p in procs)
+            say(f"{spec.label} on {spec.host.name} exited with code {code}; stopping {others} other rank(s)")
+            stop_all(procs, grace)
+            return code
+    except KeyboardInterrupt:
+        say("interrupted; stopping all ranks")
+        stop_all(procs, grace)
+        return 130
+    finally:
+        stop_all(procs, grace)
+        for t in pumps:
+            t.join(timeout=2.0)  # a grandchild holding the pipe open must not hang us
+        for proc in procs:
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()

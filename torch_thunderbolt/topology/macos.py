@@ -1,0 +1,214 @@
+"""Parsers for the macOS command outputs that describe Thunderbolt links, and a Host built from them.
+
+Pure functions over text so they run (and are tested) on Linux against recorded-style fixtures.
+Commands read (see `MACOS_COMMANDS`): `system_profiler SPThunderboltDataType -json` (ports, speeds,
+the bus UUID of the Mac at the other end), `networksetup -listallhardwareports` (port -> enX),
+`networksetup -listallnetworkservices` (which services exist / are disabled) and `ifconfig`.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+from .model import Bridge, Host, Port
+from .speed import link_speed_gbps
+
+MACOS_COMMANDS: dict[str, list[str]] = {
+    "system_profiler": ["system_profiler", "SPThunderboltDataType", "-json"],
+    "hardware_ports": ["networksetup", "-listallhardwareports"],
+    "services": ["networksetup", "-listallnetworkservices"],
+    "ifconfig": ["ifconfig"],
+}
+BRIDGE_SERVICE = "Thunderbolt Bridge"
+_RECEPTACLE = re.compile(r"^receptacle_\d+_tag$")
+_STATUS = {"receptacle_connected": "connected", "receptacle_no_devices_connected": "empty"}
+
+
+@dataclass
+class Interface:
+    """What `ifconfig` says about one interface."""
+
+    name: str
+    up: bool = False
+    mtu: int = 0
+    active: bool = False  # "status: active"
+    addresses: list[str] = field(default_factory=list)  # "10.77.0.1/30"
+    members: list[str] = field(default_factory=list)  # bridges only
+
+
+def parse_system_profiler(text: str) -> tuple[str, list[Port]]:
+    """(this Mac's model, its Thunderbolt ports) from `system_profiler SPThunderboltDataType -json`."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"system_profiler output is not JSON ({exc.msg} at line {exc.lineno})") from None
+    buses = data.get("SPThunderboltDataType") if isinstance(data, dict) else None
+    if not isinstance(buses, list):
+        raise ConfigError("system_profiler output has no 'SPThunderboltDataType' list")
+    model, ports = "", []
+    for bus in buses:
+        if not isinstance(bus, dict):
+            raise ConfigError("system_profiler: each SPThunderboltDataType entry must be an object")
+        model = model or str(bus.get("device_name_key", ""))
+        port = _bus_port(bus)
+        if port is not None:
+            ports.append(port)
+    return model, ports
+
+
+def _bus_port(bus: dict[str, Any]) -> Port | None:
+    tags = [v for k, v in bus.items() if _RECEPTACLE.match(k) and isinstance(v, dict)]
+    if not tags:
+        return None  # a bus without a receptacle is not a port we can cable
+    tag = tags[0]
+    receptacle = str(tag.get("receptacle_id_key", "")).strip()
+    if not receptacle:
+        raise ConfigError(f"system_profiler: bus {bus.get('_name', '?')!r} has no receptacle_id_key")
+    items = bus.get("_items") or []
+    if not isinstance(items, list):
+        raise ConfigError(f"system_profiler: '_items' of bus {bus.get('_name', '?')!r} is not a list")
+    speed_text = str(tag.get("current_speed_key") or _item_speed(items))
+    port = Port(
+        name=f"Thunderbolt {receptacle}",
+        receptacle=receptacle,
+        uuid=str(bus.get("domain_uuid_key", "")),
+        status=_STATUS.get(str(tag.get("receptacle_status_key", "")), "unknown"),
+        speed_text=speed_text,
+        speed_gbps=link_speed_gbps(speed_text),
+    )
+    for item in items:
+        _add_item(port, item)
+    if port.peer_uuid or port.devices:
+        port.status = "connected"
+    return port
+
+
+def _item_speed(items: list) -> str:
+    for item in items:
+        for key, value in item.items() if isinstance(item, dict) else ():
+            if key.startswith("receptacle_") and isinstance(value, dict) and value.get("current_speed_key"):
+                return str(value["current_speed_key"])
+    return ""
+
+
+def _add_item(port: Port, item: Any) -> None:
+    """A computer at the far end shows its bus UUID; displays, docks and drives do not."""
+    if not isinstance(item, dict):
+        raise ConfigError("system_profiler: a device under '_items' is not an object")
+    name = str(item.get("device_name_key") or item.get("_name") or "unknown device")
+    if item.get("domain_uuid_key") and not port.peer_uuid:
+        port.peer_uuid = str(item["domain_uuid_key"])
+        port.peer_name = name
+    else:
+        port.devices.append(name)
+    for child in item.get("_items") or []:  # daisy-chained devices behind this one
+        _add_item_as_device(port, child)
+
+
+def _add_item_as_device(port: Port, item: Any) -> None:
+    if isinstance(item, dict):
+        port.devices.append(str(item.get("device_name_key") or item.get("_name") or "unknown device"))
+        for child in item.get("_items") or []:
+            _add_item_as_device(port, child)
+
+
+def parse_hardware_ports(text: str) -> dict[str, str]:
+    """{"Thunderbolt 1": "en2", "Thunderbolt Bridge": "bridge0", ...} from -listallhardwareports."""
+    ports: dict[str, str] = {}
+    current = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("Hardware Port:"):
+            current = line.split(":", 1)[1].strip()
+        elif line.startswith("Device:") and current is not None:
+            ports[current] = line.split(":", 1)[1].strip()
+            current = None
+    if not ports and text.strip():
+        raise ConfigError("networksetup -listallhardwareports: no 'Hardware Port:'/'Device:' lines found")
+    return ports
+
+
+def parse_network_services(text: str) -> dict[str, bool]:
+    """{service: enabled} from -listallnetworkservices; a leading '*' marks a disabled service."""
+    services: dict[str, bool] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("An asterisk"):
+            continue
+        services[line.lstrip("*").strip()] = not line.startswith("*")
+    return services
+
+
+_IF_HEADER = re.compile(r"^([A-Za-z0-9_.]+): flags=[0-9a-fA-F]+<([^>]*)>(?:.*\bmtu (\d+))?")
+_INET = re.compile(r"^\s+inet (\d+\.\d+\.\d+\.\d+) netmask (0x[0-9a-fA-F]{8}|\d+\.\d+\.\d+\.\d+)")
+
+
+def parse_ifconfig(text: str) -> dict[str, Interface]:
+    """Interfaces, their IPv4 addresses, MTU, status and (for bridges) member ports."""
+    interfaces: dict[str, Interface] = {}
+    current: Interface | None = None
+    for line in text.splitlines():
+        header = _IF_HEADER.match(line)
+        if header:
+            current = Interface(header.group(1), up="UP" in header.group(2).split(","),
+                                mtu=int(header.group(3) or 0))
+            interfaces[current.name] = current
+            continue
+        if current is None or not line.strip():
+            continue
+        _ifconfig_detail(current, line)
+    if not interfaces and text.strip():
+        raise ConfigError("ifconfig output has no 'NAME: flags=...' interface lines")
+    return interfaces
+
+
+def _ifconfig_detail(iface: Interface, line: str) -> None:
+    inet = _INET.match(line)
+    stripped = line.strip()
+    if inet:
+        iface.addresses.append(f"{inet.group(1)}/{_prefix_len(inet.group(2))}")
+    elif stripped.startswith("member:"):
+        iface.members.append(stripped.split()[1])
+    elif stripped.startswith("status:"):
+        iface.active = stripped.split(":", 1)[1].strip() == "active"
+
+
+def _prefix_len(mask: str) -> int:
+    value = int(mask, 16) if mask.startswith("0x") else int.from_bytes(bytes(int(p) for p in mask.split(".")), "big")
+    return bin(value).count("1")
+
+
+def build_macos_host(name: str, outputs: dict[str, str]) -> Host:
+    """A Host from the raw outputs of `MACOS_COMMANDS` (keyed the same way)."""
+    missing = [key for key in ("system_profiler", "hardware_ports", "ifconfig") if key not in outputs]
+    if missing:
+        raise ConfigError(f"macOS discovery needs the output of: {', '.join(missing)}")
+    model, ports = parse_system_profiler(outputs["system_profiler"])
+    hw = parse_hardware_ports(outputs["hardware_ports"])
+    ifaces = parse_ifconfig(outputs["ifconfig"])
+    services = parse_network_services(outputs["services"]) if "services" in outputs else None
+    for port in ports:
+        port.ifname = hw.get(port.name, "")
+        info = ifaces.get(port.ifname)
+        if info is not None:
+            port.addresses, port.mtu, port.link_up = list(info.addresses), info.mtu, info.up and info.active
+    bridge = _bridge(hw, ifaces, services)
+    used = {p.ifname for p in ports} | ({bridge.ifname} if bridge else set())
+    other = [a for i in ifaces.values() if i.name not in used and not i.name.startswith("lo")
+             for a in i.addresses]
+    return Host(name=name, platform="macos", model=model, ports=ports, bridge=bridge,
+                services=services, other_addresses=other,
+                checked=[" ".join(cmd) for cmd in MACOS_COMMANDS.values()])
+
+
+def _bridge(hw: dict[str, str], ifaces: dict[str, Interface], services: dict[str, bool] | None) -> Bridge | None:
+    ifname = hw.get(BRIDGE_SERVICE)
+    if not ifname:
+        return None
+    info = ifaces.get(ifname, Interface(ifname))
+    enabled = None if services is None else services.get(BRIDGE_SERVICE, False)
+    return Bridge(ifname=ifname, members=list(info.members), active=info.up and info.active,
+                  service_enabled=enabled, addresses=list(info.addresses))
