@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "mps"],
-                   help="compute device (auto: mps if available, else cpu); activations travel as CPU tensors")
+                   help="compute device (auto: mps if available, else cpu); activations travel as "
+                        "CPU tensors")
     p.add_argument("--checkpoint", default=None, help="whole-model state dict (torch.save) to load")
     p.add_argument("--pingpong", type=int, default=20, help="activation round trips to time (0: skip)")
     for name in ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab-size"):
@@ -74,12 +75,21 @@ def make_prompt(vocab: int, batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed + 7))
 
 
-def decode(stage: LlamaStage, info_rank: int, n_stages: int, prompt: torch.Tensor | None,
-           batch: int, prompt_len: int, new_tokens: int, microbatches: int,
+@dataclass(frozen=True)
+class DecodeSpec:
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    microbatches: int = 1
+
+
+def decode(stage: LlamaStage, rank: int, n_stages: int, prompt: torch.Tensor | None, spec: DecodeSpec,
            device: torch.device, timer: CommTimer) -> dict[str, Any]:
-    """Greedy decoding through `n_stages` ranks (or alone if 1). Rank 0 returns tokens and timestamps."""
-    last = n_stages - 1
-    s = info_rank
+    """Greedy decoding through `n_stages` ranks (or alone if 1); `prompt` is needed on rank 0 only.
+    Every rank returns its total and send/recv seconds; rank 0 also the tokens and the rates."""
+    batch, prompt_len, new_tokens, microbatches = (spec.batch, spec.prompt_len, spec.new_tokens,
+                                                   spec.microbatches)
+    last, s = n_stages - 1, rank
     sizes = [len(c) for c in torch.arange(batch).tensor_split(microbatches)]
     caches = [stage.new_caches(n) for n in sizes]
     dtype, hidden = next(stage.parameters()).dtype, stage.cfg.hidden
@@ -183,14 +193,15 @@ def worker(args: argparse.Namespace, info: RankInfo) -> dict[str, Any] | None:
         prompt = make_prompt(cfg.vocab_size, batch, args.prompt_len, args.seed)
         ref = None
         if first:
-            ref = decode(full, 0, 1, prompt, batch, args.prompt_len, args.tokens, 1, device, CommTimer())
+            ref = decode(full, 0, 1, prompt, DecodeSpec(batch, args.prompt_len, args.tokens), device,
+                         CommTimer())
             runs.append(summarise("1-process", batch, 1, 1, ref))
         dist.barrier()
         if info.world == 1:
             continue
         timer = CommTimer()
-        res = decode(stage, info.rank, info.world, prompt if first else None, batch, args.prompt_len,
-                     args.tokens, args.microbatches, device, timer)
+        spec = DecodeSpec(batch, args.prompt_len, args.tokens, args.microbatches)
+        res = decode(stage, info.rank, info.world, prompt if first else None, spec, device, timer)
         per_rank = gather_floats([res["comm_s"], res["total_s"]])
         rtt = activation_round_trip_us(info, batch // args.microbatches, cfg.hidden, dtype, args.pingpong)
         dist.barrier()
@@ -199,6 +210,8 @@ def worker(args: argparse.Namespace, info: RankInfo) -> dict[str, Any] | None:
             row["comm_s_per_rank"] = [c for c, _ in per_rank]
             row["comm_share_per_rank"] = [c / t for c, t in per_rank]
             row["act_round_trip_us"] = rtt
+            # Per piece and step: S-1 activation hops + 1 token hop, each about half a round trip.
+            row["transfer_share_est"] = (args.microbatches * info.world / 2 * rtt / 1e3) / res["ms_per_token"]
             row["tokens_equal"] = bool(torch.equal(res["tokens"], ref["tokens"]))
             runs.append(row)
             if not row["tokens_equal"]:
@@ -219,7 +232,8 @@ def format_table(result: dict[str, Any]) -> str:
     cfg = result["config"]
     lines = [f"pipeline inference: backend {result['backend']}, preset {result['preset']} (hidden "
              f"{cfg['hidden']}, {cfg['layers']} layers, {human_params(result['params'])} params, "
-             f"{result['dtype']}), {result['world_size']} ranks, {result['threads_per_rank']} thread(s)/rank, "
+             f"{result['dtype']}), {result['world_size']} ranks, "
+             f"{result['threads_per_rank']} thread(s)/rank, "
              f"prompt {result['prompt_len']}, {result['new_tokens']} new tokens",
              f"{'batch':>5} {'mode':<10} {'stages':>6} {'mb':>3} {'prefill ms':>10} {'ms/token':>9} "
              f"{'tokens/s':>9} {'in send/recv per rank':>22} {'act RTT us':>10} {'equal':>5}"]

@@ -206,7 +206,8 @@ def allreduce_only(args: argparse.Namespace, info: RankInfo) -> dict[str, Any] |
               "threads_per_rank": torch.get_num_threads(), "ms": [x * 1e3 for x in times],
               "ms_median": t * 1e3, "ms_min": min(times) * 1e3, "algbw_GBps": algbw,
               "busbw_GBps": algbw * 2 * (info.world - 1) / info.world, "torch": torch.__version__}
-    print(f"all_reduce {numel} floats ({numel * 4 / 1e6:.1f} MB), backend {info.backend}, {info.world} ranks: "
+    print(f"all_reduce {numel} floats ({numel * 4 / 1e6:.1f} MB), backend {info.backend}, "
+          f"{info.world} ranks: "
           f"median {t * 1e3:.1f} ms (min {result['ms_min']:.1f}) over {len(times)}, algbw {algbw:.2f} GB/s, "
           f"busbw {result['busbw_GBps']:.2f} GB/s")
     return result

@@ -11,7 +11,7 @@ from typing import Mapping
 
 from .errors import ConfigError
 
-ALGOS = ("auto", "ring", "direct", "chain")
+ALGOS = ("auto", "ring", "biring", "direct", "chain")
 TRANSPORTS = ("auto", "tcp", "shm")
 COMPRESSIONS = ("none", "int8", "fp16", "bf16")
 
@@ -44,6 +44,7 @@ class Config:
     port: int = 0  # THUNDERBOLT_PORT: first listening port (0 = any free one)
     connect_timeout: float = 120.0  # THUNDERBOLT_CONNECT_TIMEOUT seconds
     compression: str = "none"  # THUNDERBOLT_COMPRESSION (lossy, float all_reduce only)
+    compression_block: int = 256  # THUNDERBOLT_COMPRESSION_BLOCK: int8 values per scale
     congestion_control: str = ""  # THUNDERBOLT_CC: per-socket TCP congestion control (Linux), e.g. cubic
     debug: bool = False  # THUNDERBOLT_DEBUG=1: full per-op signature checks and verbose logs
     extra: dict = field(default_factory=dict, compare=False)
@@ -67,6 +68,9 @@ class Config:
                 kw[key] = parse_size(get(var), var)
         if kw.get("chunk_bytes", 1 << 20) < 1024:
             raise ConfigError("THUNDERBOLT_CHUNK: expected at least 1K")
+        if get("THUNDERBOLT_COMPRESSION_BLOCK"):
+            kw["compression_block"] = _int(get("THUNDERBOLT_COMPRESSION_BLOCK"), "THUNDERBOLT_COMPRESSION_BLOCK", 1,
+                                           1 << 20)
         if get("THUNDERBOLT_PORT"):
             kw["port"] = _int(get("THUNDERBOLT_PORT"), "THUNDERBOLT_PORT", 0, 65535)
         if get("THUNDERBOLT_CONNECT_TIMEOUT"):

@@ -68,9 +68,10 @@ def make_config(preset: str, **overrides: int | None) -> LlamaConfig:
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[range]:
-    """Contiguous layer ranges per stage; earlier stages take the remainder (the last one holds the LM head)."""
+    """Contiguous layer ranges per stage; earlier stages take the remainder (the last holds the LM head)."""
     if n_stages < 1 or n_layers < n_stages:
-        raise ValueError(f"cannot split {n_layers} layers over {n_stages} stages (need layers >= stages >= 1)")
+        raise ValueError(f"cannot split {n_layers} layers over {n_stages} stages "
+                         "(need layers >= stages >= 1)")
     base, extra = divmod(n_layers, n_stages)
     ranges, start = [], 0
     for s in range(n_stages):
@@ -238,7 +239,8 @@ def build_stage(cfg: LlamaConfig, layer_ids: Sequence[int], first: bool, last: b
         layers=[_seeded(base + 100 + i, lambda: DecoderLayer(cfg)) for i in layer_ids],
         embed=_seeded(base + 1, lambda: nn.Embedding(cfg.vocab_size, cfg.hidden)) if first else None,
         norm=RMSNorm(cfg.hidden, cfg.norm_eps) if last else None,
-        lm_head=_seeded(base + 2, lambda: nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)) if last else None)
+        lm_head=(_seeded(base + 2, lambda: nn.Linear(cfg.hidden, cfg.vocab_size, bias=False))
+                 if last else None))
     if checkpoint is not None:
         stage.load_state_dict(stage_state_dict(checkpoint, stage.layer_ids, first, last))
     return _keep_rope_fp32(stage.to(dtype=dtype, device=device)).eval()

@@ -28,12 +28,13 @@ class ViTConfig:
         return (self.image_size // self.patch) ** 2
 
     def validate(self) -> "ViTConfig":
+        sizes = (self.image_size, self.patch, self.channels, self.dim, self.depth, self.heads, self.classes)
+        if min(sizes) < 1:
+            raise ValueError(f"ViT sizes must be positive, got {asdict(self)}")
         if self.image_size % self.patch:
             raise ValueError(f"image_size ({self.image_size}) must be a multiple of patch ({self.patch})")
         if self.dim % self.heads:
             raise ValueError(f"dim ({self.dim}) must be a multiple of heads ({self.heads})")
-        if min(self.image_size, self.patch, self.channels, self.dim, self.depth, self.heads, self.classes) < 1:
-            raise ValueError(f"ViT sizes must be positive, got {asdict(self)}")
         return self
 
 

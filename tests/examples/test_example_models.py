@@ -99,7 +99,7 @@ def test_single_stage_decode_equals_greedy_generate(tiny):
 
     cfg, model = tiny
     p = prompt(4)
-    res = pi.decode(model, 0, 1, p, 4, p.shape[1], 7, 1, torch.device("cpu"), CommTimer())
+    res = pi.decode(model, 0, 1, p, pi.DecodeSpec(4, p.shape[1], 7), torch.device("cpu"), CommTimer())
     assert torch.equal(res["tokens"], llama.greedy_generate(model, p, 7))
     assert res["ms_per_token"] > 0
 

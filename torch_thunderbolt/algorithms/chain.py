@@ -1,7 +1,8 @@
-"""Pipelined chains: broadcast and reduce along a line of ranks, chunk by chunk.
+"""Pipelined lines: broadcast, reduce and all-reduce along a line of ranks, chunk by chunk.
 
-A chain matches daisy-chained Macs (A–B–C with no A–C cable): every byte crosses each cable once, and the
-pipeline keeps all cables busy at once.
+A line matches daisy-chained Macs (A–B–C with no A–C cable): every message crosses one cable, each byte
+crosses each cable once per direction, and the pipeline keeps all cables busy at once. The root may sit
+anywhere on the line; data then flows out along (or in from) both branches.
 """
 from __future__ import annotations
 
@@ -9,39 +10,80 @@ from .layout import chunks
 from .plan import Plan
 
 
-def chain_broadcast(rank: int, order: list[int], count: int, chunk: int) -> Plan:
-    """`order[0]` is the root; data flows order[0] -> order[1] -> ... into "out"."""
-    plan = Plan(rank, len(order), "chain")
-    pos = order.index(rank)
-    prev = order[pos - 1] if pos > 0 else None
-    nxt = order[pos + 1] if pos + 1 < len(order) else None
+def _towards_and_away(line: list[int], rank: int, root: int) -> tuple[int | None, list[int]]:
+    """(neighbour towards the root or None at the root, neighbours away from the root)."""
+    p, q = line.index(rank), line.index(root)
+    left = line[p - 1] if p > 0 else None
+    right = line[p + 1] if p + 1 < len(line) else None
+    if p == q:
+        return None, [x for x in (left, right) if x is not None]
+    if p < q:
+        return right, [left] if left is not None else []
+    return left, [right] if right is not None else []
+
+
+def add_line_broadcast(plan: Plan, line: list[int], root: int, count: int, chunk: int, msg0: int = 0,
+                       ready: dict[int, int] | None = None, after: dict[int, tuple[int, ...]] | None = None) -> None:
+    """Broadcast "out" from `root`. `ready[j]`: step after which chunk j is final on the root;
+    `after[j]`: steps a receive into chunk j must wait for (it overwrites them)."""
+    towards, away = _towards_and_away(line, plan.rank, root)
     for j, (off, n) in enumerate(chunks(0, count, chunk)):
-        deps: tuple[int, ...] = ()
-        if prev is not None:
-            deps = (plan.recv(prev, "out", off, n, j),)
-        if nxt is not None:
-            plan.send(nxt, "out", off, n, j, deps)
+        if towards is None:
+            deps: tuple[int, ...] = (ready[j],) if ready and j in ready else ()
+        else:
+            deps = (plan.recv(towards, "out", off, n, msg0 + j, (after or {}).get(j, ())),)
+        for nxt in away:
+            plan.send(nxt, "out", off, n, msg0 + j, deps)
+
+
+def add_line_reduce(plan: Plan, line: list[int], root: int, count: int, chunk: int) -> dict[int, int]:
+    """Reduce "in" of every rank into "out" on root; "in" of other ranks is not modified.
+    Returns, per chunk, the step that finishes it on the root (or that last read it elsewhere)."""
+    towards, away = _towards_and_away(line, plan.rank, root)
+    plan.tmp = max(plan.tmp, count * max(1, len(away)))
+    done: dict[int, int] = {}
+    for j, (off, n) in enumerate(chunks(0, count, chunk)):
+        if not away:  # a line end: send our own data
+            done[j] = plan.send(towards, "in", off, n, j)
+            continue
+        recvs = [plan.recv(src, "tmp", k * count + off, n, j) for k, src in enumerate(away)]
+        if towards is None:  # root: out ⊕= every branch's partial
+            last = None
+            for k, r in enumerate(recvs):
+                last = plan.reduce("out", off, "tmp", k * count + off, n, (r,) if last is None else (r, last))
+            done[j] = last
+        else:  # middle: partial ⊕= own data, pass it on
+            red = plan.reduce("tmp", off, "in", off, n, (recvs[0],))
+            done[j] = plan.send(towards, "tmp", off, n, j, (red,))
+    return done
+
+
+def chain_broadcast(rank: int, line: list[int], root: int, count: int, chunk: int) -> Plan:
+    plan = Plan(rank, len(line), "chain")
+    if len(line) > 1:
+        add_line_broadcast(plan, line, root, count, chunk)
     return plan
 
 
-def chain_reduce(rank: int, order: list[int], count: int, chunk: int) -> Plan:
-    """`order[0]` is the root; partial results flow from the far end towards it. "in" is not modified
-    except on the root, whose "out" is its "in"."""
-    plan = Plan(rank, len(order), "chain")
-    if len(order) == 1:
+def chain_reduce(rank: int, line: list[int], root: int, count: int, chunk: int) -> Plan:
+    plan = Plan(rank, len(line), "chain")
+    if len(line) > 1:
+        add_line_reduce(plan, line, root, count, chunk)
+    return plan
+
+
+def chain_allreduce(rank: int, line: list[int], count: int, chunk: int) -> Plan:
+    """Reduce towards line[0], then broadcast back, pipelined: each cable carries the data once per
+    direction (a ring laid on a line would push its closing edge through every middle host)."""
+    plan = Plan(rank, len(line), "chain")
+    if len(line) == 1:
         return plan
-    pos = order.index(rank)
-    prev = order[pos + 1] if pos + 1 < len(order) else None  # farther from root: sends to us
-    nxt = order[pos - 1] if pos > 0 else None  # towards the root
-    plan.tmp = count if prev is not None else 0
-    for j, (off, n) in enumerate(chunks(0, count, chunk)):
-        if prev is None:
-            plan.send(nxt, "in", off, n, j)
-            continue
-        r = plan.recv(prev, "tmp", off, n, j)
-        if nxt is None:
-            plan.reduce("out", off, "tmp", off, n, (r,))
-        else:
-            red = plan.reduce("tmp", off, "in", off, n, (r,))
-            plan.send(nxt, "tmp", off, n, j, (red,))
+    root = line[0]
+    done = add_line_reduce(plan, line, root, count, chunk)
+    n_chunks = len(chunks(0, count, chunk))
+    if rank == root:
+        add_line_broadcast(plan, line, root, count, chunk, msg0=n_chunks, ready=done)
+    else:  # our "in" is our "out": a result chunk may land only after we sent our partial of it
+        add_line_broadcast(plan, line, root, count, chunk, msg0=n_chunks,
+                           after={j: (s,) for j, s in done.items()})
     return plan

@@ -18,6 +18,7 @@ from . import direct, select
 from .layout import offsets
 from .plan import Plan, run_plan
 from .reduce_ops import make_reducer
+from .shape import Shape
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -30,12 +31,12 @@ def _noop(d: torch.Tensor, s: torch.Tensor) -> None:
 
 class Communicator:
     def __init__(self, transport: Transport, cfg: Config, timeout: float = 1800.0,
-                 ring_order: list[int] | None = None) -> None:
+                 shape: Shape | None = None) -> None:
         self.t = transport
         self.cfg = cfg
         self.rank, self.world = transport.rank, transport.world
         self.timeout = timeout
-        self.ring_order = ring_order
+        self.shape = shape or Shape.full(transport.world)
         self.seq = 0
         self._plans: dict[tuple, Plan] = {}
         self._scratch: torch.Tensor | None = None
@@ -79,21 +80,21 @@ class Communicator:
             x.mul_(premul)
         n, es = x.numel(), x.element_size()
         plan = self._plan(("ar", n, es), lambda: select.allreduce_plan(
-            self.cfg, self.rank, self.world, n, es, self.ring_order))
-        self._run(plan, "all_reduce", {"out": x}, op, x, count=n)
+            self.cfg, self.rank, self.world, n, es, self.shape))
+        self._run(plan, "all_reduce", {"in": x, "out": x}, op, x, count=n)
         if op == "avg":
             x.div_(self.world)
 
     def broadcast(self, x: torch.Tensor, root: int) -> None:
         n, es = x.numel(), x.element_size()
         plan = self._plan(("bc", n, es, root), lambda: select.broadcast_plan(
-            self.cfg, self.rank, self.world, root, n, es))
+            self.cfg, self.rank, self.world, root, n, es, self.shape))
         self._run(plan, "broadcast", {"out": x}, None, x, root=root, count=n)
 
     def reduce(self, x: torch.Tensor, root: int, op: str = "sum") -> None:
         n, es = x.numel(), x.element_size()
         plan = self._plan(("rd", n, es, root), lambda: select.reduce_plan(
-            self.cfg, self.rank, self.world, root, n, es))
+            self.cfg, self.rank, self.world, root, n, es, self.shape))
         self._run(plan, "reduce", {"in": x, "out": x}, op, x, root=root, count=n)
         if op == "avg" and self.rank == root:
             x.div_(self.world)
@@ -105,7 +106,7 @@ class Communicator:
         out[offs[self.rank] : offs[self.rank] + counts[self.rank]].copy_(x)
         es = x.element_size()
         plan = self._plan(("ag", tuple(counts), es), lambda: select.all_gather_plan(
-            self.cfg, self.rank, self.world, counts, es, self.ring_order))
+            self.cfg, self.rank, self.world, counts, es, self.shape))
         self._run(plan, "all_gather", {"out": out}, None, out, count=sum(counts))
 
     def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, counts: list[int], op: str = "sum") -> None:
@@ -113,7 +114,7 @@ class Communicator:
         make_reducer(op, x.dtype)
         es = x.element_size()
         plan, in_place = self._plan(("rs", tuple(counts), es), lambda: select.reduce_scatter_plan(
-            self.cfg, self.rank, self.world, counts, es, self.ring_order))
+            self.cfg, self.rank, self.world, counts, es, self.shape))
         if in_place:  # ring: reduce a full working copy, then keep our block
             work = self._tmp_full(x)
             self._run(plan, "reduce_scatter", {"out": work}, op, x, count=sum(counts))

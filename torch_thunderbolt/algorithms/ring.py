@@ -5,7 +5,7 @@ follows `order` (a permutation of ranks), so the topology layer can lay it along
 """
 from __future__ import annotations
 
-from .layout import chunks, ring_neighbours
+from .layout import chunks, ring_neighbours, split_even
 from .plan import Plan
 
 Segments = list[tuple[int, int]]  # per rank: (offset, length) in elements
@@ -93,4 +93,33 @@ def ring_all_gather(rank: int, order: list[int], segs: Segments, chunk: int) -> 
     plan = Plan(rank, len(order), "ring")
     if len(order) > 1:
         _add_all_gather(plan, order, segs, chunk, {}, 0)
+    return plan
+
+
+MERGE_MSG_OFFSET = 1 << 24
+
+
+def merge(a: Plan, b: Plan) -> Plan:
+    """One plan running `a` and `b` concurrently (disjoint data, their own scratch and message ids)."""
+    out = Plan(a.rank, a.world, a.algo + "+" + b.algo, list(a.steps), a.tmp + b.tmp)
+    # The message-id offset must be the same on every rank (each rank's plan `a` may end on another id).
+    shift, msg_shift = len(a.steps), MERGE_MSG_OFFSET
+    for s in b.steps:
+        out.steps.append(s._replace(
+            deps=tuple(d + shift for d in s.deps),
+            msg=s.msg + msg_shift if s.msg >= 0 else s.msg,
+            off=s.off + a.tmp if s.buf == "tmp" else s.off,
+            src_off=s.src_off + a.tmp if s.src == "tmp" else s.src_off))
+    return out
+
+
+def bidirectional_ring_allreduce(rank: int, order: list[int], count: int, chunk: int) -> Plan:
+    """Half the data around the ring one way, half the other way: every cable busy in both directions."""
+    half = count // 2
+    segs_a = [(o, n) for o, n in split_even(half, len(order))]
+    segs_b = [(half + o, n) for o, n in split_even(count - half, len(order))]
+    fwd = ring_allreduce(rank, order, segs_a, chunk)
+    back = ring_allreduce(rank, [order[0]] + order[1:][::-1], segs_b, chunk)
+    plan = merge(fwd, back)
+    plan.algo = "biring"
     return plan

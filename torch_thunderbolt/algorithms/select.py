@@ -1,14 +1,12 @@
-"""Which algorithm for which collective, by message size and world size (overridable)."""
+"""Which algorithm for which collective, by message size, world size and cluster shape (overridable
+with THUNDERBOLT_ALGO)."""
 from __future__ import annotations
 
 from ..config import Config
 from . import chain, direct, ring
 from .layout import offsets, split_even
 from .plan import Plan
-
-
-def ring_order_from(order: list[int] | None, world: int) -> list[int]:
-    return list(order) if order else list(range(world))
+from .shape import Shape
 
 
 def _chunk_elems(cfg: Config, elem: int) -> int:
@@ -18,47 +16,53 @@ def _chunk_elems(cfg: Config, elem: int) -> int:
 def _small(cfg: Config, nbytes: int) -> bool:
     if cfg.algo == "direct":
         return True
-    if cfg.algo in ("ring", "chain"):
+    if cfg.algo != "auto":
         return False
     return nbytes <= cfg.small_bytes
 
 
-def allreduce_plan(cfg: Config, rank: int, world: int, count: int, elem: int, order: list[int] | None) -> Plan:
+def _line_from(shape: Shape, root: int) -> list[int]:
+    """A line through every rank along the cables: the chain itself, or the ring cut open at the root."""
+    if shape.is_line:
+        return shape.order
+    p = shape.order.index(root)
+    return shape.order[p:] + shape.order[:p]
+
+
+def allreduce_plan(cfg: Config, rank: int, world: int, count: int, elem: int, shape: Shape) -> Plan:
     if world == 1 or _small(cfg, count * elem) or count < world:
         return direct.direct_allreduce(rank, world, count)
-    order = ring_order_from(order, world)
-    return ring.ring_allreduce(rank, order, split_even(count, world), _chunk_elems(cfg, elem))
+    chunk = _chunk_elems(cfg, elem)
+    if cfg.algo == "chain" or (cfg.algo == "auto" and shape.is_line):
+        return chain.chain_allreduce(rank, shape.order, count, chunk)
+    if cfg.algo == "biring" or (cfg.algo == "auto" and world > 2 and count >= 2 * world):
+        return ring.bidirectional_ring_allreduce(rank, shape.order, count, chunk)
+    return ring.ring_allreduce(rank, shape.order, split_even(count, world), chunk)
 
 
 def reduce_scatter_plan(cfg: Config, rank: int, world: int, counts: list[int], elem: int,
-                        order: list[int] | None) -> tuple[Plan, bool]:
+                        shape: Shape) -> tuple[Plan, bool]:
     """Returns (plan, in_place): ring plans reduce a full copy in "out"; direct ones read "in"."""
     segs = list(zip(offsets(counts), counts))
     if world == 1 or _small(cfg, sum(counts) * elem):
         return direct.direct_reduce_scatter(rank, world, segs), False
-    order = ring_order_from(order, world)
-    return ring.ring_reduce_scatter(rank, order, segs, _chunk_elems(cfg, elem)), True
+    return ring.ring_reduce_scatter(rank, shape.order, segs, _chunk_elems(cfg, elem)), True
 
 
-def all_gather_plan(cfg: Config, rank: int, world: int, counts: list[int], elem: int,
-                    order: list[int] | None) -> Plan:
+def all_gather_plan(cfg: Config, rank: int, world: int, counts: list[int], elem: int, shape: Shape) -> Plan:
     segs = list(zip(offsets(counts), counts))
     if world == 1 or _small(cfg, sum(counts) * elem):
         return direct.direct_all_gather(rank, world, segs)
-    return ring.ring_all_gather(rank, ring_order_from(order, world), segs, _chunk_elems(cfg, elem))
+    return ring.ring_all_gather(rank, shape.order, segs, _chunk_elems(cfg, elem))
 
 
-def broadcast_plan(cfg: Config, rank: int, world: int, root: int, count: int, elem: int) -> Plan:
-    if world <= 2 or _small(cfg, count * elem):
-        if cfg.algo != "chain":
-            return direct.flat_broadcast(rank, world, root, count)
-    order = [(root + k) % world for k in range(world)]
-    return chain.chain_broadcast(rank, order, count, _chunk_elems(cfg, elem))
+def broadcast_plan(cfg: Config, rank: int, world: int, root: int, count: int, elem: int, shape: Shape) -> Plan:
+    if cfg.algo != "chain" and (world <= 2 or _small(cfg, count * elem)):
+        return direct.flat_broadcast(rank, world, root, count)
+    return chain.chain_broadcast(rank, _line_from(shape, root), root, count, _chunk_elems(cfg, elem))
 
 
-def reduce_plan(cfg: Config, rank: int, world: int, root: int, count: int, elem: int) -> Plan:
+def reduce_plan(cfg: Config, rank: int, world: int, root: int, count: int, elem: int, shape: Shape) -> Plan:
     if _small(cfg, count * elem) and cfg.algo != "chain":
         return direct.direct_reduce(rank, world, root, count)
-    order = [(root + k) % world for k in range(world)]
-    return chain.chain_reduce(rank, order, count, _chunk_elems(cfg, elem))
-
+    return chain.chain_reduce(rank, _line_from(shape, root), root, count, _chunk_elems(cfg, elem))

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from ..algorithms.collectives import Communicator
+from ..algorithms.shape import Shape
+from ..compression.allreduce import compressed_all_reduce
 from ..config import Config
 from ..transport.base import ANY_SOURCE, Transport
 from .tensors import Staged, check_same_dtype, flat_cat, reduce_op, rows_to_elems, split_into
@@ -30,13 +32,13 @@ def _timeout_s(opts: Any, default: float) -> float:
 
 
 class ThunderboltProcessGroup(dist.ProcessGroup):
-    def __init__(self, transport: Transport, cfg: Config, timeout: float, ring_order: list[int] | None = None,
-                 description: str = "") -> None:
+    def __init__(self, transport: Transport, cfg: Config, timeout: float, description: str = "",
+                 shape: Shape | None = None) -> None:
         super().__init__(transport.rank, transport.world)
         self._transport = transport
         self._cfg = cfg
         self._timeout = timeout
-        self._comm = Communicator(transport, cfg, timeout, ring_order)
+        self._comm = Communicator(transport, cfg, timeout, shape)
         self._worker = Worker(f"tb-worker-r{transport.rank}")
         self._group_name = ""
         self._group_desc = description
@@ -84,10 +86,19 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         def run() -> None:
             comm = self._with_timeout(opts)
             for s in staged:
-                comm.all_reduce(s.flat, op, factor)
+                if self._compress(s.flat, op):
+                    compressed_all_reduce(s.flat, self._cfg.compression, block_size=self._cfg.compression_block,
+                                          average=op == "avg", exchange=_CommExchange(comm))
+                else:
+                    comm.all_reduce(s.flat, op, factor)
                 s.write_back()
 
         return self._submit("all_reduce", run, tensors, sum(t.numel() * t.element_size() for t in tensors))
+
+    def _compress(self, flat: torch.Tensor, op: str) -> bool:
+        """THUNDERBOLT_COMPRESSION applies to float SUM/AVG all_reduce above the small-message size."""
+        return (self._cfg.compression != "none" and op in ("sum", "avg") and flat.is_floating_point()
+                and flat.numel() * flat.element_size() > self._cfg.small_bytes and self.size() > 1)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -364,6 +375,21 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             self.shutdown()
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
+
+
+class _CommExchange:
+    """The compression layer's two byte-moving calls, served by our own Communicator (no re-entry)."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.world_size = comm.world
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        c = inp.shape[1]
+        self.comm.all_to_all(out.view(-1), inp.reshape(-1), [c] * self.world_size, [c] * self.world_size)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.comm.all_gather(out.view(-1), inp.reshape(-1))
 
 
 def _plain(op: str) -> str:

@@ -18,6 +18,7 @@ DEVICES = ["cpu", "cuda", "mps"]
 
 def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
     """The creator torch calls for every group using our backend (extended API)."""
+    from ..algorithms.shape import shape_from_networks
     from ..config import Config
     from ..transport.memory import MemoryHub
     from .process_group import ThunderboltProcessGroup
@@ -36,7 +37,10 @@ def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
         from ..transport.bootstrap import connect_tcp
 
         transport = connect_tcp(dist_opts.store, rank, size, cfg, timeout)
-    return ThunderboltProcessGroup(transport, cfg, timeout, description=str(getattr(dist_opts, "group_id", "")))
+    nets = getattr(transport, "networks", None)
+    shape = shape_from_networks(nets) if nets else None
+    return ThunderboltProcessGroup(transport, cfg, timeout, description=str(getattr(dist_opts, "group_id", "")),
+                                   shape=shape)
 
 
 def _thunderbolt_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any):

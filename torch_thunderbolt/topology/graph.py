@@ -82,19 +82,23 @@ def is_connected(graph: ClusterGraph) -> bool:
 
 def classify(graph: ClusterGraph) -> str:
     """One of SHAPES. A 3-host cycle is a "ring" (it is also a full mesh; ring is the useful name)."""
-    n = len(graph.hosts)
+    if len(graph.hosts) >= 2 and not is_connected(graph):
+        return "other"
+    return classify_adjacency(_adjacency(graph), graph.names)
+
+
+def classify_adjacency(adj: dict, names: list) -> str:
+    """`classify` over a plain adjacency map (the backend builds one from which ranks share a subnet)."""
+    n = len(names)
     if n < 2:
         return "single"
-    if not is_connected(graph):
-        return "other"
     if n == 2:
-        return "pair"
-    adj = _adjacency(graph)
+        return "pair" if names[1] in adj[names[0]] else "other"
     edges = sum(len(v) for v in adj.values()) // 2
-    degrees = [len(v) for v in adj.values()]
-    if edges == n and all(d == 2 for d in degrees):
+    degrees = [len(adj[x]) for x in names]
+    if edges == n and all(d == 2 for d in degrees) and ring_order_adjacency(adj, names) is not None:
         return "ring"
-    if edges == n - 1 and max(degrees) <= 2:
+    if edges == n - 1 and max(degrees) <= 2 and chain_order_adjacency(adj, names) is not None:
         return "chain"
     if edges == n * (n - 1) // 2:
         return "mesh"
@@ -103,10 +107,12 @@ def classify(graph: ClusterGraph) -> str:
 
 def ring_order(graph: ClusterGraph) -> list[str] | None:
     """Host names in an order where each is cabled to the next and the last to the first, or None."""
-    names = graph.names
+    return ring_order_adjacency(_adjacency(graph), graph.names)
+
+
+def ring_order_adjacency(adj: dict, names: list) -> list | None:
     if len(names) <= 1:
         return list(names)
-    adj = _adjacency(graph)
     if len(names) == 2:
         return list(names) if names[1] in adj[names[0]] else None
     path = _hamiltonian(adj, names, [names[0]], closed=True)
@@ -119,10 +125,12 @@ def ring_order(graph: ClusterGraph) -> list[str] | None:
 
 def chain_order(graph: ClusterGraph) -> list[str] | None:
     """Host names in an order where each is cabled to the next (a Hamiltonian path), or None."""
-    names = graph.names
+    return chain_order_adjacency(_adjacency(graph), graph.names)
+
+
+def chain_order_adjacency(adj: dict, names: list) -> list | None:
     if len(names) <= 1:
         return list(names)
-    adj = _adjacency(graph)
     for start in names:
         path = _hamiltonian(adj, names, [start], closed=False)
         if path is not None:

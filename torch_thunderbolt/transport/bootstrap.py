@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ..config import Config
 from ..errors import ConfigError, HandshakeError, PeerLostError, ThunderboltError
 from ..protocol import handshake as hs
-from .netif import choose_addresses
+from .netif import choose_addresses, network_of
 from .tcp import TcpTransport
 
 log = logging.getLogger("torch_thunderbolt.bootstrap")
@@ -188,6 +188,18 @@ def _connect(rank: int, peer: int, stream: int, target: tuple[str, int], source:
     raise err from last
 
 
+def stream_routes(my_addrs: list[str], my_nets: list[str], peer_eps: list, peer_nets: list[str],
+                  streams: int) -> list[tuple[str, tuple[str, int]]]:
+    """(source address, target endpoint) per stream. Streams go round-robin over the cables that join
+    us directly (a peer address in the same network as one of ours), so two cables carry half each;
+    with no direct cable, over every peer endpoint and let routing choose the source."""
+    direct = [(my_addrs[i], (ep[0], ep[1])) for i, net in enumerate(my_nets)
+              for j, ep in enumerate(peer_eps) if j < len(peer_nets) and peer_nets[j] == net]
+    if not direct:
+        direct = [("", (ep[0], ep[1])) for ep in peer_eps]
+    return [direct[s % len(direct)] for s in range(streams)]
+
+
 def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) -> TcpTransport:
     deadline = time.monotonic() + min(timeout, cfg.connect_timeout)
     addrs = choose_addresses(cfg.ifnames, store_host(store))
@@ -199,7 +211,8 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) 
         shared = json.loads(store.get("tb/secret"))
         secret, group_id = bytes.fromhex(shared["secret"]), shared["group"]
         endpoints = [[a, lst.getsockname()[1]] for a, lst in zip(addrs, listeners)]
-        store.set(f"tb/ep/{rank}", json.dumps({"endpoints": endpoints, "host": socket.gethostname()}))
+        nets = [network_of(a) for a in addrs]
+        store.set(f"tb/ep/{rank}", json.dumps({"endpoints": endpoints, "nets": nets, "host": socket.gethostname()}))
         # Accept before waiting for anyone: peers may connect as soon as we published our endpoint.
         acceptor = _Acceptor(listeners, rank, world, cfg.streams, secret, group_id,
                              lambda p: {a for a, _ in json.loads(store.get(f"tb/ep/{p}"))["endpoints"]},
@@ -208,12 +221,9 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) 
         infos = {p: json.loads(store.get(f"tb/ep/{p}")) for p in range(rank)}
         conns: dict[int, list[socket.socket]] = {}
         for p in range(rank):
-            eps = infos[p]["endpoints"]
-            conns[p] = [
-                _connect(rank, p, s, tuple(eps[s % len(eps)]), addrs[s % len(addrs)], secret, group_id, cfg,
-                         deadline)
-                for s in range(cfg.streams)
-            ]
+            routes = stream_routes(addrs, nets, infos[p]["endpoints"], infos[p].get("nets", []), cfg.streams)
+            conns[p] = [_connect(rank, p, s, target, source, secret, group_id, cfg, deadline)
+                        for s, (source, target) in enumerate(routes)]
         if not acceptor.done.wait(max(0.0, deadline - time.monotonic())):
             missing = sorted({p for p in range(rank + 1, world)
                               for s in range(cfg.streams) if acceptor.conns.get((p, s)) is None})
@@ -221,7 +231,10 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) 
                                 f"(listening on {endpoints})", rank=rank, peer=missing[0] if missing else -1)
         for (p, s), sock in sorted(acceptor.conns.items()):
             conns.setdefault(p, []).append(sock)
-        return TcpTransport(rank, world, conns, stripe_bytes=cfg.stripe_bytes)
+        transport = TcpTransport(rank, world, conns, stripe_bytes=cfg.stripe_bytes)
+        all_nets = [nets if p == rank else json.loads(store.get(f"tb/ep/{p}")).get("nets", []) for p in range(world)]
+        transport.networks = all_nets  # the backend derives the cluster shape from these
+        return transport
     finally:
         if acceptor is not None:
             acceptor.stop()  # before closing the listeners, so no accept() keeps one alive

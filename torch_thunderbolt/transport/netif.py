@@ -84,3 +84,18 @@ def choose_addresses(ifnames: tuple[str, ...], store_host: str | None, table: In
     if store_host:
         return [address_towards(store_host)]
     return ["127.0.0.1"]
+
+
+def network_of(address: str, masks: dict[str, str] | None = None) -> str:
+    """CIDR of the network `address` sits in (its interface's netmask), e.g. "10.77.0.1/30"."""
+    if masks is None:
+        masks = local_netmasks()
+    mask = masks.get(address) or ("255.0.0.0" if address.startswith("127.") else "255.255.255.255")
+    return str(ipaddress.IPv4Interface(f"{address}/{mask}").network)
+
+
+def local_netmasks() -> dict[str, str]:
+    import psutil
+
+    return {a.address: a.netmask for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family == socket.AF_INET and a.netmask}
