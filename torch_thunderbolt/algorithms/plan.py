@@ -59,6 +59,13 @@ class Plan:
         self.steps.append(step)
         return len(self.steps) - 1
 
+    def graph(self) -> "_Graph":
+        """The dependency structure, computed once per plan (plans are cached and reused per op)."""
+        g = self.__dict__.get("_graph")
+        if g is None or g.n != len(self.steps):
+            g = self.__dict__["_graph"] = _Graph(self.steps)
+        return g
+
     def traffic(self) -> dict[int, int]:
         """Elements this rank sends to each peer."""
         out: dict[int, int] = {}
@@ -66,6 +73,22 @@ class Plan:
             if s.kind == SEND:
                 out[s.peer] = out.get(s.peer, 0) + s.n
         return out
+
+
+class _Graph:
+    """Children, initial dependency counts, roots and per-peer message order of a plan's steps."""
+
+    def __init__(self, steps: list[Step]) -> None:
+        self.n = len(steps)
+        self.waiting = [len(s.deps) for s in steps]
+        self.children: list[list[int]] = [[] for _ in steps]
+        self.queues: dict[tuple[int, int], list[int]] = {}
+        for i, s in enumerate(steps):
+            for d in s.deps:
+                self.children[d].append(i)
+            if s.kind in (SEND, RECV):  # per-peer FIFO, so posting order follows plan order
+                self.queues.setdefault((s.kind, s.peer), []).append(i)
+        self.roots = [i for i, s in enumerate(steps) if not s.deps]
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -91,23 +114,17 @@ class _Run:
         self.es = es
         self.views = {name: tensor_bytes(b) for name, b in bufs.items()}
         steps = plan.steps
-        self.waiting = [len(s.deps) for s in steps]
-        self.children: list[list[int]] = [[] for _ in steps]
-        for i, s in enumerate(steps):
-            for d in s.deps:
-                self.children[d].append(i)
-        # per-peer FIFO of message steps, so posting order follows plan order
-        self.queues: dict[tuple[int, int], deque[int]] = {}
-        for i, s in enumerate(steps):
-            if s.kind in (SEND, RECV):
-                self.queues.setdefault((s.kind, s.peer), deque()).append(i)
+        graph = plan.graph()
+        self.waiting = list(graph.waiting)
+        self.children = graph.children
+        self.queues = {k: deque(v) for k, v in graph.queues.items()}
+        self.roots = graph.roots
         self.ready = [False] * len(steps)
         self.inflight: dict[int, Request] = {}
         self.remaining = len(steps)
 
     def run(self, deadline: float | None, what: str) -> None:
-        steps = self.plan.steps
-        todo = deque(i for i, s in enumerate(steps) if not s.deps)
+        todo = deque(self.roots)
         while self.remaining:
             while todo:
                 self._start(todo.popleft(), todo)

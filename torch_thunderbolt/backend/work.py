@@ -26,8 +26,9 @@ class Work(dist._Work):
         self._exc: BaseException | None = None
         self._source = -1
         self._wait_fn = wait_fn  # p2p works make progress themselves when waited on
-        self._raw = torch.futures.Future()
-        self._fut = self._raw.then(self._unwrap)
+        # Futures are made on demand: most works are only waited on, and a Future costs tens of µs.
+        self._raw: torch.futures.Future | None = None
+        self._fut: torch.futures.Future | None = None
 
     # -- completion (from the worker thread or a waiter) ------------------------------------------------
     def finish(self, exc: BaseException | None = None) -> None:
@@ -36,7 +37,8 @@ class Work(dist._Work):
                 return
             self._exc = exc
             # The future first, then waiters: a waiter may tear the group down right after waking.
-            self._raw.set_result(self._result)
+            if self._raw is not None:
+                self._raw.set_result(self._result)
             self._done.set()
 
     def _unwrap(self, fut: torch.futures.Future) -> Any:
@@ -63,6 +65,12 @@ class Work(dist._Work):
         return True
 
     def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._fut is None:
+                self._raw = torch.futures.Future()
+                self._fut = self._raw.then(self._unwrap)
+                if self._done.is_set():
+                    self._raw.set_result(self._result)
         return self._fut
 
     def is_completed(self) -> bool:

@@ -1,0 +1,423 @@
+"""Shared-memory transport for ranks on one host: slot rings in shared memory, a Unix socket per pair as
+doorbell and liveness wire. Same Transport interface (and Matcher) as tcp.py.
+
+Data path: a send is cut into slot-sized parts written into the ring to its receiver (copy 1); the
+receiver copies each part straight into the posted buffer (copy 2). A collective part whose receive is not
+posted yet is *parked*: the ring is not read past it until the receive arrives (the plan ordering rule
+makes that deadlock-free, as on TCP). Early point-to-point messages are buffered by the Matcher.
+
+Waiting: the thread that waits drives progress (as on TCP). It polls the rings, spins briefly yielding the
+CPU (not at all when there are more ranks than cores), then sets its "sleeping" flag and blocks in poll()
+on the doorbell sockets; a peer that publishes a slot to it, or frees a slot it waits for, rings the bell
+when it sees the flag. Blocking is capped at a few ms so a wake-up lost to memory reordering costs at
+most that, never a hang. The sockets carry only doorbell bytes, BYE, and ABORT texts; EOF without BYE
+means the peer process died (kill -9 included): PeerLostError at once.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import select
+import socket
+import struct
+import threading
+import time
+from collections import deque
+
+from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerAbortedError, PeerLostError,
+                      ProtocolError, ThunderboltError)
+from ..protocol.framing import Frame, Kind, Space
+from . import shm_ring as ring
+from .base import ANY_SOURCE, Request, Transport
+from .matching import Matcher
+from .shm_segment import Segment
+
+log = logging.getLogger("torch_thunderbolt.shm")
+BELL, BYE, ABORT = b"\x00", b"B", b"A"
+_LEN = struct.Struct("<I")
+BLOCK_CAP = 0.002  # longest single poll while sleeping (bounds the cost of a lost wake-up)
+_REMOTE_ERRORS = {"MismatchError": MismatchError, "CollectiveTimeout": CollectiveTimeout,
+                  "ProtocolError": ProtocolError, "PeerLostError": PeerLostError}
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+def default_spin(local_ranks: int) -> float:
+    """Seconds to spin before blocking: worth ~2 cross-core wake-ups, but none when ranks outnumber cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 0.0 if local_ranks > cores else 100e-6
+
+
+class _Peer:
+    __slots__ = ("rank", "sock", "pid", "seg", "writer", "reader", "flag", "sendq", "parked", "ctl", "bye", "eof")
+
+    def __init__(self, rank: int, sock: socket.socket, pid: int, seg: Segment, writer: ring.RingWriter,
+                 reader: ring.RingReader, flag: memoryview) -> None:
+        self.rank, self.sock, self.pid, self.seg = rank, sock, pid, seg
+        self.writer, self.reader, self.flag = writer, reader, flag
+        self.sendq: deque[list] = deque()  # [request, next offset]
+        self.parked = False  # head slot waits for its receive to be posted
+        self.ctl = bytearray()  # partial control message from the socket
+        self.bye = False
+        self.eof = False
+
+
+class ShmTransport(Transport):
+    def __init__(self, rank: int, world: int, own: Segment, peers: dict[int, tuple[socket.socket, int, Segment]],
+                 *, slots: int, slot_bytes: int, spin: float | None = None) -> None:
+        super().__init__(rank, world)
+        self.matcher = Matcher(rank)
+        self.own = own
+        self.slot_bytes = slot_bytes
+        self._own_mv = memoryview(own.mm)
+        self._my_flag = ring.flag_view(self._own_mv)
+        self.peers: dict[int, _Peer] = {}
+        for p, (sock, pid, seg) in peers.items():
+            sock.setblocking(False)
+            pmv = memoryview(seg.mm)
+            w_off = ring.ring_offset(p, rank, slots, slot_bytes)
+            r_off = ring.ring_offset(rank, p, slots, slot_bytes)
+            size = ring.ring_bytes(slots, slot_bytes)
+            self.peers[p] = _Peer(p, sock, pid, seg, ring.RingWriter(pmv[w_off : w_off + size], slots, slot_bytes),
+                                  ring.RingReader(self._own_mv[r_off : r_off + size], slots, slot_bytes),
+                                  ring.flag_view(pmv))
+        self._list = list(self.peers.values())
+        self._by_fd = {pe.sock.fileno(): pe for pe in self._list}
+        self.spin = default_spin(world) if spin is None else spin
+        self._progress_lock = threading.Lock()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._polling = False
+        self._to_ring: set[_Peer] = set()
+
+    def peer_address(self, peer: int) -> str:
+        pe = self.peers.get(peer)
+        return f"shm pid {pe.pid}" if pe else "?"
+
+    # -- posting ------------------------------------------------------------------------------------------
+    def _post_send(self, req: Request) -> None:
+        pe = self.peers[req.peer]
+        with self._cv:
+            self._check_usable()
+            if pe.bye or pe.eof:
+                raise PeerLostError(f"rank {self.rank}: rank {req.peer} has shut down its process group",
+                                    rank=self.rank, peer=req.peer, address=self.peer_address(req.peer))
+            pe.sendq.append([req, 0])
+            if len(pe.sendq) == 1:
+                self._flush(pe)
+                self._ring_bells()
+            if not req.done and self._polling:
+                self._wake()
+
+    def _post_recv(self, req: Request) -> None:
+        with self._cv:
+            self._check_usable()
+            self.matcher.post(req)
+            peers = self._list if req.peer == ANY_SOURCE else [self.peers[req.peer]]
+            for pe in peers:
+                pe.parked = False
+                self._read(pe)
+            self._ring_bells()
+            if not req.done and req.peer != ANY_SOURCE and self.peers[req.peer].bye:
+                self.matcher.posted.pop((req.peer, req.key), None)
+                raise PeerLostError(f"rank {self.rank}: rank {req.peer} has shut down its process group",
+                                    rank=self.rank, peer=req.peer, address=self.peer_address(req.peer))
+            if req.done:
+                self._cv.notify_all()
+            elif self._polling:
+                self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    # -- the engine ---------------------------------------------------------------------------------------
+    def _progress(self, timeout: float) -> None:
+        if not self._progress_lock.acquire(blocking=False):
+            with self._cv:  # another thread drives the engine; it notifies on completions
+                if timeout > 0:
+                    self._cv.wait(min(timeout, 0.05))
+            return
+        try:
+            self._drive(timeout)
+        finally:
+            self._progress_lock.release()
+            with self._cv:
+                self._cv.notify_all()
+
+    def _drive(self, timeout: float) -> None:
+        with self._cv:
+            if self._pump() or timeout <= 0 or self.broken is not None:
+                return
+        end = time.monotonic() + min(self.spin, timeout)
+        while time.monotonic() < end:
+            _yield()
+            if self._ready():
+                with self._cv:
+                    if self._pump() or self.broken is not None:
+                        return
+        with self._cv:
+            self._my_flag[0] = 1
+            ring.fence()  # the flag store must be visible before we look at the rings one last time
+            if self._pump() or self.broken is not None:
+                self._my_flag[0] = 0
+                return
+            poller = self._poll_set()
+            self._polling = True
+        try:
+            events = poller.poll(min(timeout, BLOCK_CAP) * 1000.0)
+        finally:
+            self._polling = False
+            self._my_flag[0] = 0
+        self._drain(self._wake_r)
+        with self._cv:
+            for fd, _ in events:
+                pe = self._by_fd.get(fd)
+                if pe is not None:
+                    self._read_control(pe)
+            self._pump()
+
+    def _ready(self) -> bool:
+        """Cheap lock-free look: is there anything the engine could move?"""
+        for pe in self._list:
+            if (pe.reader.pending() and not pe.parked) or (pe.sendq and pe.writer.free() > 0):
+                return True
+        return False
+
+    def _poll_set(self) -> "select.poll":
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        for pe in self._list:
+            if not pe.eof:
+                poller.register(pe.sock, select.POLLIN)
+        return poller
+
+    def _pump(self) -> bool:
+        """Flush every send queue and read every ring; True if anything moved."""
+        moved = False
+        for pe in self._list:
+            if self.broken is not None:
+                return True
+            if pe.sendq:
+                moved |= self._flush(pe)
+            if not pe.parked:
+                moved |= self._read(pe)
+        self._ring_bells()
+        return moved
+
+    def _flush(self, pe: _Peer) -> bool:
+        w = pe.writer
+        moved = False
+        while pe.sendq and w.free() > 0:
+            item = pe.sendq[0]
+            req, off = item
+            n = min(req.nbytes - off, self.slot_bytes)
+            space, tag, seq = req.key
+            w.put(space, Kind.DATA, req.sig, tag, seq, off, req.buf[off : off + n], req.nbytes)
+            moved = True
+            item[1] = off = off + n
+            if off >= req.nbytes:
+                pe.sendq.popleft()
+                self.bytes_sent += req.nbytes
+                req.done = True
+                self._cv.notify_all()
+        if moved:
+            self._to_ring.add(pe)
+        return moved
+
+    def _read(self, pe: _Peer) -> bool:
+        r = pe.reader
+        moved = False
+        try:
+            while self.broken is None and r.pending():
+                space, kind, sig, tag, seq, off, length, total = r.peek()
+                if kind != Kind.DATA or off + length > total:
+                    raise ProtocolError(f"rank {pe.rank} wrote a corrupt slot into shared memory")
+                frame = Frame(Kind.DATA, Space(space), sig, tag, seq, off, length, total)
+                target = self.matcher.match(pe.rank, frame, allow_park=True)
+                if target is None:
+                    pe.parked = True
+                    break
+                dest, obj = target
+                if length:
+                    dest[:] = r.payload(length)
+                r.pop()
+                moved = True
+                self.bytes_received += length
+                if self.matcher.part_done(pe.rank, frame.key, obj, length):
+                    self._cv.notify_all()
+        except ThunderboltError as exc:  # mismatch or corrupt slot: this group can't continue
+            self._fail(pe, exc, wrap=False)
+            return True
+        if moved:
+            self._to_ring.add(pe)  # its sender may be waiting for ring space
+        return moved
+
+    def _ring_bells(self) -> None:
+        if not self._to_ring:
+            return
+        ring.fence()  # our head/tail stores before the peer's flag load
+        for pe in self._to_ring:
+            if pe.flag[0] and not pe.eof:
+                try:
+                    pe.sock.send(BELL)
+                except OSError:
+                    pass  # full buffer: it has bells to read anyway; a dead peer shows up as EOF
+        self._to_ring.clear()
+
+    # -- the control wire -----------------------------------------------------------------------------------
+    def _drain(self, sock: socket.socket) -> None:
+        try:
+            while sock.recv(4096):
+                pass
+        except OSError:
+            pass
+
+    def _read_control(self, pe: _Peer) -> None:
+        while not pe.eof and self.broken is None:
+            try:
+                data = pe.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self._fail(pe, exc)
+                return
+            if not data:
+                pe.eof = True
+                if not pe.bye:
+                    self._fail(pe, ConnectionResetError(errno.ECONNRESET, f"process {pe.pid} is gone"))
+                return
+            if pe.ctl or data.strip(BELL):  # plain doorbells need no parsing
+                pe.ctl += data
+                self._parse_control(pe)
+
+    def _parse_control(self, pe: _Peer) -> None:
+        buf = pe.ctl
+        i = 0
+        while i < len(buf):
+            c = buf[i : i + 1]
+            if c == BELL:
+                i += 1
+            elif c == BYE:
+                i += 1
+                pe.bye = True
+                self._peer_said_bye(pe)
+            elif c == ABORT:
+                if len(buf) < i + 5:
+                    break
+                (n,) = _LEN.unpack_from(buf, i + 1)
+                if len(buf) < i + 5 + n:
+                    break
+                self._remote_abort(pe, bytes(buf[i + 5 : i + 5 + n]).decode(errors="replace"))
+                i += 5 + n
+            else:
+                self._fail(pe, ProtocolError(f"rank {pe.rank} sent an unknown control byte {c!r}"), wrap=False)
+                return
+        del buf[:i]
+
+    def _peer_said_bye(self, pe: _Peer) -> None:
+        self._read(pe)  # what it sent before leaving is in the ring already
+        if any(r.peer == pe.rank and not r.is_send for r in self.matcher.pending()):
+            self._fail(pe, ConnectionAbortedError(errno.ECONNABORTED, "the peer shut down its process group "
+                                                  "while this rank still expected data from it"))
+
+    def _remote_abort(self, pe: _Peer, text: str) -> None:
+        name, _, reason = text.partition(": ")
+        cls = _REMOTE_ERRORS.get(name, PeerAbortedError)
+        message = f"rank {self.rank}: rank {pe.rank} aborted the group: {reason or name}"
+        if cls is PeerLostError:  # name the rank that was actually lost, not the messenger
+            lost = re.search(r"connection to rank (\d+)", reason)
+            err: BaseException = PeerLostError(message, rank=self.rank, peer=int(lost.group(1)) if lost else pe.rank)
+        else:
+            err = cls(message)
+            if isinstance(err, PeerAbortedError):
+                err.peer = pe.rank
+        self._fail(pe, err, wrap=False, tell_peers=False)
+
+    # -- failure and shutdown ---------------------------------------------------------------------------------
+    def abort(self, error: BaseException) -> None:
+        """Fail this transport with `error` and tell every peer why, so they fail fast and clearly too."""
+        with self._cv:
+            if self.broken is None and self._list:
+                self._fail(self._list[0], error, wrap=False)
+            elif self.broken is None:
+                super().abort(error)
+
+    def _fail(self, pe: _Peer, exc: BaseException, wrap: bool = True, tell_peers: bool = True) -> None:
+        """Enter BROKEN: every pending and later request gets the error; peers learn the root cause."""
+        if self.broken is not None:
+            return
+        if wrap:
+            err: BaseException = PeerLostError(
+                f"rank {self.rank}: lost the connection to rank {pe.rank} (shared memory, pid {pe.pid}): {exc}",
+                rank=self.rank, peer=pe.rank, address=self.peer_address(pe.rank))
+            err.__cause__ = exc
+        else:
+            err = exc
+        if tell_peers:
+            body = f"{type(err).__name__}: {err}".encode()[:4096]
+            self._send_all(ABORT + _LEN.pack(len(body)) + body)
+        log.error("%s", err)
+        self.broken = err
+        for r in self.matcher.pending():
+            r.error = err
+        for other in self._list:
+            for item in other.sendq:
+                item[0].error = err
+            other.sendq.clear()
+        self._close_sockets()
+        self._cv.notify_all()
+
+    def _send_all(self, msg: bytes) -> None:
+        for pe in self._list:
+            if pe.eof:
+                continue
+            try:
+                pe.sock.setblocking(True)
+                pe.sock.settimeout(0.5)
+                pe.sock.sendall(msg)
+            except OSError:
+                pass
+
+    def _close_sockets(self) -> None:
+        for pe in self._list:
+            try:
+                pe.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            pe.sock.close()
+            pe.eof = True
+
+    def _shutdown(self) -> None:
+        with self._cv:
+            if self.broken is None:
+                self._send_all(BYE)
+                self._close_sockets()
+                self.broken = BackendClosedError(f"rank {self.rank}: the process group was shut down")
+            for s in (self._wake_r, self._wake_w):
+                s.close()
+            self._release_memory()
+            self._cv.notify_all()
+
+    def _release_memory(self) -> None:
+        self.own.unlink()
+        for pe in self._list:
+            pe.writer.release()
+            pe.reader.release()
+            for v in (pe.flag, pe.writer.mv, pe.reader.mv):
+                v.release()
+        self._my_flag.release()
+        self._own_mv.release()
+        for seg in [self.own] + [pe.seg for pe in self._list]:
+            seg.close()
+
+
+def connect_shm(store, rank: int, world: int, cfg, timeout: float) -> ShmTransport:
+    """Build the shm transport of one group through the rendezvous store (see shm_connect)."""
+    from .shm_connect import connect_shm as _connect
+
+    return _connect(store, rank, world, cfg, timeout)

@@ -1,0 +1,215 @@
+"""Building a shared-memory transport for one group through the rendezvous store.
+
+Every rank creates its inbound segment and a Unix-socket listener, publishes both (plus its host identity)
+under `tbshm/<rank>`, connects a doorbell socket to every lower rank (authenticated with a per-group token
+from the store) and accepts one from every higher rank, maps every peer's segment, and waits until all
+ranks have mapped theirs. Then each unlinks its segment and listener path: from here on a crash, even
+kill -9, leaves nothing behind. Options come from THUNDERBOLT_SHM_SLOT (slot payload bytes, default 1M),
+THUNDERBOLT_SHM_SLOTS (slots per directed pair, default 4) and THUNDERBOLT_SHM_SPIN_US (spin before
+blocking; default 100, or 0 when ranks outnumber cores).
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..config import parse_size
+from ..errors import ConfigError, HandshakeError, PeerLostError
+from . import shm_ring as ring
+from . import shm_segment as segs
+from .shm import ShmTransport
+
+_HELLO = struct.Struct("<I16s")
+
+
+@dataclass(frozen=True)
+class ShmOptions:
+    slot_bytes: int = 1 << 20
+    slots: int = 4
+    spin_us: float | None = None  # None: automatic (see shm.default_spin)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "ShmOptions":
+        env = os.environ if env is None else env
+        kw: dict = {}
+        if env.get("THUNDERBOLT_SHM_SLOT", "").strip():
+            kw["slot_bytes"] = parse_size(env["THUNDERBOLT_SHM_SLOT"], "THUNDERBOLT_SHM_SLOT")
+            if not 4096 <= kw["slot_bytes"] <= 1 << 30 or kw["slot_bytes"] % 4096:
+                raise ConfigError("THUNDERBOLT_SHM_SLOT: expected a multiple of 4K from 4K to 1G")
+        for var, key, lo, hi in (("THUNDERBOLT_SHM_SLOTS", "slots", 2, 1024),
+                                 ("THUNDERBOLT_SHM_SPIN_US", "spin_us", 0, 10_000_000)):
+            text = env.get(var, "").strip()
+            if text:
+                try:
+                    value = int(text)
+                except ValueError:
+                    raise ConfigError(f"{var}: expected an integer from {lo} to {hi}, got {text!r}") from None
+                if not lo <= value <= hi:
+                    raise ConfigError(f"{var}: expected an integer from {lo} to {hi}, got {value}")
+                kw[key] = value
+        return cls(**kw)
+
+
+def host_identity() -> str:
+    """Who shares memory with whom: hostname, boot id and (Linux) network namespace.
+
+    The namespace makes the emulated Macs of `torch-thunderbolt lab` (one netns each, same kernel) count
+    as different hosts, so they keep talking TCP over their emulated cables."""
+    parts = [socket.gethostname()]
+    for path in ("/proc/sys/kernel/random/boot_id",):
+        try:
+            parts.append(Path(path).read_text().strip())
+        except OSError:
+            pass
+    try:
+        parts.append(os.readlink("/proc/self/ns/net"))
+    except OSError:
+        pass
+    return "|".join(parts)
+
+
+def host_map(store: Any, rank: int, world: int) -> list[str]:
+    """Every rank's host identity (publishes ours); for choosing shm, tcp or a mix."""
+    store.set(f"tbshm/host/{rank}", host_identity())
+    return [store.get(f"tbshm/host/{p}").decode() for p in range(world)]
+
+
+def _listen() -> tuple[socket.socket, str]:
+    d = segs.marker_dir()
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = str(d / f"{segs.new_name()}.sock")
+    if len(path) > 100:  # sun_path is 104 bytes on macOS
+        path = f"/tmp/{segs.new_name()}.sock"
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lst.bind(path)
+    lst.listen(128)
+    return lst, path
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionResetError("connection closed during the shm handshake")
+        buf += chunk
+    return buf
+
+
+def _connect(rank: int, peer: int, path: str, token: bytes, deadline: float) -> socket.socket:
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            sock.connect(path)
+            sock.sendall(_HELLO.pack(rank, token))
+            if _recv_exact(sock, 1) != b"\x01":
+                raise HandshakeError(f"rank {peer} refused our shm doorbell connection")
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            last = exc
+            time.sleep(0.05)
+        except BaseException:
+            sock.close()
+            raise
+    raise PeerLostError(f"rank {rank}: could not connect to rank {peer}'s shm doorbell at {path}: {last}",
+                        rank=rank, peer=peer, address=path)
+
+
+def _accept(lst: socket.socket, rank: int, world: int, token: bytes, deadline: float) -> dict[int, socket.socket]:
+    got: dict[int, socket.socket] = {}
+    while len(got) < world - 1 - rank:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            missing = sorted(set(range(rank + 1, world)) - set(got))
+            raise PeerLostError(f"rank {rank}: timed out waiting for ranks {missing} to attach over shared memory",
+                                rank=rank, peer=missing[0])
+        lst.settimeout(left)
+        try:
+            sock, _ = lst.accept()
+        except socket.timeout:
+            continue
+        try:
+            sock.settimeout(5.0)
+            peer, their = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+            if not secrets.compare_digest(their, token) or not rank < peer < world or peer in got:
+                raise HandshakeError(f"bad shm hello (rank {peer})")
+            sock.sendall(b"\x01")
+        except (OSError, HandshakeError, struct.error):
+            sock.close()
+            continue
+        got[peer] = sock
+    return got
+
+
+def connect_shm(store: Any, rank: int, world: int, cfg: Any, timeout: float,
+                opts: ShmOptions | None = None) -> ShmTransport:
+    """The shm transport of this group; every rank must be on this host (see `host_map`)."""
+    opts = opts or ShmOptions.from_env()
+    deadline = time.monotonic() + min(timeout, getattr(cfg, "connect_timeout", timeout))
+    try:
+        segs.cleanup_stale_segments()  # a janitor pass: leftovers of crashed jobs on this host
+    except OSError:
+        pass
+    if rank == 0:
+        store.set("tbshm/token", secrets.token_hex(16))
+    token = bytes.fromhex(store.get("tbshm/token").decode())
+    own = segs.create(ring.segment_bytes(world, opts.slots, opts.slot_bytes))
+    lst, path = _listen()
+    socks: dict[int, socket.socket] = {}
+    attached: list[segs.Segment] = []
+    try:
+        own_mv = memoryview(own.mm)
+        ring.write_header(own_mv, world, rank, opts.slots, opts.slot_bytes)
+        own_mv.release()
+        me = {"name": own.name, "path": str(own.path) if own.path else None, "sock": path, "pid": os.getpid(),
+              "host": host_identity()}
+        store.set(f"tbshm/{rank}", json.dumps(me))
+        infos = {p: json.loads(store.get(f"tbshm/{p}")) for p in range(world) if p != rank}
+        for p, info in infos.items():
+            if info["host"] != me["host"]:
+                raise ConfigError(f"THUNDERBOLT_TRANSPORT=shm: rank {p} runs on another host ({info['host']}) "
+                                  f"than rank {rank} ({me['host']})")
+        for p in range(rank):
+            socks[p] = _connect(rank, p, infos[p]["sock"], token, deadline)
+        socks.update(_accept(lst, rank, world, token, deadline))
+        peers = {}
+        for p, info in infos.items():
+            seg = segs.attach(info["name"], ring.segment_bytes(world, opts.slots, opts.slot_bytes), info["path"])
+            attached.append(seg)
+            mv = memoryview(seg.mm)
+            ok = ring.check_header(mv, world, p, opts.slots, opts.slot_bytes)
+            mv.release()
+            if not ok:
+                raise ConfigError(f"rank {p}'s shared-memory segment has a different layout (set the same "
+                                  f"THUNDERBOLT_SHM_* on every rank)")
+            peers[p] = (socks[p], info["pid"], seg)
+        store.set(f"tbshm/ready/{rank}", "1")
+        for p in infos:
+            store.get(f"tbshm/ready/{p}")
+        own.unlink()  # every peer has it mapped
+        spin = None if opts.spin_us is None else opts.spin_us * 1e-6
+        return ShmTransport(rank, world, own, peers, slots=opts.slots, slot_bytes=opts.slot_bytes, spin=spin)
+    except BaseException:
+        own.unlink()
+        own.close()
+        for seg in attached:
+            seg.close()
+        for s in socks.values():
+            s.close()
+        raise
+    finally:
+        lst.close()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,146 @@
+"""Layout of one rank's shared-memory segment and the single-producer/single-consumer slot rings in it.
+
+Rank r's segment holds r's *inbound* rings, one per sender, plus a header with r's "sleeping" flag:
+
+    [0, 4096)            header: magic, world, rank, slot bytes, slots; flag at byte 64 (own cache line)
+    per sender s != r    a ring: control block (head at byte 0, tail at byte 64, padded to 4096),
+                         then `slots` slots of (64-byte frame header + slot bytes of payload)
+
+The sender owns `head` (slots published), the receiver owns `tail` (slots consumed); each keeps its own
+copy and only reads the other's. A message of n bytes takes ceil(n / slot bytes) slots (at least one),
+each carrying its part's offset, so the receiver copies every part straight into the posted buffer.
+Ordering: the payload is written before `head` is stored and read after `head` is loaded; on x86 (TSO)
+that is enough, on arm64 `publish_fence` orders it (see `fence`).
+"""
+from __future__ import annotations
+
+import ctypes
+import platform
+import struct
+import threading
+from typing import Callable
+
+MAGIC = 0x54425348_4D303031  # "TBSHM001"
+HEADER_BYTES = 4096
+CTL_BYTES = 4096
+SLOT_HDR = 64
+_HDR = struct.Struct("<QQQQQ")  # magic, world, rank, slot_bytes, slots
+FLAG_OFFSET = 64
+# space, kind, sig, tag, seq, offset, length, total
+_SLOT = struct.Struct("<BBxxIqIxxxxQQQ")
+
+
+def ring_bytes(slots: int, slot_bytes: int) -> int:
+    return CTL_BYTES + slots * (SLOT_HDR + slot_bytes)
+
+
+def segment_bytes(world: int, slots: int, slot_bytes: int) -> int:
+    return HEADER_BYTES + (world - 1) * ring_bytes(slots, slot_bytes)
+
+
+def ring_offset(owner: int, sender: int, slots: int, slot_bytes: int) -> int:
+    """Where the ring carrying sender -> owner starts inside owner's segment."""
+    index = sender if sender < owner else sender - 1
+    return HEADER_BYTES + index * ring_bytes(slots, slot_bytes)
+
+
+def write_header(mv: memoryview, world: int, rank: int, slots: int, slot_bytes: int) -> None:
+    _HDR.pack_into(mv, 0, MAGIC, world, rank, slot_bytes, slots)
+
+
+def check_header(mv: memoryview, world: int, rank: int, slots: int, slot_bytes: int) -> bool:
+    return _HDR.unpack_from(mv, 0) == (MAGIC, world, rank, slot_bytes, slots)
+
+
+def flag_view(mv: memoryview) -> memoryview:
+    """The segment owner's sleeping flag as a one-element u64 view (1 = blocked in poll, ring its bell)."""
+    return mv[FLAG_OFFSET : FLAG_OFFSET + 8].cast("Q")
+
+
+def _make_fence() -> Callable[[], None]:
+    """A full memory barrier, for the sleep/wake handshake (a store then a load on both sides).
+
+    CPython has no fence primitive; a lock acquire/release is a locked read-modify-write on x86 (a full
+    barrier). On arm64 macOS, libSystem's OSMemoryBarrier is a `dmb ish`. A missed wake-up can only cost
+    one bounded poll (see shm.py), never a hang."""
+    if platform.machine().lower() in ("arm64", "aarch64"):
+        try:
+            barrier = ctypes.CDLL(None).OSMemoryBarrier
+            barrier.restype = None
+            return barrier
+        except (OSError, AttributeError):
+            pass
+    lock = threading.Lock()
+
+    def fence() -> None:
+        lock.acquire()
+        lock.release()
+
+    return fence
+
+
+fence = _make_fence()
+publish_fence: Callable[[], None] = fence if platform.machine().lower() in ("arm64", "aarch64") else (lambda: None)
+
+
+class RingWriter:
+    """Sender side of one ring (lives in the receiver's segment)."""
+
+    def __init__(self, mv: memoryview, slots: int, slot_bytes: int) -> None:
+        self.mv, self.slots, self.slot_bytes = mv, slots, slot_bytes
+        self.ctl = mv[:CTL_BYTES].cast("Q")
+        self.head = self.ctl[0]
+        self.tail_seen = self.ctl[8]
+        self.stride = SLOT_HDR + slot_bytes
+
+    def free(self) -> int:
+        """Free slots; re-reads the receiver's tail only when the cached value says the ring is full."""
+        free = self.slots - (self.head - self.tail_seen)
+        if free <= 0:
+            self.tail_seen = self.ctl[8]
+            free = self.slots - (self.head - self.tail_seen)
+        return free
+
+    def put(self, space: int, kind: int, sig: int, tag: int, seq: int, offset: int, payload: memoryview,
+            total: int) -> None:
+        """Write one part into the next slot and publish it (caller checked `free()`)."""
+        base = CTL_BYTES + (self.head % self.slots) * self.stride
+        n = payload.nbytes
+        _SLOT.pack_into(self.mv, base, space, kind, sig & 0xFFFFFFFF, tag, seq & 0xFFFFFFFF, offset, n, total)
+        if n:
+            self.mv[base + SLOT_HDR : base + SLOT_HDR + n] = payload
+        publish_fence()
+        self.head += 1
+        self.ctl[0] = self.head
+
+    def release(self) -> None:
+        self.ctl.release()
+
+
+class RingReader:
+    """Receiver side of one ring (lives in this rank's own segment)."""
+
+    def __init__(self, mv: memoryview, slots: int, slot_bytes: int) -> None:
+        self.mv, self.slots, self.slot_bytes = mv, slots, slot_bytes
+        self.ctl = mv[:CTL_BYTES].cast("Q")
+        self.tail = self.ctl[8]
+        self.stride = SLOT_HDR + slot_bytes
+
+    def pending(self) -> bool:
+        return self.ctl[0] != self.tail
+
+    def peek(self) -> tuple[int, int, int, int, int, int, int, int]:
+        """(space, kind, sig, tag, seq, offset, length, total) of the oldest unconsumed slot."""
+        publish_fence()
+        return _SLOT.unpack_from(self.mv, CTL_BYTES + (self.tail % self.slots) * self.stride)
+
+    def payload(self, length: int) -> memoryview:
+        base = CTL_BYTES + (self.tail % self.slots) * self.stride + SLOT_HDR
+        return self.mv[base : base + length]
+
+    def pop(self) -> None:
+        self.tail += 1
+        self.ctl[8] = self.tail
+
+    def release(self) -> None:
+        self.ctl.release()
