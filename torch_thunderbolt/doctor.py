@@ -1,0 +1,164 @@
+"""`doctor`: is this machine ready for torch-thunderbolt? Pure checks over gathered facts.
+
+`gather_facts()` is the only I/O; `run_checks(facts)` turns facts into findings with a fix for each
+problem, so every check is unit-testable with made-up facts.
+"""
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .config import Config
+from .errors import ConfigError
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+
+
+@dataclass
+class Finding:
+    status: str
+    check: str
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class Facts:
+    system: str
+    python: str
+    torch: str | None
+    backend_registered: bool
+    env: dict[str, str]
+    interfaces: dict[str, list[str]]  # name -> IPv4 addresses
+    thunderbolt_ifnames: list[str]  # interfaces that carry IP over Thunderbolt
+    mtus: dict[str, int] = field(default_factory=dict)
+    congestion_control: str = ""
+    max_socket_buffer: int = 0  # bytes a socket may ask for (rmem_max / kern.ipc.maxsockbuf), 0 = unknown
+    bridge_members: list[str] = field(default_factory=list)  # Thunderbolt ports in bridge0
+
+
+def run_checks(f: Facts) -> list[Finding]:
+    out: list[Finding] = []
+    out.append(_check_torch(f))
+    try:
+        cfg = Config.from_env(f.env)
+        out.append(Finding(OK, "configuration", "THUNDERBOLT_* variables parse"))
+    except ConfigError as exc:
+        out.append(Finding(FAIL, "configuration", str(exc), "fix or unset the variable"))
+        return out
+    out.append(_check_interfaces(f, cfg))
+    out.extend(_check_links(f))
+    out.append(_check_buffers(f, cfg))
+    if f.congestion_control:
+        status = OK if f.congestion_control in ("cubic", "reno") else WARN
+        out.append(Finding(status, "TCP congestion control", f.congestion_control,
+                           "" if status == OK else "bbr caps one stream well below the link on fast links; "
+                           "try THUNDERBOLT_CC=cubic, and compare backends under the same setting"))
+    return out
+
+
+def _check_torch(f: Facts) -> Finding:
+    if f.torch is None:
+        return Finding(FAIL, "torch", "not installed", "pip install torch")
+    if not f.backend_registered:
+        return Finding(FAIL, "backend", f"torch {f.torch}: 'thunderbolt' is not registered",
+                       "import torch_thunderbolt before init_process_group")
+    return Finding(OK, "torch", f"torch {f.torch}, backend 'thunderbolt' registered")
+
+
+def _check_interfaces(f: Facts, cfg: Config) -> Finding:
+    if cfg.ifnames:
+        missing = [n for n in cfg.ifnames if n not in f.interfaces and not _is_address(n, f)]
+        if missing:
+            return Finding(FAIL, "THUNDERBOLT_IFNAME", f"not found here: {', '.join(missing)}",
+                           f"available: {', '.join(sorted(f.interfaces)) or 'none'}")
+        return Finding(OK, "THUNDERBOLT_IFNAME", ", ".join(cfg.ifnames))
+    if f.thunderbolt_ifnames:
+        with_ip = [n for n in f.thunderbolt_ifnames if f.interfaces.get(n)]
+        return Finding(WARN, "interface choice", "THUNDERBOLT_IFNAME is unset: the interface towards "
+                       "MASTER_ADDR is used", f"set THUNDERBOLT_IFNAME={','.join(with_ip or f.thunderbolt_ifnames)} "
+                       "so Wi-Fi or Ethernet is never used by accident")
+    return Finding(WARN, "interfaces", "no Thunderbolt network interface found (fine for local ranks)",
+                   "cable the Macs and run `torch-thunderbolt topo`")
+
+
+def _is_address(text: str, f: Facts) -> bool:
+    return any(text in addrs for addrs in f.interfaces.values())
+
+
+def _check_links(f: Facts) -> list[Finding]:
+    out = []
+    for name in f.thunderbolt_ifnames:
+        if not f.interfaces.get(name):
+            out.append(Finding(WARN, f"{name}", "Thunderbolt interface without an IPv4 address",
+                               "`torch-thunderbolt topo --apply` gives each cable its own /30"))
+        mtu = f.mtus.get(name, 0)
+        if mtu and mtu < 9000:
+            out.append(Finding(WARN, f"{name} MTU", f"{mtu}", "jumbo frames help TCP over Thunderbolt: "
+                               f"sudo networksetup -setMTU {name} 9000 (or topo --mtu 9000)"))
+    if len(f.bridge_members) >= 2:
+        out.append(Finding(WARN, "Thunderbolt Bridge", f"bridge0 holds {', '.join(f.bridge_members)}",
+                           "with 3+ Macs in a loop this causes broadcast storms; `topo` plans one subnet per "
+                           "cable and removes ports from the bridge"))
+    return out
+
+
+def _check_buffers(f: Facts, cfg: Config) -> Finding:
+    if not f.max_socket_buffer:
+        return Finding(OK, "socket buffers", "limit unknown")
+    if f.max_socket_buffer < cfg.socket_buffer:
+        return Finding(WARN, "socket buffers", f"the system caps buffers at {f.max_socket_buffer} bytes, "
+                       f"below THUNDERBOLT_SOCKET_BUFFER={cfg.socket_buffer}",
+                       "raise net.core.rmem_max/wmem_max (Linux) or kern.ipc.maxsockbuf (macOS)")
+    return Finding(OK, "socket buffers", f"up to {f.max_socket_buffer} bytes allowed")
+
+
+def gather_facts(run: Callable[[list[str]], Any] | None = None) -> Facts:
+    """The I/O shell: reads this machine. Never raises for a missing tool."""
+    from .topology.discover import discover_local, subprocess_runner
+    from .transport.netif import local_interfaces
+
+    run = run or subprocess_runner
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from .backend.registration import register
+
+        register()
+        torch_version, registered = torch.__version__, "thunderbolt" in dist.Backend.backend_list
+    except ImportError:
+        torch_version, registered = None, False
+    try:
+        host = discover_local(run)
+        tb = [p.ifname for p in host.ports if p.ifname]
+        mtus = {p.ifname: p.mtu for p in host.ports if p.ifname and p.mtu}
+        bridge = list(host.bridge.members) if host.bridge else []
+    except Exception:  # noqa: BLE001 - discovery problems are reported by `topo`, not here
+        tb, mtus, bridge = [], {}, []
+    return Facts(system=platform.system(), python=platform.python_version(), torch=torch_version,
+                 backend_registered=registered, env=dict(os.environ), interfaces=local_interfaces(),
+                 thunderbolt_ifnames=tb, mtus=mtus, congestion_control=_read_first("/proc/sys/net/ipv4/tcp_congestion_control"),
+                 max_socket_buffer=int(_read_first("/proc/sys/net/core/rmem_max") or 0) or _macos_maxsockbuf(run),
+                 bridge_members=bridge)
+
+
+def _read_first(path: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def _macos_maxsockbuf(run: Callable) -> int:
+    if platform.system() != "Darwin":
+        return 0
+    res = run(["sysctl", "-n", "kern.ipc.maxsockbuf"])
+    try:
+        return int(res.stdout.strip())
+    except (ValueError, AttributeError):
+        return 0
+
