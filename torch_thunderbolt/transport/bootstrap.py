@@ -48,6 +48,8 @@ def tune_socket(sock: socket.socket, cfg: Config) -> None:
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
             except OSError:
                 pass
+    if hasattr(socket, "TCP_USER_TIMEOUT"):  # unacknowledged data for 15 s = the peer is gone
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 15000)
     if cfg.congestion_control and hasattr(socket, "TCP_CONGESTION"):
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cfg.congestion_control.encode())
@@ -205,6 +207,7 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) 
     addrs = choose_addresses(cfg.ifnames, store_host(store))
     listeners = [_listen(a, cfg) for a in (addrs[:1] if cfg.listen_all else addrs)]
     acceptor: _Acceptor | None = None
+    conns: dict[int, list[socket.socket]] = {}
     try:
         if rank == 0:
             store.set("tb/secret", json.dumps({"secret": os.urandom(32).hex(), "group": uuid.uuid4().hex}))
@@ -219,11 +222,11 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) 
                              cfg, deadline)
         acceptor.start()
         infos = {p: json.loads(store.get(f"tb/ep/{p}")) for p in range(rank)}
-        conns: dict[int, list[socket.socket]] = {}
         for p in range(rank):
             routes = stream_routes(addrs, nets, infos[p]["endpoints"], infos[p].get("nets", []), cfg.streams)
-            conns[p] = [_connect(rank, p, s, target, source, secret, group_id, cfg, deadline)
-                        for s, (source, target) in enumerate(routes)]
+            conns[p] = []
+            for s, (source, target) in enumerate(routes):
+                conns[p].append(_connect(rank, p, s, target, source, secret, group_id, cfg, deadline))
         if not acceptor.done.wait(max(0.0, deadline - time.monotonic())):
             missing = sorted({p for p in range(rank + 1, world)
                               for s in range(cfg.streams) if acceptor.conns.get((p, s)) is None})
@@ -235,6 +238,11 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) 
         all_nets = [nets if p == rank else json.loads(store.get(f"tb/ep/{p}")).get("nets", []) for p in range(world)]
         transport.networks = all_nets  # the backend derives the cluster shape from these
         return transport
+    except BaseException:
+        for sock in [x for socks in conns.values() for x in socks] + [
+                x for x in (acceptor.conns.values() if acceptor else []) if x is not None]:
+            sock.close()
+        raise
     finally:
         if acceptor is not None:
             acceptor.stop()  # before closing the listeners, so no accept() keeps one alive
