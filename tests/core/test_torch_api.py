@@ -139,6 +139,16 @@ def batch():
     for q in dist.batch_isend_irecv(ops_): q.wait()
     return torch.equal(x, torch.full((4,), float(prv)))
 check("batch_isend_irecv", batch)
+def p2p_future_only():  # nobody calls wait(): the futures must still complete
+    if w == 1: return True
+    if r == 0:
+        dist.isend(torch.arange(4.0), 1, tag=21).get_future().wait()
+        return True
+    if r == 1:
+        x = torch.empty(4); dist.irecv(x, 0, tag=21).get_future().wait()
+        return torch.equal(x, torch.arange(4.0))
+    return True
+check("p2p_get_future_without_wait", p2p_future_only)
 def coalesce():
     xs = [inp(r, 3), inp(r, 7, torch.float64)]
     with dist._coalescing_manager(async_ops=True) as cm:

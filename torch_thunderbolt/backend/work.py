@@ -71,7 +71,16 @@ class Work(dist._Work):
                 self._fut = self._raw.then(self._unwrap)
                 if self._done.is_set():
                     self._raw.set_result(self._result)
+                elif self._wait_fn is not None:
+                    # p2p works progress when waited on; a future alone must complete by itself too
+                    threading.Thread(target=self._complete_in_background, daemon=True).start()
         return self._fut
+
+    def _complete_in_background(self) -> None:
+        try:
+            self.wait()
+        except BaseException:  # noqa: BLE001 - the error reaches the future through finish()
+            pass
 
     def is_completed(self) -> bool:
         return self._done.is_set()
