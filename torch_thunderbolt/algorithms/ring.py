@@ -11,61 +11,55 @@ from .plan import Plan
 Segments = list[tuple[int, int]]  # per rank: (offset, length) in elements
 
 
+def _ring_steps(order: list[int], rank: int, segs: Segments, chunk: int, lag: int, msg0: int):
+    """Walk the ring schedule: at step s this rank sends the segment of position p-s-lag and receives
+    that of p-s-lag-1, piece by piece. Yields (step, piece, msg, send_pos, send piece, recv_pos, recv piece);
+    a piece is None where that segment has fewer pieces."""
+    w = len(order)
+    p = order.index(rank)
+    pieces = {pos: chunks(*segs[order[pos]], chunk) for pos in range(w)}
+    per_step = max(len(v) for v in pieces.values())
+    for s in range(w - 1):
+        send_pos, recv_pos = (p - s - lag) % w, (p - s - lag - 1) % w
+        for j in range(per_step):
+            sp = pieces[send_pos][j] if j < len(pieces[send_pos]) else None
+            rp = pieces[recv_pos][j] if j < len(pieces[recv_pos]) else None
+            yield s, j, msg0 + s * per_step + j, send_pos, sp, recv_pos, rp
+
+
 def _add_reduce_scatter(plan: Plan, order: list[int], segs: Segments, chunk: int, msg0: int = 0) -> dict:
     """Reduce every rank's segment into buffer "out" along the ring; returns {chunk key: last step}."""
-    w = len(order)
-    p, left, right = ring_neighbours(order, plan.rank)
-    seg_at = lambda pos: segs[order[pos % w]]  # noqa: E731 - segment owned (at the end) by ring position
-    pieces_len = max(len(chunks(*segs[r], chunk)) for r in range(w))
+    _, left, right = ring_neighbours(order, plan.rank)
     # Scratch: two halves (steps alternate), piece j at a fixed slot, so a receive only ever overwrites
     # what the reduce two steps earlier read from that very slot.
-    stride = max(n for r in range(w) for _, n in chunks(*segs[r], chunk))
-    tmp_half = pieces_len * stride
+    all_pieces = [c for r in range(len(order)) for c in chunks(*segs[r], chunk)]
+    stride = max(n for _, n in all_pieces)
+    tmp_half = max(len(chunks(*segs[r], chunk)) for r in range(len(order))) * stride
     plan.tmp = max(plan.tmp, 2 * tmp_half)
     last: dict[tuple[int, int], int] = {}  # (segment pos, piece) -> step that last wrote it
     prev_use: dict[tuple[int, int], int] = {}  # (tmp half, piece) -> reduce step that read it (WAR)
-    for s in range(w - 1):
-        send_pos, recv_pos = (p - s - 1) % w, (p - s - 2) % w
-        send_pieces = chunks(*seg_at(send_pos), chunk)
-        recv_pieces = chunks(*seg_at(recv_pos), chunk)
-        half = (s % 2) * tmp_half
-        for j in range(pieces_len):
-            msg = msg0 + s * pieces_len + j
-            if j < len(send_pieces):
-                off, n = send_pieces[j]
-                dep = last.get((send_pos, j))
-                plan.send(right, "out", off, n, msg, () if dep is None else (dep,))
-            if j < len(recv_pieces):
-                off, n = recv_pieces[j]
-                toff = half + j * stride
-                war = prev_use.get((s % 2, j))
-                r = plan.recv(left, "tmp", toff, n, msg, () if war is None else (war,))
-                deps = (r,) if (recv_pos, j) not in last else (r, last[(recv_pos, j)])
-                red = plan.reduce("out", off, "tmp", toff, n, deps)
-                last[(recv_pos, j)] = red
-                prev_use[(s % 2, j)] = red
+    for s, j, msg, send_pos, sp, recv_pos, rp in _ring_steps(order, plan.rank, segs, chunk, 1, msg0):
+        if sp is not None:
+            dep = last.get((send_pos, j))
+            plan.send(right, "out", sp[0], sp[1], msg, () if dep is None else (dep,))
+        if rp is not None:
+            toff = (s % 2) * tmp_half + j * stride
+            war = prev_use.get((s % 2, j))
+            r = plan.recv(left, "tmp", toff, rp[1], msg, () if war is None else (war,))
+            deps = (r,) if (recv_pos, j) not in last else (r, last[(recv_pos, j)])
+            last[(recv_pos, j)] = prev_use[(s % 2, j)] = plan.reduce("out", rp[0], "tmp", toff, rp[1], deps)
     return last
 
 
 def _add_all_gather(plan: Plan, order: list[int], segs: Segments, chunk: int, last: dict, msg0: int) -> None:
     """Circulate every rank's finished segment of "out" to all ranks."""
-    w = len(order)
-    p, left, right = ring_neighbours(order, plan.rank)
-    seg_at = lambda pos: segs[order[pos % w]]  # noqa: E731
-    pieces_len = max(len(chunks(*segs[r], chunk)) for r in range(w))
-    for s in range(w - 1):
-        send_pos, recv_pos = (p - s) % w, (p - s - 1) % w
-        send_pieces = chunks(*seg_at(send_pos), chunk)
-        recv_pieces = chunks(*seg_at(recv_pos), chunk)
-        for j in range(pieces_len):
-            msg = msg0 + s * pieces_len + j
-            if j < len(send_pieces):
-                off, n = send_pieces[j]
-                dep = last.get((send_pos, j))
-                plan.send(right, "out", off, n, msg, () if dep is None else (dep,))
-            if j < len(recv_pieces):
-                off, n = recv_pieces[j]
-                last[(recv_pos, j)] = plan.recv(left, "out", off, n, msg)
+    _, left, right = ring_neighbours(order, plan.rank)
+    for s, j, msg, send_pos, sp, recv_pos, rp in _ring_steps(order, plan.rank, segs, chunk, 0, msg0):
+        if sp is not None:
+            dep = last.get((send_pos, j))
+            plan.send(right, "out", sp[0], sp[1], msg, () if dep is None else (dep,))
+        if rp is not None:
+            last[(recv_pos, j)] = plan.recv(left, "out", rp[0], rp[1], msg)
 
 
 def ring_allreduce(rank: int, order: list[int], segs: Segments, chunk: int) -> Plan:

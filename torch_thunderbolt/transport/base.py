@@ -11,7 +11,7 @@ import abc
 import threading
 import time
 from collections import defaultdict
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from ..errors import BackendClosedError, CollectiveTimeout
 from ..protocol.framing import Space
@@ -104,27 +104,20 @@ class Transport(abc.ABC):
 
     def wait(self, reqs: Sequence[Request], deadline: float | None = None, what: str = "") -> None:
         """Block until every request is done; raise its error, or CollectiveTimeout at `deadline`."""
-        while True:
-            for r in reqs:
-                if r.error is not None:
-                    raise r.error
-            if all(r.done for r in reqs):
-                return
-            if self.broken is not None:
-                raise self.broken
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise self._timeout_error(reqs, what)
-            self._progress(0.2 if deadline is None else min(0.2, deadline - now))
+        self._wait_until(reqs, all, deadline, what)
 
     def wait_any(self, reqs: Sequence[Request], deadline: float | None = None, what: str = "") -> None:
         """Block until at least one request is done (raising the first error found)."""
+        self._wait_until(reqs, any, deadline, what)
+
+    def _wait_until(self, reqs: Sequence[Request], how: "Callable[[Iterable[bool]], bool]",
+                    deadline: float | None, what: str) -> None:
         while True:
             for r in reqs:
                 if r.error is not None:
                     raise r.error
-                if r.done:
-                    return
+            if how(r.done for r in reqs):
+                return
             if self.broken is not None:
                 raise self.broken
             now = time.monotonic()
