@@ -234,8 +234,13 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) 
                                 f"(listening on {endpoints})", rank=rank, peer=missing[0] if missing else -1)
         for (p, s), sock in sorted(acceptor.conns.items()):
             conns.setdefault(p, []).append(sock)
-        transport = TcpTransport(rank, world, conns, stripe_bytes=cfg.stripe_bytes)
-        all_nets = [nets if p == rank else json.loads(store.get(f"tb/ep/{p}")).get("nets", []) for p in range(world)]
+        every = [None if p == rank else json.loads(store.get(f"tb/ep/{p}")) for p in range(world)]
+        all_nets = [nets if e is None else e.get("nets", []) for e in every]
+        here = socket.gethostname()
+        local_ranks = sum(1 for e in every if e is None or e.get("host") == here)
+        # Spinning only pays while every local rank has a core of its own.
+        spin = cfg.spin_us if local_ranks <= (os.cpu_count() or 1) else 0
+        transport = TcpTransport(rank, world, conns, stripe_bytes=cfg.stripe_bytes, spin_us=spin)
         transport.networks = all_nets  # the backend derives the cluster shape from these
         return transport
     except BaseException:

@@ -9,6 +9,8 @@ and nothing is copied twice. Any socket error or EOF puts the whole transport in
 from __future__ import annotations
 
 import errno
+import os
+import time
 import re
 import logging
 import select
@@ -50,7 +52,7 @@ class _Conn:
 
 class TcpTransport(Transport):
     def __init__(self, rank: int, world: int, conns: dict[int, list[socket.socket]], *,
-                 stripe_bytes: int = 256 << 10, max_message: int = 1 << 40) -> None:
+                 stripe_bytes: int = 256 << 10, max_message: int = 1 << 40, spin_us: int = 0) -> None:
         super().__init__(rank, world)
         self.matcher = Matcher(rank)
         self.stripe_bytes = stripe_bytes
@@ -64,6 +66,7 @@ class TcpTransport(Transport):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._polling = False
+        self.spin_seconds = spin_us / 1e6
 
     def peer_address(self, peer: int) -> str:
         cs = self.conns.get(peer)
@@ -122,6 +125,9 @@ class TcpTransport(Transport):
             with self._cv:
                 if self._pump() or timeout <= 0 or self.broken is not None:
                     return
+            if self._spin(min(timeout, self.spin_seconds)):
+                return
+            with self._cv:
                 poller = self._poll_set()
                 self._polling = True
             try:
@@ -139,6 +145,18 @@ class TcpTransport(Transport):
             self._progress_lock.release()
             with self._cv:
                 self._cv.notify_all()
+
+    def _spin(self, seconds: float) -> bool:
+        """Busy-poll briefly before sleeping: a cross-core wake-up costs more than a small message."""
+        if seconds <= 0:
+            return False
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            with self._cv:
+                if self._pump() or self.broken is not None:
+                    return True
+            os.sched_yield()  # let a rank sharing this core run
+        return False
 
     def _poll_set(self) -> "select.poll":
         poller = select.poll()
