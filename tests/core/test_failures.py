@@ -22,8 +22,9 @@ def outcome(fn):
 """
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 @pytest.mark.parametrize("size", [1 << 10, 4 << 20])
-def test_kill_9_mid_all_reduce_every_survivor_raises_peer_lost(size: int, tmp_path) -> None:
+def test_kill_9_mid_all_reduce_every_survivor_raises_peer_lost(size: int, transport: str, tmp_path) -> None:
     script = INIT + f"""
 x = torch.ones({size} // 4)
 def loop():
@@ -34,7 +35,7 @@ def loop():
 res = outcome(loop)
 result(res)
 """
-    results = run_ranks(script, 3, tmp_path, timeout=60, expect_ok=False)
+    results = run_ranks(script, 3, tmp_path, timeout=60, expect_ok=False, env={"THUNDERBOLT_TRANSPORT": transport})
     assert results[2].returncode == -9
     for res in results[:2]:
         out = res.json()
@@ -101,7 +102,7 @@ conns_after = [c for c in psutil.Process().net_connections() if c.status in ("ES
 result({"threads_before": before, "threads_after": threading.active_count(), "conns_during": conns_during,
         "conns_after": len(conns_after)})
 """
-    for res in run_ranks(script, 2, tmp_path, timeout=60):
+    for res in run_ranks(script, 2, tmp_path, timeout=60, env={"THUNDERBOLT_TRANSPORT": "tcp"}):
         out = res.json()
         assert out["conns_during"] >= 2
         assert out["conns_after"] == 0, out

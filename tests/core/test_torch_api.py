@@ -222,9 +222,9 @@ def _check_all(results) -> None:
         assert not bad, f"rank {res.rank}: {bad}"
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_whole_api(world: int, tmp_path) -> None:
-    _check_all(run_ranks(API_SCRIPT, world, tmp_path, timeout=150))
+@pytest.mark.parametrize("world, transport", [(1, "auto"), (2, "tcp"), (2, "shm"), (3, "tcp"), (3, "shm")])
+def test_whole_api(world: int, transport: str, tmp_path) -> None:
+    _check_all(run_ranks(API_SCRIPT, world, tmp_path, timeout=150, env={"THUNDERBOLT_TRANSPORT": transport}))
 
 
 @pytest.mark.parametrize("init", ["tcp", "file", "thunderbolt"])

@@ -28,11 +28,10 @@ def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
     timeout = dist_opts.timeout.total_seconds() if isinstance(dist_opts.timeout, timedelta) else 1800.0
     if size == 1:
         transport = MemoryHub(1).transports[0]
-    elif cfg.transport == "shm":
-        from ..errors import ConfigError
+    elif cfg.transport == "shm" or (cfg.transport == "auto" and _all_on_one_host(dist_opts.store, rank, size)):
+        from ..transport.shm import connect_shm
 
-        raise ConfigError("THUNDERBOLT_TRANSPORT=shm: the shared-memory transport is not available in this "
-                          "version; use tcp or auto")
+        transport = connect_shm(dist_opts.store, rank, size, cfg, timeout)
     else:
         from ..transport.bootstrap import connect_tcp
 
@@ -41,6 +40,13 @@ def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
     shape = shape_from_networks(nets) if nets else None
     return ThunderboltProcessGroup(transport, cfg, timeout, description=str(getattr(dist_opts, "group_id", "")),
                                    shape=shape)
+
+
+def _all_on_one_host(store: Any, rank: int, size: int) -> bool:
+    """True when every rank of the group shares this host (same hostname, boot and network namespace)."""
+    from ..transport.shm_connect import host_map
+
+    return len(set(host_map(store, rank, size))) == 1
 
 
 def _thunderbolt_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any):

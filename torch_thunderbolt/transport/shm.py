@@ -9,9 +9,10 @@ makes that deadlock-free, as on TCP). Early point-to-point messages are buffered
 Waiting: the thread that waits drives progress (as on TCP). It polls the rings, spins briefly yielding the
 CPU (not at all when there are more ranks than cores), then sets its "sleeping" flag and blocks in poll()
 on the doorbell sockets; a peer that publishes a slot to it, or frees a slot it waits for, rings the bell
-when it sees the flag. Blocking is capped at a few ms so a wake-up lost to memory reordering costs at
-most that, never a hang. The sockets carry only doorbell bytes, BYE, and ABORT texts; EOF without BYE
-means the peer process died (kill -9 included): PeerLostError at once.
+when it sees the flag (a full fence on both sides orders flag and ring accesses). Each poll is capped
+(2 ms, 20 ms once idle) so even a lost wake-up would cost at most that, never a hang. A yield that takes
+long (other processes want the core) stops spinning for a while. The sockets carry only doorbell bytes,
+BYE and ABORT texts; EOF without BYE means the peer process died (kill -9 included): PeerLostError.
 """
 from __future__ import annotations
 
@@ -38,8 +39,11 @@ log = logging.getLogger("torch_thunderbolt.shm")
 BELL, BYE, ABORT = b"\x00", b"B", b"A"
 _LEN = struct.Struct("<I")
 BLOCK_CAP = 0.002  # longest single poll while sleeping (bounds the cost of a lost wake-up)
+QUIET_CAP = 0.02  # the same once a whole poll passed with nothing to do (an idle wait costs ~50 wake-ups/s)
 _REMOTE_ERRORS = {"MismatchError": MismatchError, "CollectiveTimeout": CollectiveTimeout,
                   "ProtocolError": ProtocolError, "PeerLostError": PeerLostError}
+SLOW_YIELD = 200e-6  # a yield that long means other runnable tasks took the core
+CONTENDED_BACKOFF = 0.5  # seconds without spinning after that
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
@@ -90,6 +94,8 @@ class ShmTransport(Transport):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._polling = False
+        self._quiet = False  # the last blocking poll timed out with nothing to do
+        self._contended_until = 0.0  # no spinning before this time (monotonic): the CPU is contended
         self._to_ring: set[_Peer] = set()
 
     def peer_address(self, peer: int) -> str:
@@ -105,6 +111,7 @@ class ShmTransport(Transport):
                 raise PeerLostError(f"rank {self.rank}: rank {req.peer} has shut down its process group",
                                     rank=self.rank, peer=req.peer, address=self.peer_address(req.peer))
             pe.sendq.append([req, 0])
+            self._quiet = False
             if len(pe.sendq) == 1:
                 self._flush(pe)
                 self._ring_bells()
@@ -115,6 +122,7 @@ class ShmTransport(Transport):
         with self._cv:
             self._check_usable()
             self.matcher.post(req)
+            self._quiet = False
             peers = self._list if req.peer == ANY_SOURCE else [self.peers[req.peer]]
             for pe in peers:
                 pe.parked = False
@@ -152,10 +160,22 @@ class ShmTransport(Transport):
     def _drive(self, timeout: float) -> None:
         with self._cv:
             if self._pump() or timeout <= 0 or self.broken is not None:
+                self._quiet = False
                 return
-        end = time.monotonic() + min(self.spin, timeout)
-        while time.monotonic() < end:
+        # Spin only when traffic is flowing; a rank that already slept through a whole poll is waiting
+        # for something slow (a late peer, the user's compute) and spinning would just burn CPU. A yield
+        # that took long means other processes want this core: then a blocking wake-up (which the
+        # scheduler serves promptly) beats queueing behind them, so stop spinning for a while.
+        now = time.monotonic()
+        spin = 0.0 if self._quiet or now < self._contended_until else min(self.spin, timeout)
+        end = now + spin
+        while now < end:
             _yield()
+            after = time.monotonic()
+            if after - now > SLOW_YIELD:
+                self._contended_until = after + CONTENDED_BACKOFF
+                break
+            now = after
             if self._ready():
                 with self._cv:
                     if self._pump() or self.broken is not None:
@@ -169,7 +189,7 @@ class ShmTransport(Transport):
             poller = self._poll_set()
             self._polling = True
         try:
-            events = poller.poll(min(timeout, BLOCK_CAP) * 1000.0)
+            events = poller.poll(min(timeout, QUIET_CAP if self._quiet else BLOCK_CAP) * 1000.0)
         finally:
             self._polling = False
             self._my_flag[0] = 0
@@ -179,7 +199,7 @@ class ShmTransport(Transport):
                 pe = self._by_fd.get(fd)
                 if pe is not None:
                     self._read_control(pe)
-            self._pump()
+            self._quiet = not self._pump() and not events
 
     def _ready(self) -> bool:
         """Cheap lock-free look: is there anything the engine could move?"""
@@ -235,7 +255,7 @@ class ShmTransport(Transport):
         try:
             while self.broken is None and r.pending():
                 space, kind, sig, tag, seq, off, length, total = r.peek()
-                if kind != Kind.DATA or off + length > total:
+                if kind != Kind.DATA or off + length > total or length > self.slot_bytes:
                     raise ProtocolError(f"rank {pe.rank} wrote a corrupt slot into shared memory")
                 frame = Frame(Kind.DATA, Space(space), sig, tag, seq, off, length, total)
                 target = self.matcher.match(pe.rank, frame, allow_park=True)

@@ -5,7 +5,7 @@ under `tbshm/<rank>`, connects a doorbell socket to every lower rank (authentica
 from the store) and accepts one from every higher rank, maps every peer's segment, and waits until all
 ranks have mapped theirs. Then each unlinks its segment and listener path: from here on a crash, even
 kill -9, leaves nothing behind. Options come from THUNDERBOLT_SHM_SLOT (slot payload bytes, default 1M),
-THUNDERBOLT_SHM_SLOTS (slots per directed pair, default 4) and THUNDERBOLT_SHM_SPIN_US (spin before
+THUNDERBOLT_SHM_SLOTS (slots per directed pair, default 8) and THUNDERBOLT_SHM_SPIN_US (spin before
 blocking; default 100, or 0 when ranks outnumber cores).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ _HELLO = struct.Struct("<I16s")
 @dataclass(frozen=True)
 class ShmOptions:
     slot_bytes: int = 1 << 20
-    slots: int = 4
+    slots: int = 8
     spin_us: float | None = None  # None: automatic (see shm.default_spin)
 
     @classmethod

@@ -139,6 +139,7 @@ class RingReader:
         return self.mv[base : base + length]
 
     def pop(self) -> None:
+        publish_fence()  # our payload loads complete before the slot is handed back (arm64 reorders)
         self.tail += 1
         self.ctl[8] = self.tail
 

@@ -67,6 +67,7 @@ class TcpTransport(Transport):
         self._wake_w.setblocking(False)
         self._polling = False
         self.spin_seconds = spin_us / 1e6
+        self._no_spin_until = 0.0
 
     def peer_address(self, peer: int) -> str:
         cs = self.conns.get(peer)
@@ -150,12 +151,20 @@ class TcpTransport(Transport):
         """Busy-poll briefly before sleeping: a cross-core wake-up costs more than a small message."""
         if seconds <= 0:
             return False
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
+        now = time.perf_counter()
+        if now < self._no_spin_until:
+            return False
+        end = now + seconds
+        while now < end:
             with self._cv:
                 if self._pump() or self.broken is not None:
                     return True
             os.sched_yield()  # let a rank sharing this core run
+            after = time.perf_counter()
+            if after - now > 200e-6:  # the core is contended: spinning only steals it, so stop a while
+                self._no_spin_until = after + 0.5
+                return False
+            now = after
         return False
 
     def _poll_set(self) -> "select.poll":
