@@ -71,6 +71,7 @@ class Communicator:
             # Peers may still send for this op: the streams can't be trusted any more. Tell everyone.
             self.t.abort(exc)
             raise
+        self.t.retire(self.seq)
 
     # -- collectives ----------------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: str = "sum", premul: object = None) -> None:

@@ -122,6 +122,7 @@ class _Run:
         self.ready = [False] * len(steps)
         self.inflight: dict[int, Request] = {}
         self.remaining = len(steps)
+        self.heard: set[int] = set()  # peers that sent us something for this op (they arrived)
 
     def run(self, deadline: float | None, what: str) -> None:
         todo = deque(self.roots)
@@ -131,9 +132,11 @@ class _Run:
             if not self.remaining:
                 break
             reqs = list(self.inflight.values())
-            self.t.wait_any(reqs, deadline, what)
+            self.t.wait_any(reqs, deadline, what, arrived=self.heard)
             for i, r in list(self.inflight.items()):
                 if r.done:
+                    if not r.is_send:
+                        self.heard.add(r.source)
                     del self.inflight[i]
                     self._complete(i, todo)
 

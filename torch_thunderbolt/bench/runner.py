@@ -1,9 +1,10 @@
 """The timed loop: every backend runs each op at each size, interleaved iteration by iteration.
 
 Fairness: iteration i runs backend A then B, iteration i+1 B then A, ... so a machine that drifts
-(other load, CPU placement, thermal) slows both alike, and neither always follows the other. No barrier between iterations: each rank times its own call and
-the per-iteration maximum over ranks is taken once at the end of the size (one all_reduce), so
-measurement costs nothing inside the loop. Inputs are refilled and outputs checked only on the check
+(other load, CPU placement, thermal) slows both alike, and neither always follows the other. Each
+iteration is a block of back-to-back calls (several for small messages, as nccl-tests times a loop),
+started after a barrier on the control group so no backend inherits the other's finishing skew; each
+rank times its own block and the per-iteration maximum over ranks is taken once at the end of the size. Inputs are refilled and outputs checked only on the check
 iterations (the first and last timed one), outside the timed region.
 """
 from __future__ import annotations
@@ -107,9 +108,15 @@ class SizeTimes:
     wrong: list[int]             # [backend]
 
 
+def block_size(nbytes: int) -> int:
+    """Back-to-back calls per timed block (as nccl-tests times a loop): small ops are dominated by the
+    start-up skew between ranks, which a block amortises; large ones need no repeats."""
+    return 1 if nbytes >= (1 << 20) else 10 if nbytes >= (64 << 10) else 20
+
+
 def time_size(op: str, lay: spec.Layout, groups: Sequence[Any], rank: int, world_size: int,
               dtype: torch.dtype, warmup: int, iters: int, fn: OpFn,
-              step: Callable[[], None] = lambda: None) -> SizeTimes:
+              step: Callable[[], None] = lambda: None, control: Any = None) -> SizeTimes:
     """Run warmup + iters interleaved iterations of `fn` over all groups at one size on this rank."""
     b = make_buffers(op, lay, dtype)
     chunks = check.expected_chunks(op, rank, world_size, lay)
@@ -124,12 +131,17 @@ def time_size(op: str, lay: spec.Layout, groups: Sequence[Any], rank: int, world
             checking = it in checks
             if checking:
                 prepare(op, b, rank)
+            reps = 1 if checking else block_size(lay.nbytes)
+            # Start every backend's block from the same line: without this, the skew with which the
+            # previous backend's op finished on each rank is charged to whichever op runs next.
+            dist.barrier(group=control)
             start = clock()
             try:
-                fn(group, b, rank)
+                for _ in range(reps):
+                    fn(group, b, rank)
             except Exception as exc:  # noqa: BLE001 - re-raised with the op, size and backend named
                 raise OpFailedError(f"{op} of {lay.nbytes} B failed: {exc}", g) from exc
-            elapsed = clock() - start
+            elapsed = (clock() - start) // reps
             if checking:
                 result.wrong[g] += check.count_wrong(b.out, chunks)
             if it >= warmup:

@@ -106,12 +106,14 @@ class Transport(abc.ABC):
         """Block until every request is done; raise its error, or CollectiveTimeout at `deadline`."""
         self._wait_until(reqs, all, deadline, what)
 
-    def wait_any(self, reqs: Sequence[Request], deadline: float | None = None, what: str = "") -> None:
-        """Block until at least one request is done (raising the first error found)."""
-        self._wait_until(reqs, any, deadline, what)
+    def wait_any(self, reqs: Sequence[Request], deadline: float | None = None, what: str = "",
+                 arrived: Iterable[int] = ()) -> None:
+        """Block until at least one request is done (raising the first error found). `arrived`: peers
+        already heard from in this op (named as "did not arrive" only if they are not)."""
+        self._wait_until(reqs, any, deadline, what, arrived)
 
     def _wait_until(self, reqs: Sequence[Request], how: "Callable[[Iterable[bool]], bool]",
-                    deadline: float | None, what: str) -> None:
+                    deadline: float | None, what: str, arrived: Iterable[int] = ()) -> None:
         while True:
             for r in reqs:
                 if r.error is not None:
@@ -122,7 +124,7 @@ class Transport(abc.ABC):
                 raise self.broken
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                raise self._timeout_error(reqs, what)
+                raise self._timeout_error(reqs, what, arrived)
             self._progress(0.2 if deadline is None else min(0.2, deadline - now))
 
     def test(self, reqs: Iterable[Request]) -> bool:
@@ -141,6 +143,9 @@ class Transport(abc.ABC):
                 self.broken = error
             self._cv.notify_all()
 
+    def retire(self, tag: int) -> None:
+        """Collective op `tag` finished on this rank: data for it (or older ops) that still arrives is an error."""
+
     def close(self) -> None:
         if self.closed:
             return
@@ -158,11 +163,17 @@ class Transport(abc.ABC):
         if not 0 <= peer < self.world or peer == self.rank:
             raise ValueError(f"rank {self.rank}: invalid peer rank {peer} (group size {self.world})")
 
-    def _timeout_error(self, reqs: Sequence[Request], what: str) -> CollectiveTimeout:
+    def _timeout_error(self, reqs: Sequence[Request], what: str, arrived: Iterable[int] = ()) -> CollectiveTimeout:
         waiting = [r for r in reqs if not r.done]
-        missing = sorted({r.peer for r in waiting if not r.is_send})
+        # A rank that sent us anything for this op has arrived; it may only be waiting on someone else.
+        heard = set(arrived) | {r.peer for r in reqs if not r.is_send and (r.done or r.received)}
+        awaited = {r.peer for r in waiting if not r.is_send}
+        missing = sorted(awaited - heard)
         detail = "; ".join(r.describe() for r in waiting[:4])
-        who = f" ranks that did not arrive: {missing};" if missing else ""
+        if missing:
+            who = f" ranks that did not arrive: {missing};"
+        else:  # everyone arrived; some stopped part-way (frozen, or waiting on someone themselves)
+            who = f" ranks that arrived but stopped sending: {sorted(awaited)};" if awaited else ""
         return CollectiveTimeout(
             f"Timed out: rank {self.rank} waiting in {what or 'an operation'};{who} pending: {detail}"
         )

@@ -48,8 +48,8 @@ def tune_socket(sock: socket.socket, cfg: Config) -> None:
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
             except OSError:
                 pass
-    if hasattr(socket, "TCP_USER_TIMEOUT"):  # unacknowledged data for 15 s = the peer is gone
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 15000)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):  # unacknowledged data for 4 s = the peer (or its cable) is gone
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 4000)
     if cfg.congestion_control and hasattr(socket, "TCP_CONGESTION"):
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cfg.congestion_control.encode())

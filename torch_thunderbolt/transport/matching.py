@@ -32,7 +32,7 @@ Target = "Request | Unexpected"
 
 
 class Matcher:
-    def __init__(self, rank: int, max_unexpected: int = 1 << 34) -> None:
+    def __init__(self, rank: int, max_unexpected: int = 1 << 30) -> None:
         self.rank = rank
         self.posted: dict[tuple[int, Key], Request] = {}
         self.any_source: list[Request] = []
@@ -105,8 +105,10 @@ class Matcher:
         if u is None:
             if allow_park and frame.space == Space.COLL:
                 return None
-            if frame.total > self.max_unexpected:
-                raise ProtocolError(f"rank {peer} sent an unsolicited {frame.total}-byte message (too large)")
+            buffered = sum(x.total for x in self.unexpected.values())
+            if buffered + frame.total > self.max_unexpected:  # a budget for all of them, not per message
+                raise ProtocolError(f"rank {peer} sent an unsolicited {frame.total}-byte message; with "
+                                    f"{buffered} bytes already buffered that exceeds {self.max_unexpected}")
             self._arrivals += 1
             u = self.unexpected[(peer, key)] = Unexpected(frame.total, frame.sig, self._arrivals)
         elif u.total != frame.total:

@@ -21,6 +21,7 @@ from collections import deque
 from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerAbortedError, PeerLostError,
                       ProtocolError, ThunderboltError)
 from ..protocol.framing import Frame, FrameDecoder, Kind, Space, encode_abort, encode_frame_header
+from ..protocol.signature import describe_sig
 from .base import ANY_SOURCE, Request, Transport
 from .layout import split_aligned
 from .matching import Matcher
@@ -68,6 +69,22 @@ class TcpTransport(Transport):
         self._polling = False
         self.spin_seconds = spin_us / 1e6
         self._no_spin_until = 0.0
+
+    retired = 0  # every collective op up to this tag has finished on this rank
+
+    def retire(self, tag: int) -> None:
+        with self._cv:
+            self.retired = max(self.retired, tag)
+            for c in self._all:
+                if c.parked is not None and c.parked.tag <= tag and self.broken is None:
+                    self._fail(c, self._stray(c, c.parked), wrap=False)
+            if self.broken is not None:
+                raise self.broken
+
+    def _stray(self, c: _Conn, frame: Frame) -> MismatchError:
+        return MismatchError(
+            f"rank {self.rank}: rank {c.peer} sent {describe_sig(frame.sig)} data for op #{frame.tag}, which this "
+            f"rank finished without expecting data from rank {c.peer} (different collectives, roots or order)")
 
     def peer_address(self, peer: int) -> str:
         cs = self.conns.get(peer)
@@ -204,7 +221,9 @@ class TcpTransport(Transport):
             except (BlockingIOError, InterruptedError):
                 return moved
             except OSError as exc:
-                self._fail(c, exc)
+                if c.parked is None and not c.bye:
+                    self._read(c)  # an ABORT waiting in the receive buffer names the real cause
+                self._fail(c, exc)  # no-op if that read already failed the transport
                 return True
             moved = True
             item[3] = sent = sent + k
@@ -246,6 +265,8 @@ class TcpTransport(Transport):
                     return True
                 target = self.matcher.match(c.peer, frame, allow_park=True)
                 if target is None:
+                    if frame.space == Space.COLL and frame.tag <= self.retired:
+                        raise self._stray(c, frame)
                     c.parked = frame
                     return moved
                 c.inbound = [target[0], target[1], frame, 0]
@@ -294,7 +315,7 @@ class TcpTransport(Transport):
             err = cls(message)
             if isinstance(err, PeerAbortedError):
                 err.peer = c.peer
-        self._fail(c, err, wrap=False, tell_peers=False)
+        self._fail(c, err, wrap=False)  # forward it: our FIN must not reach a peer before the reason
 
     def abort(self, error: BaseException) -> None:
         """Fail this transport with `error` and tell every peer why, so they fail fast and clearly too."""

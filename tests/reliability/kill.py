@@ -1,0 +1,151 @@
+"""kill -9 of one rank at a random moment during a collective: the scenario shared by the CI test and the
+≥100-trial script. A trial is fully described by its seed (world size, op, size, victim, moment, root)."""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tests.core.mp import PRELUDE
+
+from .procs import start_ranks
+
+OPS = ("all_reduce", "broadcast", "all_gather", "send_recv")
+SIZES = (4, 1 << 10, 64 << 10, 1 << 20, 4 << 20)
+DETECT_LIMIT = 5.0  # seconds from the kill to the error on every survivor
+HANG_LIMIT = 30.0  # a survivor still running this long after the kill counts as a hang
+
+SCRIPT = PRELUDE + r"""
+import datetime, signal, threading
+dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=float(os.environ["TB_TIMEOUT"])))
+r, w = dist.get_rank(), dist.get_world_size()
+op, n = os.environ["TB_OP"], max(1, int(os.environ["TB_SIZE"]) // 4)
+victim, root, delay = int(os.environ["TB_VICTIM"]), int(os.environ["TB_ROOT"]), float(os.environ["TB_DELAY"])
+x, y, out = torch.full((n,), float(r + 1)), torch.empty(n), torch.empty(n * w)
+dist.barrier()
+
+def killer():
+    time.sleep(delay)
+    print("KILLAT " + json.dumps(time.time()), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if r == victim:
+    threading.Thread(target=killer, daemon=True).start()
+
+def step():
+    if op == "all_reduce":
+        dist.all_reduce(x)
+        x.fill_(float(r + 1))  # keep values bounded
+    elif op == "broadcast":
+        dist.broadcast(x, root)
+    elif op == "all_gather":
+        dist.all_gather_into_tensor(out, x)
+    else:  # a ring of send/recv pairs
+        req = dist.isend(x, (r + 1) % w)
+        dist.recv(y, (r - 1) % w)
+        req.wait()
+
+done = 0
+try:
+    while True:
+        step()
+        done += 1
+except Exception as exc:
+    print("ERROR " + json.dumps({"type": type(exc).__name__, "msg": str(exc)[:500], "t": time.time(),
+                                 "peer": getattr(exc, "peer", None), "ops": done}), flush=True)
+    raise  # the program lets the exception end it: the process must still exit cleanly
+"""
+
+
+@dataclass(frozen=True)
+class KillCase:
+    seed: int
+    world: int
+    op: str
+    size: int
+    victim: int
+    root: int
+    delay: float
+
+    @classmethod
+    def from_seed(cls, seed: int, worlds: tuple[int, ...] = (2, 3, 4)) -> "KillCase":
+        rng = random.Random(seed)
+        world = rng.choice(worlds)
+        return cls(seed, world, rng.choice(OPS), rng.choice(SIZES), rng.randrange(world), rng.randrange(world),
+                   round(rng.uniform(0.0, 0.5), 3))
+
+
+@dataclass
+class KillOutcome:
+    case: KillCase
+    hang: bool
+    killed_at: float | None
+    errors: dict  # survivor rank -> ERROR record
+    returncodes: dict
+    exit_after_error: dict  # survivor rank -> seconds from its error to its process exit
+    problems: list
+
+    @property
+    def detection(self) -> dict:
+        if self.killed_at is None:
+            return {}
+        return {r: e["t"] - self.killed_at for r, e in self.errors.items()}
+
+    def ok(self) -> bool:
+        return not self.problems
+
+    def record(self) -> dict:
+        return {"case": asdict(self.case), "hang": self.hang, "detection": self.detection,
+                "exit_after_error": self.exit_after_error, "returncodes": self.returncodes,
+                "errors": self.errors, "problems": self.problems}
+
+
+def run_kill_trial(case: KillCase, workdir: Path, group_timeout: float = 60.0) -> KillOutcome:
+    env = {"TB_TIMEOUT": str(group_timeout), "TB_OP": case.op, "TB_SIZE": str(case.size),
+           "TB_VICTIM": str(case.victim), "TB_ROOT": str(case.root), "TB_DELAY": str(case.delay)}
+    ranks = start_ranks(SCRIPT, case.world, workdir, env)
+    try:
+        start_limit = time.time() + 90  # process start + init on a busy 2-core box
+        killed_at = None
+        finished = False
+        while time.time() < start_limit and killed_at is None:
+            kill = ranks.ranks[case.victim].tagged("KILLAT")
+            killed_at = kill[0] if kill else None
+            if ranks.ranks[case.victim].proc.poll() is not None and killed_at is None:
+                break
+            time.sleep(0.02)
+        if killed_at is not None:
+            finished = ranks.wait(killed_at + HANG_LIMIT)
+    finally:
+        ranks.kill_all()
+    return _judge(case, ranks, killed_at, finished)
+
+
+def _judge(case: KillCase, ranks, killed_at: float | None, finished: bool) -> KillOutcome:
+    problems: list[str] = []
+    errors, rcs, exit_after = {}, {}, {}
+    if killed_at is None:
+        problems.append("the victim never reached its kill (setup failed): "
+                        + ranks.ranks[case.victim].stderr()[-800:])
+    for rk in ranks.ranks:
+        rcs[rk.rank] = rk.returncode
+        if rk.rank == case.victim:
+            continue
+        errs = rk.tagged("ERROR")
+        if not errs:
+            problems.append(f"rank {rk.rank} reported no error (rc {rk.returncode}): {rk.stderr()[-800:]}")
+            continue
+        e = errs[0]
+        errors[rk.rank] = e
+        if rk.exited_at is not None:
+            exit_after[rk.rank] = round(rk.exited_at - e["t"], 3)
+        if e["type"] != "PeerLostError" or e["peer"] != case.victim or f"rank {case.victim}" not in e["msg"]:
+            problems.append(f"rank {rk.rank}: expected PeerLostError naming rank {case.victim}, got {e}")
+        if killed_at is not None and e["t"] - killed_at > DETECT_LIMIT:
+            problems.append(f"rank {rk.rank}: detected after {e['t'] - killed_at:.2f}s (> {DETECT_LIMIT}s)")
+        if rk.returncode != 1:  # an uncaught Python exception, nothing worse (no signal, no hang)
+            problems.append(f"rank {rk.rank}: exit code {rk.returncode} (expected 1 from the uncaught error)")
+    if killed_at is not None and not finished:
+        problems.append("hang: some survivor was still running %.0fs after the kill" % HANG_LIMIT)
+    return KillOutcome(case, killed_at is not None and not finished, killed_at, errors, rcs, exit_after, problems)

@@ -1,0 +1,127 @@
+"""Link faults: a cable cut mid-collective (lab, root), a frozen peer (SIGSTOP: half-open, no FIN), and a link
+dropped while the job is idle (keepalive). Shared by the tests and scripts/reliability/link_faults.py."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.core.mp import PRELUDE
+
+from .procs import Ranks, start_ranks
+
+SCRIPT = PRELUDE + r"""
+import datetime
+dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=float(os.environ["TB_TIMEOUT"])))
+r, w = dist.get_rank(), dist.get_world_size()
+x = torch.ones(int(os.environ["TB_SIZE"]) // 4)
+idle = float(os.environ.get("TB_IDLE", "0"))
+dist.barrier()
+print("READY " + json.dumps(time.time()), flush=True)
+done = 0
+try:
+    if idle:  # the fault is injected while nobody is in a collective
+        time.sleep(idle)
+        print("CALL " + json.dumps(time.time()), flush=True)
+    while True:
+        dist.all_reduce(x)
+        x.fill_(1.0)
+        done += 1
+        if done == 1 and idle:
+            print("PASSED " + json.dumps(time.time()), flush=True)
+            break
+except Exception as exc:
+    print("ERROR " + json.dumps({"type": type(exc).__name__, "msg": str(exc)[:400], "t": time.time(),
+                                 "peer": getattr(exc, "peer", None), "ops": done}), flush=True)
+    sys.exit(3)
+"""
+
+
+@dataclass
+class LinkOutcome:
+    fault_at: float | None = None
+    errors: dict = field(default_factory=dict)  # rank -> ERROR record
+    finished: bool = False
+    notes: list = field(default_factory=list)
+
+    def detection(self) -> dict:
+        return {r: round(e["t"] - self.fault_at, 3) for r, e in self.errors.items()} if self.fault_at else {}
+
+    def record(self) -> dict:
+        return {"detection": self.detection(), "errors": self.errors, "finished": self.finished,
+                "notes": self.notes}
+
+
+def _wait_ready(ranks: Ranks, limit: float = 90.0) -> bool:
+    end = time.time() + limit
+    while time.time() < end:
+        if all(r.tagged("READY") for r in ranks.ranks):
+            return True
+        if any(r.proc.poll() is not None for r in ranks.ranks):
+            return False
+        time.sleep(0.05)
+    return False
+
+
+def _collect(ranks: Ranks, out: LinkOutcome, limit: float) -> LinkOutcome:
+    out.finished = ranks.wait(time.time() + limit)
+    for rk in ranks.ranks:
+        errs = rk.tagged("ERROR")
+        if errs:
+            out.errors[rk.rank] = errs[0]
+        elif rk.tagged("PASSED"):
+            out.notes.append(f"rank {rk.rank} completed its collective")
+        else:
+            out.notes.append(f"rank {rk.rank}: no result (rc {rk.returncode}) {rk.stderr()[-300:]}")
+    return out
+
+
+def sigstop_peer(workdir: Path, group_timeout: float = 3.0, size: int = 1 << 20) -> LinkOutcome:
+    """2 ranks on loopback; rank 1 is frozen mid-loop (its kernel keeps ACKing: no FIN, no RST)."""
+    ranks = start_ranks(SCRIPT, 2, workdir, {"TB_TIMEOUT": str(group_timeout), "TB_SIZE": str(size)})
+    out = LinkOutcome()
+    try:
+        if not _wait_ready(ranks):
+            out.notes.append("setup failed: " + ranks.ranks[0].stderr()[-500:])
+            return out
+        time.sleep(0.3)
+        out.fault_at = time.time()
+        os.kill(ranks.ranks[1].proc.pid, signal.SIGSTOP)
+        end = time.time() + group_timeout + 20
+        while time.time() < end and ranks.ranks[0].proc.poll() is None:
+            time.sleep(0.05)
+        ranks.poll()
+        errs = ranks.ranks[0].tagged("ERROR")
+        if errs:
+            out.errors[0] = errs[0]
+        out.finished = ranks.ranks[0].proc.poll() is not None
+    finally:
+        ranks.kill_all()  # SIGCONT + SIGKILL for the frozen one
+    return out
+
+
+def cable_cut(lab, workdir: Path, cut_host: int = 0, cut_cable: int = 0, group_timeout: float = 10.0,
+              size: int = 1 << 20, idle: float = 0.0) -> LinkOutcome:
+    """Ranks 0..n-1 on the lab's hosts; `ip link set DEV down` on one cable end while they work (or idle)."""
+    hosts = lab.hosts()
+    master = lab.addresses(hosts[0])[0]
+    env = {"TB_TIMEOUT": str(group_timeout), "TB_SIZE": str(size), "TB_IDLE": str(idle)}
+    ranks = start_ranks(SCRIPT, len(hosts), workdir, env, master=master,
+                        wrap=lambda r: lab.exec_argv(hosts[r], []),
+                        rank_env_fn=lambda r: {"THUNDERBOLT_IFNAME": lab.ifname_env(hosts[r])})
+    out = LinkOutcome()
+    try:
+        if not _wait_ready(ranks):
+            out.notes.append("setup failed: " + ranks.ranks[0].stderr()[-800:])
+            return out
+        time.sleep(0.5 if not idle else 1.0)
+        dev = lab.ifnames(hosts[cut_host])[cut_cable]
+        out.fault_at = time.time()
+        subprocess.run(lab.exec_argv(hosts[cut_host], ["ip", "link", "set", dev, "down"]), check=True)
+        out.notes.append(f"cut {hosts[cut_host]}:{dev}")
+        return _collect(ranks, out, group_timeout + idle + 30)
+    finally:
+        ranks.kill_all()

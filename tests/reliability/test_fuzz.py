@@ -1,0 +1,51 @@
+"""Short CI run of the protocol fuzzers (the ≥1e6-input runs: scripts/reliability/fuzz.py)."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torch_thunderbolt.protocol import handshake as hs
+
+from . import fuzzing
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_structured_fuzz_short_run_only_protocol_errors_escape() -> None:
+    counts = fuzzing.run(3000, seed=20261130)
+    assert all(n > 300 for n in counts.values()), counts  # every target got its share
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=1, max_size=2 * hs.HELLO_SIZE))
+def test_server_handshake_fuzz(data: bytes) -> None:
+    fuzzing.server_target(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=0, max_size=hs.CHALLENGE_SIZE + hs.REPLY_SIZE))
+def test_client_handshake_fuzz(data: bytes) -> None:
+    fuzzing.client_target(data)
+
+
+def test_the_targets_report_escapes() -> None:
+    """The harness must fail when something other than ProtocolError escapes (else it proves nothing)."""
+    def broken(data: bytes) -> None:
+        raise IndexError("simulated decoder bug")
+
+    saved = fuzzing.TARGETS["decoder"]
+    fuzzing.TARGETS["decoder"] = broken
+    try:
+        with pytest.raises(AssertionError, match="IndexError"):
+            fuzzing.run(50, seed=1)
+    finally:
+        fuzzing.TARGETS["decoder"] = saved
+
+
+def test_mutated_valid_input_reaches_the_accept_path() -> None:
+    """A correct HELLO (with the server's nonce) is accepted by the same target code path."""
+    server = hs.ServerHandshake(fuzzing.SECRET, 0, fuzzing.GROUP, lambda r, s: r == 1, 2)
+    client = hs.ClientHandshake(fuzzing.SECRET, 1, 0, 0, fuzzing.GROUP)
+    result = server.receive(client.receive_challenge(server.challenge()))
+    assert result is not None and result.peer_rank == 1

@@ -1,0 +1,79 @@
+"""Cable cuts and frozen peers. Lab tests need root (network namespaces) and skip otherwise.
+
+Measured behaviour (RELIABILITY.md): a cut mid-collective is noticed after the streams' TCP_USER_TIMEOUT
+(15 s in the tree) or at the group timeout if that is shorter; patch 2 (4 s) brings it to 4–7 s with
+PeerLostError. A second cable is not used as a fallback yet (README, known limitations)."""
+from __future__ import annotations
+
+import pytest
+
+from torch_thunderbolt.lab.testing import lab_session, lab_skip_reason
+
+from .links import cable_cut, sigstop_peer
+
+
+@pytest.fixture
+def lab_or_skip():
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+
+    def make(cables: int):
+        return lab_session(2, "pair", cables=cables, rate="10gbit")
+
+    return make
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_a_frozen_peer_is_detected_by_the_group_timeout(tmp_path) -> None:
+    out = sigstop_peer(tmp_path, group_timeout=3.0)
+    assert out.finished, out.record()
+    err = out.errors[0]
+    assert err["type"] == "CollectiveTimeout" and "[1]" in err["msg"], out.record()
+    assert 2.5 < out.detection()[0] < 8, out.record()
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(120)
+def test_cable_cut_mid_collective_errors_on_every_rank_never_hangs(lab_or_skip, tmp_path) -> None:
+    with lab_or_skip(1) as lab:
+        out = cable_cut(lab, tmp_path, group_timeout=6.0)
+    assert out.finished and set(out.errors) == {0, 1}, out.record()
+    assert all(e["type"] in ("CollectiveTimeout", "PeerLostError") for e in out.errors.values()), out.record()
+    assert max(out.detection().values()) < 6.0 + 3, out.record()
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=False, reason="a cut is seen after TCP_USER_TIMEOUT = 4 s plus retransmission "
+                                        "timing: measured 4.0-7.0 s, so 5 s is not always met")
+def test_cable_cut_is_detected_within_5s_with_a_long_group_timeout(lab_or_skip, tmp_path) -> None:
+    with lab_or_skip(1) as lab:
+        out = cable_cut(lab, tmp_path, group_timeout=7.0)
+    assert set(out.errors) == {0, 1}, out.record()
+    assert all(e["type"] == "PeerLostError" for e in out.errors.values()), out.record()
+    assert max(out.detection().values()) < 5.0, out.record()
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason="not implemented: losing one of two cables fails the group "
+                                       "(README known limitations)")
+def test_cable_cut_with_a_second_cable_continues(lab_or_skip, tmp_path) -> None:
+    with lab_or_skip(2) as lab:
+        out = cable_cut(lab, tmp_path, group_timeout=6.0)
+    assert not out.errors, out.record()
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(120)
+def test_link_lost_while_idle_is_found_by_keepalive(lab_or_skip, tmp_path) -> None:
+    """No collective running when the cable goes: keepalive (5 s idle + 4 x 2 s probes) marks the sockets
+    dead, so the next call fails at once with PeerLostError instead of waiting for the timeout."""
+    with lab_or_skip(1) as lab:
+        out = cable_cut(lab, tmp_path, group_timeout=30.0, idle=18.0)
+    assert set(out.errors) == {0, 1}, out.record()
+    for rank, err in out.errors.items():
+        assert err["type"] == "PeerLostError" and err["peer"] == 1 - rank, out.record()
+        assert out.detection()[rank] < 18.0 + 5, out.record()  # at the first call, not at the 30 s timeout
