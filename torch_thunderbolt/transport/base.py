@@ -184,3 +184,29 @@ def _bytes_view(buf: memoryview | bytearray | bytes) -> memoryview:
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
     return mv
+
+
+class DrivenTransport(Transport):
+    """A transport whose progress engine is driven by whichever thread waits: one thread at a time runs
+    `_drive`, the others sleep on the condition until it reports completions (or 50 ms pass)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__(rank, world)
+        self._progress_lock = threading.Lock()
+
+    @abc.abstractmethod
+    def _drive(self, timeout: float) -> None:
+        """Move data, blocking at most `timeout` seconds; called by one thread at a time."""
+
+    def _progress(self, timeout: float) -> None:
+        if not self._progress_lock.acquire(blocking=False):
+            with self._cv:  # another thread drives the engine; it notifies on completions
+                if timeout > 0:
+                    self._cv.wait(min(timeout, 0.05))
+            return
+        try:
+            self._drive(timeout)
+        finally:
+            self._progress_lock.release()
+            with self._cv:
+                self._cv.notify_all()

@@ -17,7 +17,7 @@ import uuid
 from typing import Any, Callable
 
 from ..config import Config
-from ..errors import ConfigError, HandshakeError, PeerLostError, ThunderboltError
+from ..errors import ConfigError, HandshakeError, PeerLostError
 from ..protocol import handshake as hs
 from .netif import choose_addresses, network_of
 from .tcp import TcpTransport

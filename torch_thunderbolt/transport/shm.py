@@ -23,7 +23,6 @@ import re
 import select
 import socket
 import struct
-import threading
 import time
 from collections import deque
 
@@ -31,7 +30,7 @@ from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, Peer
                       ProtocolError, ThunderboltError)
 from ..protocol.framing import Frame, Kind, Space
 from . import shm_ring as ring
-from .base import ANY_SOURCE, Request, Transport
+from .base import ANY_SOURCE, DrivenTransport, Request
 from .matching import Matcher
 from .shm_segment import Segment
 
@@ -67,7 +66,7 @@ class _Peer:
         self.eof = False
 
 
-class ShmTransport(Transport):
+class ShmTransport(DrivenTransport):
     def __init__(self, rank: int, world: int, own: Segment, peers: dict[int, tuple[socket.socket, int, Segment]],
                  *, slots: int, slot_bytes: int, spin: float | None = None) -> None:
         super().__init__(rank, world)
@@ -89,7 +88,6 @@ class ShmTransport(Transport):
         self._list = list(self.peers.values())
         self._by_fd = {pe.sock.fileno(): pe for pe in self._list}
         self.spin = default_spin(world) if spin is None else spin
-        self._progress_lock = threading.Lock()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -144,19 +142,6 @@ class ShmTransport(Transport):
             pass
 
     # -- the engine ---------------------------------------------------------------------------------------
-    def _progress(self, timeout: float) -> None:
-        if not self._progress_lock.acquire(blocking=False):
-            with self._cv:  # another thread drives the engine; it notifies on completions
-                if timeout > 0:
-                    self._cv.wait(min(timeout, 0.05))
-            return
-        try:
-            self._drive(timeout)
-        finally:
-            self._progress_lock.release()
-            with self._cv:
-                self._cv.notify_all()
-
     def _drive(self, timeout: float) -> None:
         with self._cv:
             if self._pump() or timeout <= 0 or self.broken is not None:

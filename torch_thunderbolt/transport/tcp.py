@@ -15,14 +15,13 @@ import re
 import logging
 import select
 import socket
-import threading
 from collections import deque
 
 from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerAbortedError, PeerLostError,
                       ProtocolError, ThunderboltError)
 from ..protocol.framing import Frame, FrameDecoder, Kind, Space, encode_abort, encode_frame_header
 from ..protocol.signature import describe_sig
-from .base import ANY_SOURCE, Request, Transport
+from .base import ANY_SOURCE, DrivenTransport, Request
 from .layout import split_aligned
 from .matching import Matcher
 
@@ -51,7 +50,7 @@ class _Conn:
         self.staging = bytearray(_STAGING)
 
 
-class TcpTransport(Transport):
+class TcpTransport(DrivenTransport):
     def __init__(self, rank: int, world: int, conns: dict[int, list[socket.socket]], *,
                  stripe_bytes: int = 256 << 10, max_message: int = 1 << 40, spin_us: int = 0) -> None:
         super().__init__(rank, world)
@@ -62,7 +61,6 @@ class TcpTransport(Transport):
         }
         self._all = [c for cs in self.conns.values() for c in cs]
         self._by_fd = {c.fd: c for c in self._all}
-        self._progress_lock = threading.Lock()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -133,36 +131,26 @@ class TcpTransport(Transport):
             pass
 
     # -- the engine ---------------------------------------------------------------------------------------
-    def _progress(self, timeout: float) -> None:
-        if not self._progress_lock.acquire(blocking=False):
-            with self._cv:  # another thread drives the engine; it notifies on completions
-                if timeout > 0:
-                    self._cv.wait(min(timeout, 0.05))
-            return
-        try:
-            with self._cv:
-                if self._pump() or timeout <= 0 or self.broken is not None:
-                    return
-            if self._spin(min(timeout, self.spin_seconds)):
+    def _drive(self, timeout: float) -> None:
+        with self._cv:
+            if self._pump() or timeout <= 0 or self.broken is not None:
                 return
-            with self._cv:
-                poller = self._poll_set()
-                self._polling = True
-            try:
-                poller.poll(timeout * 1000.0)
-            finally:
-                self._polling = False
-            try:
-                while self._wake_r.recv(4096):
-                    pass
-            except OSError:
-                pass
-            with self._cv:
-                self._pump()
+        if self._spin(min(timeout, self.spin_seconds)):
+            return
+        with self._cv:
+            poller = self._poll_set()
+            self._polling = True
+        try:
+            poller.poll(timeout * 1000.0)
         finally:
-            self._progress_lock.release()
-            with self._cv:
-                self._cv.notify_all()
+            self._polling = False
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:
+            pass
+        with self._cv:
+            self._pump()
 
     def _spin(self, seconds: float) -> bool:
         """Busy-poll briefly before sleeping: a cross-core wake-up costs more than a small message."""
