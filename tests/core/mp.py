@@ -58,20 +58,21 @@ def run_ranks(script: str, world: int, tmp_path: Path, timeout: float = 60.0, en
             try:
                 out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _kill_all(procs)
+                kill_all(procs)
                 outs = [p.communicate() for p in procs]
                 detail = "\n".join(f"--- rank {i} stderr:\n{o[1][-2000:]}" for i, o in enumerate(outs))
                 raise AssertionError(f"ranks hung (killed after {timeout}s)\n{detail}") from None
             results.append(RankResult(r, p.returncode, out, err))
     finally:
-        _kill_all(procs)
+        kill_all(procs)
     if expect_ok:
         for res in results:
             assert res.returncode == 0, f"rank {res.rank} exited {res.returncode}\n{res.stderr[-4000:]}"
     return results
 
 
-def _kill_all(procs: list[subprocess.Popen]) -> None:
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL each process's whole session (ranks lead their own), then reap them."""
     for p in procs:
         if p.poll() is None:
             try:

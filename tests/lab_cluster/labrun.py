@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Mapping
 
 from torch_thunderbolt.lab.view import Lab
+
+from ..core.mp import kill_all
 
 REPO = Path(__file__).resolve().parents[2]
 MASTER_PORT = 29611  # inside the lab's own namespaces, so it never collides with the host's ports
@@ -75,7 +76,7 @@ def run_on_lab(lab: Lab, script: str, tmp_path: Path, timeout: float = 60.0,
                                           stderr=subprocess.PIPE, text=True, start_new_session=True))
         results = _collect(procs, time.monotonic() + timeout, timeout)
     finally:
-        _kill_all(procs)
+        kill_all(procs)
     if expect_ok:
         for res in results:
             assert res.returncode == 0, f"rank {res.rank} exited {res.returncode}\n{res.stderr[-4000:]}"
@@ -88,27 +89,12 @@ def _collect(procs: list[subprocess.Popen], deadline: float, timeout: float) -> 
         try:
             out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            _kill_all(procs)
+            kill_all(procs)
             outs = [p.communicate() for p in procs]
             detail = "\n".join(f"--- rank {i} stderr:\n{o[1][-2000:]}" for i, o in enumerate(outs))
             raise AssertionError(f"ranks hung (killed after {timeout}s)\n{detail}") from None
         results.append(RankRun(rank, proc.returncode, out, err))
     return results
-
-
-def _kill_all(procs: list[subprocess.Popen]) -> None:
-    # Each rank leads its own session (ip netns exec + python), so the group kill reaches both.
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    for proc in procs:
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def counter_delta(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:

@@ -8,6 +8,7 @@ pending and later request gets the same error at once.
 from __future__ import annotations
 
 import abc
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -193,6 +194,18 @@ class DrivenTransport(Transport):
     def __init__(self, rank: int, world: int) -> None:
         super().__init__(rank, world)
         self._progress_lock = threading.Lock()
+        # A doorbell for the driving thread while it sleeps in poll(): other threads ring it when they
+        # post work it must pick up. `_polling` says whether anyone is asleep there.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._polling = False
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
 
     @abc.abstractmethod
     def _drive(self, timeout: float) -> None:

@@ -88,10 +88,6 @@ class ShmTransport(DrivenTransport):
         self._list = list(self.peers.values())
         self._by_fd = {pe.sock.fileno(): pe for pe in self._list}
         self.spin = default_spin(world) if spin is None else spin
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._polling = False
         self._quiet = False  # the last blocking poll timed out with nothing to do
         self._contended_until = 0.0  # no spinning before this time (monotonic): the CPU is contended
         self._to_ring: set[_Peer] = set()
@@ -134,12 +130,6 @@ class ShmTransport(DrivenTransport):
                 self._cv.notify_all()
             elif self._polling:
                 self._wake()
-
-    def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
 
     # -- the engine ---------------------------------------------------------------------------------------
     def _drive(self, timeout: float) -> None:

@@ -61,10 +61,6 @@ class TcpTransport(DrivenTransport):
         }
         self._all = [c for cs in self.conns.values() for c in cs]
         self._by_fd = {c.fd: c for c in self._all}
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._polling = False
         self.spin_seconds = spin_us / 1e6
         self._no_spin_until = 0.0
 
@@ -123,12 +119,6 @@ class TcpTransport(DrivenTransport):
                 self._cv.notify_all()
             elif self._polling:
                 self._wake()
-
-    def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
 
     # -- the engine ---------------------------------------------------------------------------------------
     def _drive(self, timeout: float) -> None:
