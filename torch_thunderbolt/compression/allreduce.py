@@ -13,26 +13,16 @@ thunderbolt backend, or on the backend's own transport without re-entering its a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from .codecs import Codec, codec_for
-from .layout import DEFAULT_BLOCK_SIZE, ChunkLayout, check_mode, chunk_layout
-
-
-class Exchange(Protocol):
-    """Moves uint8 rows between the ranks of one group; both calls block until done."""
-
-    world_size: int
-
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """inp, out: uint8 [W, C]; row j of inp goes to rank j, row i of out came from rank i."""
-
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """inp: uint8 [1, C], out: uint8 [W, C]; row i of out is rank i's inp."""
+from .codecs import codec_for
+from .overlap import pipelined_all_reduce
+from .stages import Exchange, decode_result, encode_inputs, reduce_shard
+from .layout import DEFAULT_BLOCK_SIZE, PIECE_ELEMENTS, check_mode, chunk_layout, pipeline_pieces
 
 
 def all_gather_fn():
@@ -57,44 +47,6 @@ class TorchExchange:
         all_gather_fn()(out, inp, group=self.group)
 
 
-# --- the three local stages (no communication), shared by the blocking call and the DDP hooks ------
-
-
-def encode_inputs(
-    flat: torch.Tensor, layout: ChunkLayout, codec: Codec, residual: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """fp32 [numel] -> uint8 [W, C]. With `residual` (error feedback), encode flat + residual and
-    leave in `residual` what this encoding lost, to be added next time."""
-    rows = flat if residual is None else flat + residual
-    if layout.padded != layout.numel:
-        rows = torch.cat([rows, rows.new_zeros(layout.padded - layout.numel)])
-    rows = rows.reshape(layout.world_size, layout.shard)  # a view unless `flat` is strided
-    wire = codec.encode(rows)
-    if residual is not None:
-        lost = rows - codec.decode(wire, layout.shard)
-        residual.copy_(lost.reshape(-1)[: layout.numel])
-    return wire
-
-
-def reduce_shard(
-    received: torch.Tensor, layout: ChunkLayout, codec: Codec, residual: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """uint8 [W, C] (every rank's copy of my shard) -> uint8 [1, C] encoding of their fp32 sum.
-    `residual` ([shard] fp32) is the same error feedback for the second encoding."""
-    total = codec.decode(received, layout.shard).sum(dim=0, keepdim=True)
-    if residual is not None:
-        total += residual
-    wire = codec.encode(total)
-    if residual is not None:
-        residual.copy_((total - codec.decode(wire, layout.shard)).view(-1))
-    return wire
-
-
-def decode_result(gathered: torch.Tensor, layout: ChunkLayout, codec: Codec) -> torch.Tensor:
-    """uint8 [W, C] (every rank's encoded sum) -> fp32 [numel], the reduced tensor."""
-    return codec.decode(gathered, layout.shard).reshape(-1)[: layout.numel]
-
-
 # --- blocking call ---------------------------------------------------------------------------------
 
 
@@ -111,13 +63,14 @@ def compressed_all_reduce(
     *,
     average: bool = False,
     exchange: Optional[Exchange] = None,
+    piece_elements: int = PIECE_ELEMENTS,
 ) -> torch.Tensor:
     """Sum (or average) `tensor` across the group in place, through `mode` compression; returns it.
 
     Every rank must call it with the same numel, mode and block size. "none" is a plain all_reduce.
     `exchange` replaces the torch.distributed collectives on `group` (the backend passes its transport).
     With `average`, values are divided by the world size before encoding (fp16 then overflows only if
-    the mean does).
+    the mean does). Tensors of two or more `piece_elements` are pipelined in pieces (`overlap.py`).
     """
     mode = check_mode(mode)
     check_float(tensor)
@@ -133,13 +86,23 @@ def compressed_all_reduce(
     flat = tensor.detach().reshape(-1).to(torch.float32)
     if average:
         flat = flat / world
+    if len(pipeline_pieces(flat.numel(), piece_elements)) > 1:
+        in_place = tensor.is_contiguous() and tensor.dtype == torch.float32 and not average
+        out = flat if in_place else torch.empty_like(flat)
+        with torch.no_grad():
+            pipelined_all_reduce(flat, out, codec, exchange, piece_elements)
+            if not in_place:
+                tensor.copy_(out.view(tensor.shape))
+        return tensor
     sent = encode_inputs(flat, layout, codec)
     received = torch.empty_like(sent)
     exchange.all_to_all(received, sent)
     mine = reduce_shard(received, layout, codec)
     gathered = torch.empty(world, mine.shape[1], dtype=torch.uint8)
     exchange.all_gather(gathered, mine)
-    result = decode_result(gathered, layout, codec)
     with torch.no_grad():
-        tensor.copy_(result.view(tensor.shape))
+        target = tensor.view(-1) if tensor.is_contiguous() else None
+        result = decode_result(gathered, layout, codec, out=target)
+        if result is not target:
+            tensor.copy_(result.view(tensor.shape))
     return tensor

@@ -28,18 +28,45 @@ class Codec(Protocol):
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor: ...
 
-    def decode(self, wire: torch.Tensor, shard: int) -> torch.Tensor: ...
+    def decode(
+        self, wire: torch.Tensor, shard: int, out: Optional[torch.Tensor] = None, accumulate: bool = False
+    ) -> torch.Tensor:
+        """fp32 [R, shard]; with `out`, written there (or added to it when `accumulate`)."""
 
 
-def _blocked(rows: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[R, S] -> [R, nb, block_size], zero-padding each row's last block (no copy when S divides)."""
-    n_rows, shard = rows.shape
-    nb = math.ceil(shard / block_size)
-    if nb * block_size == shard:
-        return rows.reshape(n_rows, nb, block_size)
-    padded = rows.new_zeros(n_rows, nb * block_size)
-    padded[:, :shard] = rows
-    return padded.view(n_rows, nb, block_size)
+# Rows are processed in slabs of whole blocks, about 1 MB of fp32 each: the scratch buffer stays in cache
+# and is reused, whereas whole-tensor temporaries are fresh allocations whose page faults cost more than
+# the arithmetic (measured: 16 ms of faults for a 32 MB temporary against 3 ms for a pass over it).
+SLAB_ELEMENTS = 1 << 18
+
+
+def _slabs(shard: int, block_size: int) -> list[tuple[int, int]]:
+    """(start, stop) ranges covering [0, shard): whole blocks, the last slab may end in a short block."""
+    step = max(1, SLAB_ELEMENTS // block_size) * block_size
+    return [(a, min(a + step, shard)) for a in range(0, shard, step)]
+
+
+def _block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Absolute maximum of each block of 1-D `x` (the last block may be short); NaN propagates."""
+    full = x.numel() // block_size * block_size
+    parts = []
+    if full:
+        xb = x[:full].view(-1, block_size)
+        # amax and amin are two cheap reductions; aminmax and abs() are several times slower here.
+        parts.append(torch.maximum(xb.amax(dim=-1), xb.amin(dim=-1).neg_()))
+    if x.numel() > full:
+        tail = x[full:]
+        parts.append(torch.maximum(tail.amax(), tail.amin().neg()).reshape(1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _scale_blocks_(x: torch.Tensor, per_block: torch.Tensor, block_size: int) -> None:
+    """x (1-D, in place) *= per_block[block of each element]."""
+    full = x.numel() // block_size * block_size
+    if full:
+        x[:full].view(-1, block_size).mul_(per_block[: full // block_size].unsqueeze(-1))
+    if x.numel() > full:
+        x[full:].mul_(per_block[-1])
 
 
 def quantize_int8(
@@ -52,28 +79,50 @@ def quantize_int8(
     decodes to non-finite values: overflow stays visible to loss scalers instead of being clipped.
     """
     rows = _as_rows(rows)
+    block_size = check_block_size(block_size)
     n_rows, shard = rows.shape
     out = torch.empty(n_rows, shard, dtype=torch.int8) if out is None else out
-    if shard == 0:
-        return out, rows.new_zeros(n_rows, 0)
-    blocks = _blocked(rows, check_block_size(block_size))
-    low, high = torch.aminmax(blocks, dim=-1)  # one pass; abs().amax() would allocate |x| first
-    scales = torch.maximum(high, low.neg_()).div_(INT8_LEVELS)
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    # |x| / (absmax/127) <= 127 up to one fp32 rounding, which round() absorbs: no clamp pass needed.
-    scaled = torch.div(blocks, safe.unsqueeze(-1)).round_()
-    out.copy_(scaled.view(n_rows, -1)[:, :shard])  # the float -> int8 conversion happens in this copy
+    scales = rows.new_empty(n_rows, math.ceil(shard / block_size))
+    scratch = rows.new_empty(min(shard, SLAB_ELEMENTS + block_size))
+    for r in range(n_rows):
+        for a, b in _slabs(shard, block_size):
+            x, work = rows[r, a:b], scratch[: b - a]
+            s = _block_absmax(x, block_size).div_(INT8_LEVELS)
+            scales[r, a // block_size : a // block_size + s.numel()] = s
+            # x * (1/scale) may land a hair above 127 (one fp32 rounding); round() and the int8
+            # conversion keep it at 127, so no clamp pass is needed. Scale 0 or nan -> multiplier 0.
+            inverse = torch.where(s > 0, s.reciprocal(), torch.zeros_like(s))
+            work.copy_(x)
+            _scale_blocks_(work, inverse, block_size)
+            out[r, a:b].copy_(work.round_())  # float -> int8 happens in this copy
     return out, scales
 
 
-def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
-    """Inverse of `quantize_int8`: fp32 [R, S]."""
+def dequantize_int8(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    out: Optional[torch.Tensor] = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """Inverse of `quantize_int8`: fp32 [R, S] (written to, or with `accumulate` added to, `out`)."""
     n_rows, shard = q.shape
-    blocks = _blocked(q, check_block_size(block_size))
-    if scales.shape != blocks.shape[:2]:
-        raise ConfigError(f"expected scales of shape {tuple(blocks.shape[:2])}; got {tuple(scales.shape)}")
-    # int8 * fp32 promotes inside the kernel: one pass, no fp32 copy of q.
-    return torch.mul(blocks, scales.unsqueeze(-1)).view(n_rows, -1)[:, :shard]
+    block_size = check_block_size(block_size)
+    expected = (n_rows, math.ceil(shard / block_size))
+    if tuple(scales.shape) != expected:
+        raise ConfigError(f"expected scales of shape {expected}; got {tuple(scales.shape)}")
+    out = torch.empty(n_rows, shard) if out is None else out
+    scratch = torch.empty(min(shard, SLAB_ELEMENTS + block_size)) if accumulate else None
+    for r in range(n_rows):
+        for a, b in _slabs(shard, block_size):
+            # int8 -> fp32 copy then an fp32 multiply: a mixed-dtype multiply is 7x slower here.
+            work = out[r, a:b] if scratch is None else scratch[: b - a]
+            work.copy_(q[r, a:b])
+            blocks = scales[r, a // block_size : math.ceil(b / block_size)]
+            _scale_blocks_(work, blocks, block_size)
+            if scratch is not None:
+                out[r, a:b].add_(work)
+    return out
 
 
 def _as_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -98,13 +147,15 @@ class Int8Codec:
         wire[:, :head] = scales.contiguous().view(torch.uint8)
         return wire
 
-    def decode(self, wire: torch.Tensor, shard: int) -> torch.Tensor:
+    def decode(
+        self, wire: torch.Tensor, shard: int, out: Optional[torch.Tensor] = None, accumulate: bool = False
+    ) -> torch.Tensor:
         _check_wire(wire, self.chunk_bytes(shard))
         if shard == 0:
-            return torch.zeros(wire.shape[0], 0)
+            return torch.zeros(wire.shape[0], 0) if out is None else out
         head = SCALE_BYTES * math.ceil(shard / self.block_size)
         scales = _reinterpret(wire[:, :head], torch.float32)
-        return dequantize_int8(wire[:, head:].view(torch.int8), scales, self.block_size)
+        return dequantize_int8(wire[:, head:].view(torch.int8), scales, self.block_size, out, accumulate)
 
 
 @dataclass(frozen=True)
@@ -120,11 +171,16 @@ class CastCodec:
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
         return _as_rows(rows).to(self.dtype).contiguous().view(torch.uint8)
 
-    def decode(self, wire: torch.Tensor, shard: int) -> torch.Tensor:
+    def decode(
+        self, wire: torch.Tensor, shard: int, out: Optional[torch.Tensor] = None, accumulate: bool = False
+    ) -> torch.Tensor:
         _check_wire(wire, self.chunk_bytes(shard))
         if shard == 0:
-            return torch.zeros(wire.shape[0], 0)
-        return _reinterpret(wire, self.dtype).to(torch.float32)
+            return torch.zeros(wire.shape[0], 0) if out is None else out
+        values = _reinterpret(wire, self.dtype)
+        if out is None:
+            return values.to(torch.float32)
+        return out.add_(values) if accumulate else out.copy_(values)
 
 
 def _reinterpret(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

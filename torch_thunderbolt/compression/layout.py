@@ -81,6 +81,20 @@ def chunk_layout(numel: int, world_size: int) -> ChunkLayout:
     return ChunkLayout(numel, world_size, math.ceil(numel / world_size))
 
 
+# Compressed all-reduces above two pieces of this many elements (8 MB of fp32) are pipelined
+# (`overlap.py`): big enough that per-exchange overheads vanish, small enough for 4+ pieces at 64 MB.
+PIECE_ELEMENTS = 1 << 21
+
+
+def pipeline_pieces(numel: int, piece_elements: int = PIECE_ELEMENTS) -> list[tuple[int, int]]:
+    """(start, stop) of the pieces a pipelined all-reduce of `numel` elements cuts: numel // piece_elements
+    pieces (at least one) of near-equal size, so no piece is much smaller than `piece_elements`."""
+    if piece_elements < 1:
+        raise ConfigError(f"piece size must be >= 1 element; got {piece_elements}")
+    count = max(1, numel // piece_elements)
+    return [(k * numel // count, (k + 1) * numel // count) for k in range(count)]
+
+
 def chunk_bytes(shard: int, mode: str, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """Bytes of one encoded shard: int8 = one byte per element + one fp32 scale per block."""
     mode = check_mode(mode)
@@ -93,19 +107,20 @@ def chunk_bytes(shard: int, mode: str, block_size: int = DEFAULT_BLOCK_SIZE) -> 
 
 
 def wire_bytes(numel: int, mode: str, world_size: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """Payload bytes ONE rank sends for an all-reduce of `numel` fp32 elements (headers not counted).
+    """Payload bytes ONE rank sends for an all-reduce of `numel` fp32 elements (headers not counted),
+    summed over the pieces a large all-reduce is pipelined in.
 
     Compressed modes: (world_size - 1) encoded shards in the all_to_all plus the same again in the
     all-gather. "none" is the fp32 ring all-reduce figure, 2 * (world_size - 1) / world_size * 4 * numel,
     for comparison. A single rank sends nothing.
     """
     mode = check_mode(mode)
-    layout = chunk_layout(numel, world_size)
     if world_size == 1 or numel == 0:
         return 0
     if mode == "none":
         return math.ceil(2 * (world_size - 1) * 4 * numel / world_size)
-    return 2 * (world_size - 1) * chunk_bytes(layout.shard, mode, block_size)
+    shards = [chunk_layout(b - a, world_size).shard for a, b in pipeline_pieces(numel)]
+    return sum(2 * (world_size - 1) * chunk_bytes(shard, mode, block_size) for shard in shards)
 
 
 def _fp32_slack(world_size: int, magnitude: float) -> float:

@@ -19,7 +19,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .allreduce import all_gather_fn, decode_result, encode_inputs, reduce_shard
+from .allreduce import all_gather_fn
+from .stages import decode_result, encode_inputs, reduce_shard
 from .codecs import Codec
 from .layout import chunk_layout
 
