@@ -47,6 +47,7 @@ class Config:
     compression_block: int = 256  # THUNDERBOLT_COMPRESSION_BLOCK: int8 values per scale
     congestion_control: str = ""  # THUNDERBOLT_CC: per-socket TCP congestion control (Linux), e.g. cubic
     spin_us: int = 50  # THUNDERBOLT_SPIN_US: busy-poll this long before sleeping (0 = never)
+    link_timeout_ms: int = 3000  # THUNDERBOLT_LINK_TIMEOUT_MS: data unacknowledged this long = link lost
     debug: bool = False  # THUNDERBOLT_DEBUG=1: full per-op signature checks and verbose logs
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -74,6 +75,9 @@ class Config:
                                            1 << 20)
         if get("THUNDERBOLT_SPIN_US"):
             kw["spin_us"] = _int(get("THUNDERBOLT_SPIN_US"), "THUNDERBOLT_SPIN_US", 0, 1_000_000)
+        if get("THUNDERBOLT_LINK_TIMEOUT_MS"):
+            kw["link_timeout_ms"] = _int(get("THUNDERBOLT_LINK_TIMEOUT_MS"), "THUNDERBOLT_LINK_TIMEOUT_MS", 500,
+                                         600_000)
         if get("THUNDERBOLT_PORT"):
             kw["port"] = _int(get("THUNDERBOLT_PORT"), "THUNDERBOLT_PORT", 0, 65535)
         if get("THUNDERBOLT_CONNECT_TIMEOUT"):

@@ -40,10 +40,39 @@ except Exception as exc:
 """
 
 
+CONTINUE_SCRIPT = PRELUDE + r"""
+import datetime
+dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=float(os.environ["TB_TIMEOUT"])))
+r, w = dist.get_rank(), dist.get_world_size()
+n = int(os.environ["TB_SIZE"]) // 4
+pg = dist.new_group(backend="thunderbolt")  # returns our ProcessGroup object, with its transport
+dist.barrier()
+print("READY " + json.dumps(time.time()), flush=True)
+end = time.time() + float(os.environ["TB_RUN"])
+ops = wrong = 0
+try:
+    while time.time() < end:
+        x = torch.arange(n, dtype=torch.float32) + r  # every op checked: sum over ranks of (i + r)
+        dist.all_reduce(x, group=pg)
+        wrong += int(not torch.equal(x, torch.arange(n, dtype=torch.float32) * w + w * (w - 1) / 2))
+        ops += 1
+        print("OP " + json.dumps(time.time()), flush=True)
+except Exception as exc:
+    print("ERROR " + json.dumps({"type": type(exc).__name__, "msg": str(exc)[:400], "t": time.time(),
+                                 "peer": getattr(exc, "peer", None), "ops": ops}), flush=True)
+    sys.exit(3)
+print("DONE " + json.dumps({"ops": ops, "wrong": wrong, "lost_streams": pg.transport.lost_streams,
+                            "resent": pg.transport.resent_bytes}), flush=True)
+"""
+
+
 @dataclass
 class LinkOutcome:
     fault_at: float | None = None
     errors: dict = field(default_factory=dict)  # rank -> ERROR record
+    done: dict = field(default_factory=dict)  # rank -> DONE record (runs that must survive the fault)
+    last_op: dict = field(default_factory=dict)  # rank -> time its last collective finished
+    max_gap: dict = field(default_factory=dict)  # rank -> longest time between two finished collectives
     finished: bool = False
     notes: list = field(default_factory=list)
 
@@ -52,6 +81,8 @@ class LinkOutcome:
 
     def record(self) -> dict:
         return {"detection": self.detection(), "errors": self.errors, "finished": self.finished,
+                "done": self.done, "max_gap_s": self.max_gap, "last_op_after_fault": {r: round(t - (self.fault_at or 0), 3)
+                                                          for r, t in self.last_op.items()},
                 "notes": self.notes}
 
 
@@ -70,6 +101,12 @@ def _collect(ranks: Ranks, out: LinkOutcome, limit: float) -> LinkOutcome:
     out.finished = ranks.wait(time.time() + limit)
     for rk in ranks.ranks:
         errs = rk.tagged("ERROR")
+        if rk.tagged("DONE"):
+            out.done[rk.rank] = rk.tagged("DONE")[0]
+        if rk.tagged("OP"):
+            times = rk.tagged("OP")
+            out.last_op[rk.rank] = times[-1]
+            out.max_gap[rk.rank] = round(max(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else 0, 3)
         if errs:
             out.errors[rk.rank] = errs[0]
         elif rk.tagged("PASSED"):
@@ -104,12 +141,14 @@ def sigstop_peer(workdir: Path, group_timeout: float = 3.0, size: int = 1 << 20)
 
 
 def cable_cut(lab, workdir: Path, cut_host: int = 0, cut_cable: int = 0, group_timeout: float = 10.0,
-              size: int = 1 << 20, idle: float = 0.0) -> LinkOutcome:
-    """Ranks 0..n-1 on the lab's hosts; `ip link set DEV down` on one cable end while they work (or idle)."""
+              size: int = 1 << 20, idle: float = 0.0, run_for: float = 0.0) -> LinkOutcome:
+    """Ranks 0..n-1 on the lab's hosts; `ip link set DEV down` on one cable end while they work (or idle).
+    With `run_for`, the ranks run checked all_reduces for that many seconds and report DONE (the job is
+    expected to survive the cut)."""
     hosts = lab.hosts()
     master = lab.addresses(hosts[0])[0]
-    env = {"TB_TIMEOUT": str(group_timeout), "TB_SIZE": str(size), "TB_IDLE": str(idle)}
-    ranks = start_ranks(SCRIPT, len(hosts), workdir, env, master=master,
+    env = {"TB_TIMEOUT": str(group_timeout), "TB_SIZE": str(size), "TB_IDLE": str(idle), "TB_RUN": str(run_for)}
+    ranks = start_ranks(CONTINUE_SCRIPT if run_for else SCRIPT, len(hosts), workdir, env, master=master,
                         wrap=lambda r: lab.exec_argv(hosts[r], []),
                         rank_env_fn=lambda r: {"THUNDERBOLT_IFNAME": lab.ifname_env(hosts[r])})
     out = LinkOutcome()
@@ -122,6 +161,6 @@ def cable_cut(lab, workdir: Path, cut_host: int = 0, cut_cable: int = 0, group_t
         out.fault_at = time.time()
         subprocess.run(lab.exec_argv(hosts[cut_host], ["ip", "link", "set", dev, "down"]), check=True)
         out.notes.append(f"cut {hosts[cut_host]}:{dev}")
-        return _collect(ranks, out, group_timeout + idle + 30)
+        return _collect(ranks, out, group_timeout + idle + run_for + 30)
     finally:
         ranks.kill_all()

@@ -26,6 +26,8 @@ class Kind(enum.IntEnum):
     DATA = 1
     BYE = 2  # orderly shutdown: the peer will send nothing more
     ABORT = 3  # the peer failed (mismatch, timeout, ...): payload = "ErrorClass: reason" (utf-8)
+    ACK = 4  # failover: `offset` = bytes of this stream the sender of the ACK has consumed
+    RESYNC = 5  # failover: stream `tag` is lost; `offset` = bytes of it the sender of the RESYNC consumed
 
 
 class Space(enum.IntEnum):
@@ -65,6 +67,10 @@ def _parse(raw: bytes | memoryview, max_message: int) -> Frame:
         raise ProtocolError(f"unknown frame kind {kind} or space {space}") from None
     if total > max_message:
         raise ProtocolError(f"frame announces a {total}-byte message; the limit is {max_message}")
+    if kind_e in (Kind.ACK, Kind.RESYNC):
+        if length or total:
+            raise ProtocolError(f"{kind_e.name} frame carries a payload")
+        return Frame(kind_e, space_e, sig, tag, seq, offset, 0, 0)
     if offset + length > total:
         raise ProtocolError(f"frame part [{offset}, {offset + length}) lies outside its {total}-byte message")
     if kind_e is Kind.BYE and (length or total):
@@ -143,6 +149,11 @@ class FrameDecoder:
         if self._pos > (1 << 16) and self._pos * 2 > len(self._buf):
             del self._buf[: self._pos]
             self._pos = 0
+
+
+def encode_control(kind: Kind, offset: int, stream: int = 0) -> bytes:
+    """An ACK or RESYNC frame (header only)."""
+    return encode_frame_header(kind, Space.COLL, 0, stream, 0, offset, 0, 0)
 
 
 def encode_abort(error: BaseException) -> bytes:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..errors import HandshakeError
 
 MAGIC = b"TBOLT\x00"
-VERSION = 1
+VERSION = 2  # 2: ACK and RESYNC frames (cable failover)
 _CHALLENGE = struct.Struct("<6sHI8s16s")  # magic, version, server rank, group hash, nonce
 _HELLO = struct.Struct("<6sHIH8s16s32s")  # magic, version, rank, stream, group hash, nonce, mac
 _REPLY = struct.Struct("<B32s")  # status (1 accept / 0 reject), mac or reason

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -48,13 +49,32 @@ def tune_socket(sock: socket.socket, cfg: Config) -> None:
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
             except OSError:
                 pass
-    if hasattr(socket, "TCP_USER_TIMEOUT"):  # unacknowledged data for 4 s = the peer (or its cable) is gone
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 4000)
+    for level, option, value in link_timeout_options(sys.platform, cfg.link_timeout_ms):
+        try:
+            sock.setsockopt(level, option, value)
+        except OSError as exc:
+            log.warning("could not set the link timeout (option %#x = %d): %s", option, value, exc)
     if cfg.congestion_control and hasattr(socket, "TCP_CONGESTION"):
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cfg.congestion_control.encode())
         except OSError as exc:
             raise ConfigError(f"THUNDERBOLT_CC={cfg.congestion_control}: not available here ({exc})") from exc
+
+
+# macOS has no TCP_USER_TIMEOUT; TCP_RXT_CONNDROPTIME (netinet/tcp.h: 0x80, seconds) drops a connection
+# whose retransmissions go unanswered that long. Python's socket module does not name it.
+DARWIN_TCP_RXT_CONNDROPTIME = 0x80
+LINUX_TCP_USER_TIMEOUT = 18
+
+
+def link_timeout_options(platform: str, timeout_ms: int) -> list[tuple[int, int, int]]:
+    """(level, option, value) that make the kernel fail a stream whose sent data stays unacknowledged for
+    `timeout_ms` (a pulled cable) — the error that starts failover, or PeerLostError with one cable."""
+    if platform.startswith("linux"):
+        return [(socket.IPPROTO_TCP, getattr(socket, "TCP_USER_TIMEOUT", LINUX_TCP_USER_TIMEOUT), timeout_ms)]
+    if platform == "darwin":
+        return [(socket.IPPROTO_TCP, DARWIN_TCP_RXT_CONNDROPTIME, max(1, -(-timeout_ms // 1000)))]
+    return []
 
 
 def _nodelay(sock: socket.socket) -> None:

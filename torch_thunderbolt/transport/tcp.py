@@ -15,13 +15,16 @@ import re
 import logging
 import select
 import socket
+import threading
 from collections import deque
 
 from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerAbortedError, PeerLostError,
                       ProtocolError, ThunderboltError)
-from ..protocol.framing import Frame, FrameDecoder, Kind, Space, encode_abort, encode_frame_header
+from ..protocol.framing import (FRAME_HEADER_SIZE, Frame, FrameDecoder, Kind, Space, encode_abort, encode_control,
+                                encode_frame_header)
 from ..protocol.signature import describe_sig
 from .base import ANY_SOURCE, DrivenTransport, Request
+from .failover import Fields, RxCount, StreamLog, is_link_failure
 from .layout import split_aligned
 from .matching import Matcher
 
@@ -32,22 +35,37 @@ _REMOTE_ERRORS = {"MismatchError": MismatchError, "CollectiveTimeout": Collectiv
                   "ProtocolError": ProtocolError, "PeerLostError": PeerLostError}
 
 
+class _Out:
+    """One frame queued on a stream: header, payload view, the request it serves (None for control
+    frames and resends of completed parts), bytes written, and its failover log entry."""
+
+    __slots__ = ("hdr", "payload", "req", "sent", "fields", "entry")
+
+    def __init__(self, hdr: bytes, payload: memoryview, req: Request | None, fields: Fields | None = None) -> None:
+        self.hdr, self.payload, self.req, self.sent, self.fields, self.entry = hdr, payload, req, 0, fields, None
+
+
 class _Conn:
-    __slots__ = ("sock", "fd", "peer", "stream", "addr", "decoder", "sendq", "inbound", "parked", "bye", "staging")
+    __slots__ = ("sock", "fd", "peer", "stream", "addr", "local", "decoder", "sendq", "inbound", "parked", "bye",
+                 "staging", "dead", "log", "rx")
 
     def __init__(self, sock: socket.socket, peer: int, stream: int, max_message: int) -> None:
         sock.setblocking(False)
         self.sock, self.fd, self.peer, self.stream = sock, sock.fileno(), peer, stream
         try:
             self.addr = "%s:%d" % sock.getpeername()[:2]
+            self.local = sock.getsockname()[0]  # one local address per cable
         except OSError:
-            self.addr = "?"
+            self.addr = self.local = "?"
         self.decoder = FrameDecoder(max_message)
-        self.sendq: deque[list] = deque()  # [header, payload view, request, bytes sent]
+        self.sendq: deque[_Out] = deque()
         self.inbound: list | None = None  # [dest view, target, frame, bytes done]
         self.parked: Frame | None = None
         self.bye = False
+        self.dead = False  # lost its cable; the peer's other streams carry on
         self.staging = bytearray(_STAGING)
+        self.log: StreamLog | None = None  # set when failover is on for this peer
+        self.rx: RxCount | None = None
 
 
 class TcpTransport(DrivenTransport):
@@ -61,8 +79,37 @@ class TcpTransport(DrivenTransport):
         }
         self._all = [c for cs in self.conns.values() for c in cs]
         self._by_fd = {c.fd: c for c in self._all}
+        self.lost_streams = 0
+        self.resent_bytes = 0  # payload sent again after a lost stream
+        self.moved_bytes = 0  # payload queued on a lost stream, sent on another one instead
+        self.no_park: set[int] = set()  # peers whose early frames are buffered, not parked (failover)
+        for peer, cs in self.conns.items():
+            # Streams over two or more cables (address pairs; the set looks the same from both ends).
+            if len({(c.local, c.addr.rpartition(":")[0]) for c in cs}) > 1:
+                for c in cs:
+                    c.log, c.rx = StreamLog(), RxCount()
+                # A parked frame stops its stream, and a RESYNC behind it could wait for data that only
+                # the RESYNC brings back: with failover, early frames are buffered instead.
+                self.no_park.add(peer)
         self.spin_seconds = spin_us / 1e6
         self._no_spin_until = 0.0
+        self._keeper: threading.Thread | None = None
+        if self.no_park:
+            self._keeper = threading.Thread(target=self._keep_going, name=f"tb-failover-r{rank}", daemon=True)
+            self._keeper.start()
+
+    def _keep_going(self) -> None:
+        """With failover on, acknowledge and answer RESYNCs even while no thread waits on this transport:
+        a peer may be waiting for data that only our answer brings back."""
+        while self.broken is None:
+            time.sleep(0.05)
+            if self._progress_lock.acquire(blocking=False):
+                try:
+                    with self._cv:
+                        if self.broken is None:
+                            self._pump()
+                finally:
+                    self._progress_lock.release()
 
     retired = 0  # every collective op up to this tag has finished on this rank
 
@@ -86,34 +133,44 @@ class TcpTransport(DrivenTransport):
 
     # -- posting ------------------------------------------------------------------------------------------
     def _post_send(self, req: Request) -> None:
-        conns = self.conns[req.peer]
         space, tag, seq = req.key
         n = req.nbytes
-        parts = split_aligned(n, len(conns)) if n >= self.stripe_bytes and len(conns) > 1 else [(0, n)]
         with self._cv:
             self._check_usable()
+            conns = [c for c in self.conns[req.peer] if not c.dead]
+            parts = split_aligned(n, len(conns)) if n >= self.stripe_bytes and len(conns) > 1 else [(0, n)]
             req.pending = len(parts)
             for i, (off, ln) in enumerate(parts):
-                hdr = encode_frame_header(Kind.DATA, Space(space), req.sig, tag, seq, off, ln, n)
-                conn = conns[i]
-                conn.sendq.append([hdr, req.buf[off : off + ln], req, 0])
-                if len(conn.sendq) == 1:
-                    self._flush(conn)
+                fields = Fields(space, req.sig, tag, seq, off, ln, n)
+                self._enqueue(conns[i], _Out(self._header(fields), req.buf[off : off + ln], req, fields))
             if not req.done and self._polling:
                 self._wake()
+
+    @staticmethod
+    def _header(f: Fields) -> bytes:
+        return encode_frame_header(Kind.DATA, Space(f.space), f.sig, f.tag, f.seq, f.offset, f.length, f.total)
+
+    def _enqueue(self, conn: _Conn, out: _Out, front: bool = False) -> None:
+        """Queue a frame (with `front`: right after the frame being written, if any) and try to write."""
+        if front and conn.sendq:
+            conn.sendq.insert(1 if conn.sendq[0].sent else 0, out)
+        else:
+            conn.sendq.append(out)
+        if conn.sendq[0] is out:
+            self._flush(conn)
 
     def _post_recv(self, req: Request) -> None:
         with self._cv:
             self._check_usable()
             self.matcher.post(req)  # it may match a message that arrived before the peer said BYE
-            if not req.done and req.peer != ANY_SOURCE and all(c.bye for c in self.conns[req.peer]):
+            if not req.done and req.peer != ANY_SOURCE and all(c.bye or c.dead for c in self.conns[req.peer]):
                 self.matcher.posted.pop((req.peer, req.key), None)
                 raise PeerLostError(f"rank {self.rank}: rank {req.peer} has shut down its connections",
                                     rank=self.rank, peer=req.peer, address=self.peer_address(req.peer))
             peers = self.conns.values() if req.peer == ANY_SOURCE else [self.conns[req.peer]]
             for conns in peers:
                 for c in conns:
-                    if c.parked is not None:
+                    if c.parked is not None and not c.dead:
                         self._read(c)
             if req.done:
                 self._cv.notify_all()
@@ -166,6 +223,8 @@ class TcpTransport(DrivenTransport):
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
         for c in self._all:
+            if c.dead:
+                continue
             ev = 0
             if c.parked is None and not c.bye:
                 ev |= select.POLLIN
@@ -181,6 +240,8 @@ class TcpTransport(DrivenTransport):
         for c in self._all:
             if self.broken is not None:
                 return True
+            if c.dead:
+                continue
             if c.sendq:
                 moved |= self._flush(c)
             if c.parked is None and not c.bye:
@@ -189,11 +250,10 @@ class TcpTransport(DrivenTransport):
 
     def _flush(self, c: _Conn) -> bool:
         moved = False
-        while c.sendq:
-            item = c.sendq[0]
-            hdr, payload, req, sent = item
-            hl = len(hdr)
-            bufs = [hdr[sent:], payload] if sent < hl else [payload[sent - hl :]]
+        while c.sendq and not c.dead:
+            out = c.sendq[0]
+            hl = len(out.hdr)
+            bufs = [out.hdr[out.sent:], out.payload] if out.sent < hl else [out.payload[out.sent - hl :]]
             try:
                 k = c.sock.sendmsg(bufs)
             except (BlockingIOError, InterruptedError):
@@ -201,18 +261,27 @@ class TcpTransport(DrivenTransport):
             except OSError as exc:
                 if c.parked is None and not c.bye:
                     self._read(c)  # an ABORT waiting in the receive buffer names the real cause
-                self._fail(c, exc)  # no-op if that read already failed the transport
+                self._conn_error(c, exc)  # no-op if that read already failed the transport
                 return True
             moved = True
-            item[3] = sent = sent + k
-            if sent < hl + len(payload):
+            if out.sent == 0 and k and c.log is not None:  # its first byte is on this stream now
+                if out.fields is None:
+                    c.log.control(hl)
+                else:
+                    out.entry = c.log.started(out.fields, hl, out.payload, out)
+            out.sent += k
+            if out.sent < hl + len(out.payload):
                 continue
             c.sendq.popleft()
-            self.bytes_sent += len(payload)
-            req.pending -= 1
-            if req.pending == 0:
-                req.done = True
-                self._cv.notify_all()
+            if out.entry is not None:
+                c.log.completed(out.entry)
+            self.bytes_sent += len(out.payload)
+            req = out.req
+            if req is not None:
+                req.pending -= 1
+                if req.pending == 0:
+                    req.done = True
+                    self._cv.notify_all()
         return moved
 
     def _read(self, c: _Conn) -> bool:
@@ -225,7 +294,11 @@ class TcpTransport(DrivenTransport):
                         return moved
                     moved = True
                     continue
-                frame = c.parked or c.decoder.next_frame()
+                frame = c.parked
+                if frame is None:
+                    frame = c.decoder.next_frame()
+                    if frame is not None and c.rx is not None:
+                        c.rx.consumed += FRAME_HEADER_SIZE
                 if frame is None:
                     k = c.sock.recv_into(c.staging)
                     if k == 0:
@@ -234,6 +307,9 @@ class TcpTransport(DrivenTransport):
                     moved = True
                     continue
                 c.parked = None
+                if frame.kind is Kind.ACK or frame.kind is Kind.RESYNC:
+                    self._control(c, frame)
+                    continue
                 if frame.kind is Kind.ABORT:
                     c.inbound = [memoryview(bytearray(frame.length)), _ABORT, frame, 0]
                     continue
@@ -241,10 +317,10 @@ class TcpTransport(DrivenTransport):
                     c.bye = True
                     self._peer_said_bye(c)
                     return True
-                target = self.matcher.match(c.peer, frame, allow_park=True)
+                if frame.space == Space.COLL and frame.tag <= self.retired:
+                    raise self._stray(c, frame)  # its op is over here: no receive can be waiting for it
+                target = self.matcher.match(c.peer, frame, allow_park=c.peer not in self.no_park)
                 if target is None:
-                    if frame.space == Space.COLL and frame.tag <= self.retired:
-                        raise self._stray(c, frame)
                     c.parked = frame
                     return moved
                 c.inbound = [target[0], target[1], frame, 0]
@@ -254,15 +330,22 @@ class TcpTransport(DrivenTransport):
         except ThunderboltError as exc:  # mismatch or protocol violation: the stream is unusable now
             self._fail(c, exc, wrap=False)
         except OSError as exc:
-            self._fail(c, exc)
+            self._conn_error(c, exc)
+        finally:
+            if c.rx is not None and c.rx.ack_due() and not c.dead and self.broken is None:
+                c.rx.acked = c.rx.consumed
+                self._enqueue(c, _Out(encode_control(Kind.ACK, c.rx.consumed), memoryview(b""), None), front=True)
         return True
 
     def _read_payload(self, c: _Conn) -> bool | None:
         """Move payload bytes of the current frame; None when the socket has nothing more right now."""
         dest, target, frame, got = c.inbound
         if got < len(dest) and c.decoder.buffered:
-            got += c.decoder.take_buffered_into(dest[got:])
+            k = c.decoder.take_buffered_into(dest[got:])
+            got += k
             c.inbound[3] = got  # saved now: the recv below may raise BlockingIOError
+            if c.rx is not None:
+                c.rx.consumed += k
         if got < len(dest):
             k = c.sock.recv_into(dest[got:])  # raises BlockingIOError when empty
             if k == 0:
@@ -270,6 +353,8 @@ class TcpTransport(DrivenTransport):
                 return None
             c.decoder.consumed_direct(k)
             got += k
+            if c.rx is not None:
+                c.rx.consumed += k
         if got < len(dest):
             c.inbound[3] = got
             return True
@@ -281,6 +366,67 @@ class TcpTransport(DrivenTransport):
         if self.matcher.part_done(c.peer, frame.key, target, frame.length):
             self._cv.notify_all()
         return True
+
+    # -- failover (see failover.py) -----------------------------------------------------------------------
+    def _conn_error(self, c: _Conn, exc: BaseException) -> None:
+        if c.log is not None and is_link_failure(exc) and self.broken is None and self._survivors(c):
+            self._kill_stream(c, exc)
+        else:
+            self._fail(c, exc)
+
+    def _survivors(self, c: _Conn) -> list[_Conn]:
+        """The peer's other live streams, those on other cables first."""
+        live = [x for x in self.conns[c.peer] if x is not c and not x.dead]
+        return sorted(live, key=lambda x: x.local == c.local)
+
+    def _kill_stream(self, c: _Conn, exc: BaseException) -> None:
+        """Stop using stream `c`; tell the peer how much of it we consumed (it resends the rest)."""
+        if c.dead:
+            return
+        survivors = self._survivors(c)
+        if not survivors:
+            self._fail(c, exc)
+            return
+        c.dead = True
+        self.lost_streams += 1
+        self.no_park.add(c.peer)
+        log.warning("rank %d: lost stream %d to rank %d (%s -> %s): %s; continuing on %s", self.rank, c.stream,
+                    c.peer, c.local, c.addr, exc, ", ".join(f"stream {x.stream} ({x.local})" for x in survivors))
+        if c.inbound is not None:  # payload bytes already in place count: the resend starts after them
+            dest, target, frame, got = c.inbound
+            if target is not _ABORT and got and self.matcher.part_done(c.peer, frame.key, target, got):
+                self._cv.notify_all()
+        c.inbound, c.parked = None, None
+        unstarted = [o for o in c.sendq if o.entry is None and o.fields is not None]
+        c.sendq.clear()  # started frames are in the log and go again when the peer's RESYNC says from where
+        self._enqueue(survivors[0], _Out(encode_control(Kind.RESYNC, c.rx.consumed, c.stream), memoryview(b""),
+                                         None), front=True)
+        for i, out in enumerate(unstarted):
+            self.moved_bytes += len(out.payload)
+            self._enqueue(survivors[i % len(survivors)], out)
+        for x in survivors:  # frames parked there may wait for data that will now come after them
+            if x.parked is not None:
+                self._read(x)
+
+    def _control(self, c: _Conn, frame: Frame) -> None:
+        if c.log is None:
+            raise ProtocolError(f"rank {c.peer} sent {frame.kind.name} on a stream without failover")
+        if frame.kind is Kind.ACK:
+            c.log.ack(frame.offset)
+            return
+        streams = self.conns[c.peer]
+        if not 0 <= frame.tag < len(streams) or streams[frame.tag] is c:
+            raise ProtocolError(f"rank {c.peer} sent RESYNC for stream {frame.tag} on stream {c.stream}")
+        lost = streams[frame.tag]
+        self._kill_stream(lost, ConnectionAbortedError(errno.ECONNABORTED, f"rank {c.peer} lost this stream"))
+        survivors = self._survivors(lost)
+        parts = lost.log.replay(frame.offset)
+        for i, part in reversed(list(enumerate(parts))):  # each goes to the front: oldest first in the end
+            owner = part.owner
+            out = _Out(self._header(part.fields), memoryview(part.payload), owner.req if owner else None,
+                       part.fields)
+            self.resent_bytes += len(out.payload)
+            self._enqueue(survivors[i % len(survivors)], out, front=True)
 
     def _remote_abort(self, c: _Conn, text: str) -> None:
         name, _, reason = text.partition(": ")
@@ -302,7 +448,7 @@ class TcpTransport(DrivenTransport):
                 self._fail(self._all[0], error, wrap=False)
 
     def _peer_said_bye(self, c: _Conn) -> None:
-        if all(x.bye for x in self.conns[c.peer]) and any(
+        if all(x.bye or x.dead for x in self.conns[c.peer]) and any(
                 r.peer == c.peer and not r.is_send for r in self.matcher.pending()):
             self._fail(c, ConnectionAbortedError(errno.ECONNABORTED, "the peer shut down its process group "
                                                  "while this rank still expected data from it"))
@@ -329,8 +475,9 @@ class TcpTransport(DrivenTransport):
         for r in self.matcher.pending():
             r.error = err
         for other in self._all:
-            for item in other.sendq:
-                item[2].error = err
+            for out in other.sendq:
+                if out.req is not None:
+                    out.req.error = err
             other.sendq.clear()
         self._close_sockets()
         self._cv.notify_all()
@@ -338,7 +485,7 @@ class TcpTransport(DrivenTransport):
     def _send_abort(self, exc: BaseException) -> None:
         frame = encode_abort(exc)
         for c in self._all:
-            if c.sendq:  # mid-frame: an ABORT now would be garbage to the peer; closing says enough
+            if c.sendq or c.dead:  # mid-frame: an ABORT now would be garbage to the peer; closing says enough
                 continue
             try:
                 c.sock.send(frame)
@@ -359,7 +506,7 @@ class TcpTransport(DrivenTransport):
             if self.broken is None:
                 bye = encode_frame_header(Kind.BYE, Space.COLL, 0, 0, 0, 0, 0, 0)
                 for c in self._all:
-                    if not c.sendq:
+                    if not c.sendq and not c.dead:
                         try:
                             c.sock.send(bye)
                         except OSError:
@@ -369,4 +516,6 @@ class TcpTransport(DrivenTransport):
             for s in (self._wake_r, self._wake_w):
                 s.close()
             self._cv.notify_all()
+        if self._keeper is not None and self._keeper is not threading.current_thread():
+            self._keeper.join(1.0)
 
