@@ -3,7 +3,7 @@ with THUNDERBOLT_ALGO)."""
 from __future__ import annotations
 
 from ..config import Config
-from . import chain, direct, ring
+from . import chain, direct, hierarchy, ring
 from .layout import offsets, split_even
 from .plan import Plan
 from .shape import Shape
@@ -33,6 +33,8 @@ def allreduce_plan(cfg: Config, rank: int, world: int, count: int, elem: int, sh
     if world == 1 or _small(cfg, count * elem) or count < world:
         return direct.direct_allreduce(rank, world, count)
     chunk = _chunk_elems(cfg, elem)
+    if cfg.algo == "auto" and len(shape.groups) > 1 and len(shape.groups) < world:
+        return hierarchy.hierarchical_allreduce(rank, shape.groups, count, chunk, line=shape.is_line)
     if cfg.algo == "chain" or (cfg.algo == "auto" and shape.is_line):
         return chain.chain_allreduce(rank, shape.order, count, chunk)
     if cfg.algo == "biring" or (cfg.algo == "auto" and world > 2 and count >= 2 * world):

@@ -16,6 +16,7 @@ class Shape:
     kind: str  # single, pair, ring, chain, mesh, other
     order: list[int] = field(default_factory=list)  # ring order (ring/mesh/pair/other) or line (chain)
     neighbours: dict[int, set[int]] = field(default_factory=dict)
+    groups: list[list[int]] = field(default_factory=list)  # ranks per host (hosts in order) when mixed
 
     @property
     def is_line(self) -> bool:

@@ -95,11 +95,13 @@ class _Acceptor:
     """Accepts and authenticates the streams of every higher rank, each handshake on its own thread."""
 
     def __init__(self, listeners: list[socket.socket], rank: int, world: int, streams: int, secret: bytes,
-                 group_id: str, peer_addrs: "Callable[[int], set[str]]", cfg: Config, deadline: float) -> None:
+                 group_id: str, peer_addrs: "Callable[[int], set[str]]", cfg: Config, deadline: float,
+                 higher: "set[int] | None" = None) -> None:
         self.listeners, self.rank, self.world, self.streams = listeners, rank, world, streams
         self.secret, self.group_id, self.peer_addrs, self.cfg = secret, group_id, peer_addrs, cfg
         self.deadline = deadline
-        self.expected = (world - 1 - rank) * streams
+        self.higher = set(range(rank + 1, world)) if higher is None else higher
+        self.expected = len(self.higher) * streams
         self.conns: dict[tuple[int, int], socket.socket] = {}
         self.lock = threading.Lock()
         self.done = threading.Event()
@@ -130,7 +132,7 @@ class _Acceptor:
                 threading.Thread(target=self._handshake, args=(sock, addr), daemon=True).start()
 
     def _claim(self, src_ip: str, rank: int, stream: int) -> bool:
-        if not self.rank < rank < self.world:
+        if rank not in self.higher:
             return False
         allowed = self.peer_addrs(rank)  # published before that rank connects, so this never waits
         if not self.cfg.listen_all and src_ip not in allowed and "0.0.0.0" not in allowed:
@@ -222,7 +224,11 @@ def stream_routes(my_addrs: list[str], my_nets: list[str], peer_eps: list, peer_
     return [direct[s % len(direct)] for s in range(streams)]
 
 
-def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) -> TcpTransport:
+def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float,
+                peers: "list[int] | None" = None) -> TcpTransport:
+    """`peers`: connect only to these ranks (default every other one), e.g. the other hosts' ranks of a
+    hybrid job; the transport keeps global rank numbers."""
+    members = sorted(set(range(world) if peers is None else peers) - {rank})
     deadline = time.monotonic() + min(timeout, cfg.connect_timeout)
     addrs = choose_addresses(cfg.ifnames, store_host(store))
     listeners = [_listen(a, cfg) for a in (addrs[:1] if cfg.listen_all else addrs)]
@@ -239,16 +245,17 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) 
         # Accept before waiting for anyone: peers may connect as soon as we published our endpoint.
         acceptor = _Acceptor(listeners, rank, world, cfg.streams, secret, group_id,
                              lambda p: {a for a, _ in json.loads(store.get(f"tb/ep/{p}"))["endpoints"]},
-                             cfg, deadline)
+                             cfg, deadline, {p for p in members if p > rank})
         acceptor.start()
-        infos = {p: json.loads(store.get(f"tb/ep/{p}")) for p in range(rank)}
-        for p in range(rank):
+        lower = [p for p in members if p < rank]
+        infos = {p: json.loads(store.get(f"tb/ep/{p}")) for p in lower}
+        for p in lower:
             routes = stream_routes(addrs, nets, infos[p]["endpoints"], infos[p].get("nets", []), cfg.streams)
             conns[p] = []
             for s, (source, target) in enumerate(routes):
                 conns[p].append(_connect(rank, p, s, target, source, secret, group_id, cfg, deadline))
         if not acceptor.done.wait(max(0.0, deadline - time.monotonic())):
-            missing = sorted({p for p in range(rank + 1, world)
+            missing = sorted({p for p in members if p > rank
                               for s in range(cfg.streams) if acceptor.conns.get((p, s)) is None})
             raise PeerLostError(f"rank {rank}: timed out waiting for ranks {missing} to connect "
                                 f"(listening on {endpoints})", rank=rank, peer=missing[0] if missing else -1)
@@ -260,7 +267,8 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) 
         local_ranks = sum(1 for e in every if e is None or e.get("host") == here)
         # Spinning only pays while every local rank has a core of its own.
         spin = cfg.spin_us if local_ranks <= (os.cpu_count() or 1) else 0
-        transport = TcpTransport(rank, world, conns, stripe_bytes=cfg.stripe_bytes, spin_us=spin)
+        transport = TcpTransport(rank, world, conns, stripe_bytes=cfg.stripe_bytes, spin_us=spin,
+                                 probe_after=cfg.link_timeout_ms / 3000)
         transport.networks = all_nets  # the backend derives the cluster shape from these
         return transport
     except BaseException:

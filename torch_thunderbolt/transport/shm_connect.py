@@ -18,7 +18,7 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..config import parse_size
 from ..errors import ConfigError, HandshakeError, PeerLostError
@@ -125,12 +125,12 @@ def _connect(rank: int, peer: int, path: str, token: bytes, deadline: float) -> 
                         rank=rank, peer=peer, address=path)
 
 
-def _accept(lst: socket.socket, rank: int, world: int, token: bytes, deadline: float) -> dict[int, socket.socket]:
+def _accept(lst: socket.socket, rank: int, higher: set[int], token: bytes, deadline: float) -> dict[int, socket.socket]:
     got: dict[int, socket.socket] = {}
-    while len(got) < world - 1 - rank:
+    while len(got) < len(higher):
         left = deadline - time.monotonic()
         if left <= 0:
-            missing = sorted(set(range(rank + 1, world)) - set(got))
+            missing = sorted(higher - set(got))
             raise PeerLostError(f"rank {rank}: timed out waiting for ranks {missing} to attach over shared memory",
                                 rank=rank, peer=missing[0])
         lst.settimeout(left)
@@ -141,7 +141,7 @@ def _accept(lst: socket.socket, rank: int, world: int, token: bytes, deadline: f
         try:
             sock.settimeout(5.0)
             peer, their = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
-            if not secrets.compare_digest(their, token) or not rank < peer < world or peer in got:
+            if not secrets.compare_digest(their, token) or peer not in higher or peer in got:
                 raise HandshakeError(f"bad shm hello (rank {peer})")
             sock.sendall(b"\x01")
         except (OSError, HandshakeError, struct.error):
@@ -152,17 +152,21 @@ def _accept(lst: socket.socket, rank: int, world: int, token: bytes, deadline: f
 
 
 def connect_shm(store: Any, rank: int, world: int, cfg: Any, timeout: float,
-                opts: ShmOptions | None = None) -> ShmTransport:
-    """The shm transport of this group; every rank must be on this host (see `host_map`)."""
+                opts: ShmOptions | None = None, peers: "Sequence[int] | None" = None) -> ShmTransport:
+    """The shm transport of this group; every rank must be on this host (see `host_map`). `peers`: only
+    these ranks (all on this host; default every other rank), e.g. a host's share of a multi-host job."""
     opts = opts or ShmOptions.from_env()
+    members = sorted(set(range(world) if peers is None else peers) - {rank})
     deadline = time.monotonic() + min(timeout, getattr(cfg, "connect_timeout", timeout))
     try:
         segs.cleanup_stale_segments()  # a janitor pass: leftovers of crashed jobs on this host
     except OSError:
         pass
-    if rank == 0:
-        store.set("tbshm/token", secrets.token_hex(16))
-    token = bytes.fromhex(store.get("tbshm/token").decode())
+    # One token per set of ranks sharing memory, made by its lowest rank (several hosts may do this at once).
+    token_key = "tbshm/token" if peers is None else f"tbshm/token/{min(members + [rank])}"
+    if rank < min(members, default=rank + 1):
+        store.set(token_key, secrets.token_hex(16))
+    token = bytes.fromhex(store.get(token_key).decode())
     own = segs.create(ring.segment_bytes(world, opts.slots, opts.slot_bytes))
     lst, path = _listen()
     socks: dict[int, socket.socket] = {}
@@ -174,14 +178,15 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Any, timeout: float,
         me = {"name": own.name, "path": str(own.path) if own.path else None, "sock": path, "pid": os.getpid(),
               "host": host_identity()}
         store.set(f"tbshm/{rank}", json.dumps(me))
-        infos = {p: json.loads(store.get(f"tbshm/{p}")) for p in range(world) if p != rank}
+        infos = {p: json.loads(store.get(f"tbshm/{p}")) for p in members}
         for p, info in infos.items():
             if info["host"] != me["host"]:
                 raise ConfigError(f"THUNDERBOLT_TRANSPORT=shm: rank {p} runs on another host ({info['host']}) "
                                   f"than rank {rank} ({me['host']})")
-        for p in range(rank):
-            socks[p] = _connect(rank, p, infos[p]["sock"], token, deadline)
-        socks.update(_accept(lst, rank, world, token, deadline))
+        for p in members:
+            if p < rank:
+                socks[p] = _connect(rank, p, infos[p]["sock"], token, deadline)
+        socks.update(_accept(lst, rank, {p for p in members if p > rank}, token, deadline))
         peers = {}
         for p, info in infos.items():
             seg = segs.attach(info["name"], ring.segment_bytes(world, opts.slots, opts.slot_bytes), info["path"])

@@ -1,0 +1,78 @@
+"""Hierarchical all-reduce plans (reduce within a host, all-reduce among leaders, broadcast within a host):
+pairwise message order, who talks to whom, and exact results over the in-memory transport."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_thunderbolt.algorithms import reference as ref
+from torch_thunderbolt.algorithms import select
+from torch_thunderbolt.algorithms.hierarchy import hierarchical_allreduce
+from torch_thunderbolt.algorithms.plan import RECV, SEND
+from torch_thunderbolt.algorithms.shape import Shape
+from torch_thunderbolt.config import Config
+
+from ..core.test_algorithms import make_input
+from ..core.test_plans import check_pairwise_order
+from ..core.worlds import run_world
+
+LAYOUTS = {
+    "2x2": [[0, 1], [2, 3]],
+    "3x2 interleaved": [[0, 3], [1, 4], [2, 5]],
+    "3+1+2": [[4, 0, 2], [1], [5, 3]],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("line", [False, True])
+@pytest.mark.parametrize("count", [6, 1001, 4099])
+def test_plans_keep_pairwise_order_and_cross_hosts_only_between_leaders(layout: str, line: bool,
+                                                                          count: int) -> None:
+    groups = LAYOUTS[layout]
+    world = sum(map(len, groups))
+    plans = [hierarchical_allreduce(r, groups, count, 100, line) for r in range(world)]
+    check_pairwise_order(plans)
+    host = {r: i for i, g in enumerate(groups) for r in g}
+    leaders = {g[0] for g in groups}
+    for plan in plans:
+        for s in plan.steps:
+            if s.kind in (SEND, RECV) and host[s.peer] != host[plan.rank]:
+                assert plan.rank in leaders and s.peer in leaders, (layout, plan.rank, s)
+
+
+def test_auto_picks_it_only_for_large_messages_with_host_groups() -> None:
+    cfg = Config()
+    groups = [[0, 1], [2, 3]]
+    shape = Shape("mesh", [0, 1, 2, 3], {}, groups)
+    assert select.allreduce_plan(cfg, 0, 4, 1 << 20, 4, shape).algo == "hier"
+    assert select.allreduce_plan(cfg, 0, 4, 100, 4, shape).algo != "hier"
+    assert select.allreduce_plan(cfg, 0, 4, 1 << 20, 4, Shape.full(4)).algo != "hier"
+    assert select.allreduce_plan(Config(algo="ring"), 0, 4, 1 << 20, 4, shape).algo == "ring"
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_results_are_exact_and_identical_on_every_rank(layout: str) -> None:
+    groups = LAYOUTS[layout]
+    world = sum(map(len, groups))
+    order = [r for g in groups for r in g]
+    cfg = Config(chunk_bytes=1024, small_bytes=0)
+    cases = [(n, dt) for n in (world, 7, 3001) for dt in (torch.float32, torch.int64)]
+
+    def body(comm):
+        comm.shape = Shape("mesh", order, {}, groups)
+        out = []
+        for seed, (n, dt) in enumerate(cases):
+            x = make_input(comm.rank, n, dt, seed)
+            comm.all_reduce(x)
+            out.append(x)
+        return out
+
+    got = run_world(world, body, cfg)
+    for seed, (n, dt) in enumerate(cases):
+        want = ref.reduce_all([make_input(r, n, dt, seed) for r in range(world)], "sum")
+        for r in range(world):
+            if dt == torch.int64:
+                assert torch.equal(got[r][seed], want), (layout, n, r)
+            else:
+                assert torch.allclose(got[r][seed], want, rtol=1e-5, atol=1e-4), (layout, n, r)
+            assert torch.equal(got[r][seed], got[0][seed]), "results must be bit-identical on every rank"

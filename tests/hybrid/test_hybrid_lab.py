@@ -1,0 +1,48 @@
+"""The hybrid on a lab (root only): two emulated Macs (network namespaces) with two ranks each, so `auto`
+picks it from the real host identities; the same checks as test_hybrid.py over a veth cable."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from torch_thunderbolt.lab.testing import lab_session, lab_skip_reason
+from torch_thunderbolt.lab.view import Lab
+
+from .hybrid_harness import run_hybrid_lab
+from .test_hybrid import COLLECTIVES, KILL
+
+pytestmark = [pytest.mark.lab, pytest.mark.multiprocess]
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Lab]:
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with lab_session(2, "pair", cc="reno") as lab:
+        yield lab
+
+
+@pytest.mark.timeout(120)
+def test_lab_every_collective_exact_same_host_off_tcp(pair, tmp_path) -> None:
+    runs = run_hybrid_lab(pair, COLLECTIVES, tmp_path, timeout=100)
+    for run in runs:
+        got = run.json()
+        assert got["kind"] == "HybridTransport", got
+        assert got["bad"] == [], (run.rank, got["bad"])
+        assert got["same_host"]["tcp"] == [0, 0], (run.rank, got)
+        assert min(got["same_host"]["shm"]) > 0 and min(got["tcp"]) > 0, (run.rank, got)
+
+
+@pytest.mark.timeout(120)
+def test_lab_kill_9_gives_peer_lost_on_every_survivor(pair, tmp_path) -> None:
+    victim = 2  # on the second emulated Mac: rank 3 learns it over shm, ranks 0 and 1 over the cable
+    script = KILL.replace("SIZE", str(1 << 20)).replace("VICTIM", str(victim))
+    runs = run_hybrid_lab(pair, script, tmp_path, timeout=100, expect_ok=False)
+    assert runs[victim].returncode == -9
+    for run in runs:
+        if run.rank != victim:
+            out = run.json()
+            assert out["type"] == "PeerLostError" and out["peer"] == victim, (run.rank, out)
+            assert out["seconds"] < 10, (run.rank, out)

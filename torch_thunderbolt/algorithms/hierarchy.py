@@ -1,0 +1,66 @@
+"""Hierarchical all-reduce for jobs whose hosts run several ranks: reduce within each host to its leader
+(shared memory), all-reduce among the leaders (the cables), broadcast within each host.
+
+Each byte crosses the cables 2(H-1)/H times for H hosts instead of 2(W-1)/W for W ranks, and the
+same-host phases never touch the network. The three phases run one after the other on each rank (a
+zero-length join step between them), so their scratch can be shared; a leader's cable phase starts as
+soon as its own host is reduced, without waiting for the other hosts. Pure plan builders.
+"""
+from __future__ import annotations
+
+from . import chain, ring
+from .layout import split_even
+from .plan import COPY, RECV, SEND, Plan
+
+PHASE_MSG = 1 << 28  # message ids of phase k start at k * PHASE_MSG (a biring uses ids up to ~1 << 24 + n)
+
+
+def then(first: Plan, second: Plan, msg_shift: int) -> Plan:
+    """`first`, then `second` once every step of `first` on this rank has finished."""
+    out = Plan(first.rank, max(first.world, second.world), first.algo + ">" + second.algo, list(first.steps),
+               max(first.tmp, second.tmp))
+    if not second.steps:
+        return out
+    join: tuple[int, ...] = ()
+    if first.steps:
+        join = (out.copy("out", 0, "out", 0, 0, tuple(range(len(first.steps)))),)
+    shift = len(out.steps)
+    for s in second.steps:
+        deps = tuple(d + shift for d in s.deps) or join
+        msg = s.msg + msg_shift if s.kind != COPY and s.msg >= 0 else s.msg
+        out.steps.append(s._replace(deps=deps, msg=msg))
+    return out
+
+
+def relabel(plan: Plan, names: list[int]) -> Plan:
+    """A plan built for ranks 0..n-1 of a sub-group, talking to the group's real ranks `names[i]`."""
+    steps = [s._replace(peer=names[s.peer]) if s.kind in (SEND, RECV) else s for s in plan.steps]
+    return Plan(names[plan.rank], plan.world, plan.algo, steps, plan.tmp)
+
+
+def leaders_allreduce(rank: int, leaders: list[int], count: int, chunk: int, line: bool) -> Plan:
+    """All-reduce among the hosts' leaders (in cable order): along the line on a chain of hosts, else a
+    (bi)ring. Built over positions 0..H-1 (the ring builders index segments by rank), then relabelled."""
+    if rank not in leaders or len(leaders) == 1:
+        return Plan(rank, len(leaders), "none")
+    me, h = leaders.index(rank), len(leaders)
+    if line:
+        plan = chain.chain_allreduce(me, list(range(h)), count, chunk)
+    elif h > 2 and count >= 2 * h:
+        plan = ring.bidirectional_ring_allreduce(me, list(range(h)), count, chunk)
+    else:
+        plan = ring.ring_allreduce(me, list(range(h)), split_even(count, h), chunk)
+    return relabel(plan, leaders)
+
+
+def hierarchical_allreduce(rank: int, groups: list[list[int]], count: int, chunk: int, line: bool = False) -> Plan:
+    """`groups`: each host's ranks, hosts in cable order, the first rank of each group its leader."""
+    mine = next(g for g in groups if rank in g)
+    leader = mine[0]
+    world = sum(len(g) for g in groups)
+    local_reduce = chain.chain_reduce(rank, mine, leader, count, chunk)
+    across = leaders_allreduce(rank, [g[0] for g in groups], count, chunk, line)
+    local_bcast = chain.chain_broadcast(rank, mine, leader, count, chunk)
+    plan = then(then(local_reduce, across, PHASE_MSG), local_bcast, 2 * PHASE_MSG)
+    plan.world, plan.algo = world, "hier"
+    return plan
