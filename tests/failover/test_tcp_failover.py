@@ -144,3 +144,26 @@ def test_a_closed_stream_is_still_a_lost_peer_even_with_two_cables():
     finally:
         t0.close()
         t1.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_waiting_to_receive_pings_its_peer_and_the_peer_ignores_the_pings():
+    """A waiting receiver has nothing unacknowledged, so a dead link would never time out for it: after
+    `probe_after` seconds without traffic it sends PING frames, which a live peer reads and ignores."""
+    from torch_thunderbolt.errors import CollectiveTimeout
+
+    t0, t1 = _pair(sources=("127.0.0.1", "127.0.0.1"))
+    t0.probe_after = 0.2
+    try:
+        late = bytearray(8)
+        with pytest.raises(CollectiveTimeout):
+            t0.wait([t0.irecv(1, (Space.COLL, 1, 1), memoryview(late))], deadline=time.monotonic() + 1.0)
+        assert t0.probes_sent >= 2
+        got = bytearray(4)
+        req = t1.irecv(0, (Space.COLL, 2, 0), memoryview(got))
+        t0.wait([t0.isend(1, (Space.COLL, 2, 0), memoryview(b"abcd"))], deadline=time.monotonic() + 5)
+        t1.wait([req], deadline=time.monotonic() + 5)  # the pings ahead of the data were skipped
+        assert bytes(got) == b"abcd" and t1.broken is None
+    finally:
+        t0.close()
+        t1.close()

@@ -28,6 +28,7 @@ class Kind(enum.IntEnum):
     ABORT = 3  # the peer failed (mismatch, timeout, ...): payload = "ErrorClass: reason" (utf-8)
     ACK = 4  # failover: `offset` = bytes of this stream the sender of the ACK has consumed
     RESYNC = 5  # failover: stream `tag` is lost; `offset` = bytes of it the sender of the RESYNC consumed
+    PING = 6  # ignored by the receiver; gives a waiting rank unacknowledged data, so a dead link times out
 
 
 class Space(enum.IntEnum):
@@ -67,7 +68,7 @@ def _parse(raw: bytes | memoryview, max_message: int) -> Frame:
         raise ProtocolError(f"unknown frame kind {kind} or space {space}") from None
     if total > max_message:
         raise ProtocolError(f"frame announces a {total}-byte message; the limit is {max_message}")
-    if kind_e in (Kind.ACK, Kind.RESYNC):
+    if kind_e in (Kind.ACK, Kind.RESYNC, Kind.PING):
         if length or total:
             raise ProtocolError(f"{kind_e.name} frame carries a payload")
         return Frame(kind_e, space_e, sig, tag, seq, offset, 0, 0)
@@ -152,7 +153,7 @@ class FrameDecoder:
 
 
 def encode_control(kind: Kind, offset: int, stream: int = 0) -> bytes:
-    """An ACK or RESYNC frame (header only)."""
+    """An ACK, RESYNC or PING frame (header only)."""
     return encode_frame_header(kind, Space.COLL, 0, stream, 0, offset, 0, 0)
 
 

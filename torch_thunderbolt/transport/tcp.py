@@ -70,7 +70,8 @@ class _Conn:
 
 class TcpTransport(DrivenTransport):
     def __init__(self, rank: int, world: int, conns: dict[int, list[socket.socket]], *,
-                 stripe_bytes: int = 256 << 10, max_message: int = 1 << 40, spin_us: int = 0) -> None:
+                 stripe_bytes: int = 256 << 10, max_message: int = 1 << 40, spin_us: int = 0,
+                 probe_after: float = 1.5) -> None:
         super().__init__(rank, world)
         self.matcher = Matcher(rank)
         self.stripe_bytes = stripe_bytes
@@ -93,6 +94,11 @@ class TcpTransport(DrivenTransport):
                 self.no_park.add(peer)
         self.spin_seconds = spin_us / 1e6
         self._no_spin_until = 0.0
+        # A rank that only waits to receive has no unacknowledged data, so the kernel's link timeout never
+        # fires for it; after this long without traffic it sends a PING to the peers it waits on.
+        self.probe_after = probe_after
+        self._last_traffic = self._last_probe = time.monotonic()
+        self.probes_sent = 0
         self._keeper: threading.Thread | None = None
         if self.no_park:
             self._keeper = threading.Thread(target=self._keep_going, name=f"tb-failover-r{rank}", daemon=True)
@@ -180,8 +186,12 @@ class TcpTransport(DrivenTransport):
     # -- the engine ---------------------------------------------------------------------------------------
     def _drive(self, timeout: float) -> None:
         with self._cv:
-            if self._pump() or timeout <= 0 or self.broken is not None:
+            moved = self._pump()
+            if moved:
+                self._last_traffic = time.monotonic()
+            if moved or timeout <= 0 or self.broken is not None:
                 return
+            self._probe_if_quiet()
         if self._spin(min(timeout, self.spin_seconds)):
             return
         with self._cv:
@@ -197,7 +207,21 @@ class TcpTransport(DrivenTransport):
         except OSError:
             pass
         with self._cv:
-            self._pump()
+            if self._pump():
+                self._last_traffic = time.monotonic()
+
+    def _probe_if_quiet(self) -> None:
+        now = time.monotonic()
+        if now - max(self._last_traffic, self._last_probe) < self.probe_after:
+            return
+        self._last_probe = now
+        pending = self.matcher.pending()
+        peers = set(self.conns) if any(r.peer == ANY_SOURCE for r in pending) else {r.peer for r in pending}
+        for p in peers & set(self.conns):
+            live = [c for c in self.conns[p] if not c.dead and not c.bye]
+            if live:
+                self.probes_sent += 1
+                self._enqueue(live[0], _Out(encode_control(Kind.PING, 0), memoryview(b""), None))
 
     def _spin(self, seconds: float) -> bool:
         """Busy-poll briefly before sleeping: a cross-core wake-up costs more than a small message."""
@@ -307,6 +331,8 @@ class TcpTransport(DrivenTransport):
                     moved = True
                     continue
                 c.parked = None
+                if frame.kind is Kind.PING:
+                    continue
                 if frame.kind is Kind.ACK or frame.kind is Kind.RESYNC:
                     self._control(c, frame)
                     continue
