@@ -40,6 +40,7 @@ def test_every_plan_keeps_pairwise_order(world: int, count: int) -> None:
         lambda r: ring.bidirectional_ring_allreduce(r, order, count, 64),
         lambda r: chain.chain_allreduce(r, order, count, 64),
         lambda r: chain.chain_broadcast(r, order, order[world // 2], count, 64),
+        lambda r: chain.two_way_ring_broadcast(r, order, order[world // 2], count, 64),
         lambda r: chain.chain_reduce(r, order, order[world // 2], count, 64),
         lambda r: direct.direct_allreduce(r, world, count),
         lambda r: direct.all_to_all(r, world, [(i * count, count) for i in range(world)],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .layout import chunks
 from .plan import Plan
+from .ring import merge
 
 
 def _towards_and_away(line: list[int], rank: int, root: int) -> tuple[int | None, list[int]]:
@@ -23,11 +24,12 @@ def _towards_and_away(line: list[int], rank: int, root: int) -> tuple[int | None
 
 
 def add_line_broadcast(plan: Plan, line: list[int], root: int, count: int, chunk: int, msg0: int = 0,
-                       ready: dict[int, int] | None = None, after: dict[int, tuple[int, ...]] | None = None) -> None:
-    """Broadcast "out" from `root`. `ready[j]`: step after which chunk j is final on the root;
-    `after[j]`: steps a receive into chunk j must wait for (it overwrites them)."""
+                       ready: dict[int, int] | None = None, after: dict[int, tuple[int, ...]] | None = None,
+                       base: int = 0) -> None:
+    """Broadcast "out"[base : base + count] from `root`. `ready[j]`: step after which chunk j is final on
+    the root; `after[j]`: steps a receive into chunk j must wait for (it overwrites them)."""
     towards, away = _towards_and_away(line, plan.rank, root)
-    for j, (off, n) in enumerate(chunks(0, count, chunk)):
+    for j, (off, n) in enumerate(chunks(base, count, chunk)):
         if towards is None:
             deps: tuple[int, ...] = (ready[j],) if ready and j in ready else ()
         else:
@@ -62,6 +64,22 @@ def chain_broadcast(rank: int, line: list[int], root: int, count: int, chunk: in
     plan = Plan(rank, len(line), "chain")
     if len(line) > 1:
         add_line_broadcast(plan, line, root, count, chunk)
+    return plan
+
+
+def two_way_ring_broadcast(rank: int, order: list[int], root: int, count: int, chunk: int) -> Plan:
+    """On a ring: the first half travels one way round from the root, the second half the other way, so
+    every cable carries half the message in each direction (a line from the root carries all of it one
+    way: twice the time on full-duplex cables)."""
+    p = order.index(root)
+    one_way = order[p:] + order[:p]
+    other_way = [root] + one_way[1:][::-1]
+    half = count // 2
+    first, second = Plan(rank, len(order), "line"), Plan(rank, len(order), "line")
+    add_line_broadcast(first, one_way, root, half, chunk)
+    add_line_broadcast(second, other_way, root, count - half, chunk, base=half)
+    plan = merge(first, second)
+    plan.algo = "ring2"
     return plan
 
 

@@ -61,7 +61,10 @@ def all_gather_plan(cfg: Config, rank: int, world: int, counts: list[int], elem:
 def broadcast_plan(cfg: Config, rank: int, world: int, root: int, count: int, elem: int, shape: Shape) -> Plan:
     if cfg.algo != "chain" and (world <= 2 or _small(cfg, count * elem)):
         return direct.flat_broadcast(rank, world, root, count)
-    return chain.chain_broadcast(rank, _line_from(shape, root), root, count, _chunk_elems(cfg, elem))
+    chunk = _chunk_elems(cfg, elem)
+    if cfg.algo != "chain" and not shape.is_line and world >= 3 and count >= 2:
+        return chain.two_way_ring_broadcast(rank, shape.order, root, count, chunk)
+    return chain.chain_broadcast(rank, _line_from(shape, root), root, count, chunk)
 
 
 def reduce_plan(cfg: Config, rank: int, world: int, root: int, count: int, elem: int, shape: Shape) -> Plan:
