@@ -93,4 +93,12 @@ import torch.distributed as dist
 import torch_thunderbolt
 def result(obj):
     print("RESULT " + json.dumps(obj), flush=True)
+def outcome(fn):  # run fn; its error (if any) as a JSON-able record
+    t0 = time.monotonic()
+    try:
+        fn()
+        return {"ok": True}
+    except Exception as exc:
+        return {"ok": False, "type": type(exc).__name__, "msg": str(exc), "seconds": time.monotonic() - t0,
+                "peer": getattr(exc, "peer", None)}
 """

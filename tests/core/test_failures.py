@@ -11,14 +11,6 @@ INIT = PRELUDE + """
 import datetime, signal
 dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=float(os.environ.get("TB_TIMEOUT", "60"))))
 r, w = dist.get_rank(), dist.get_world_size()
-def outcome(fn):
-    t0 = time.monotonic()
-    try:
-        fn()
-        return {"ok": True}
-    except Exception as exc:
-        return {"ok": False, "type": type(exc).__name__, "msg": str(exc), "seconds": time.monotonic() - t0,
-                "peer": getattr(exc, "peer", None)}
 """
 
 

@@ -23,14 +23,6 @@ RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 PER_HOST = int(os.environ.get("TEST_RANKS_PER_HOST", "2"))
 if os.environ.get("TEST_FAKE_HOSTS") == "1":  # not in the lab: there network namespaces make the hosts
     shm_connect.host_identity = lambda: f"test-host-{RANK // PER_HOST}"
-def outcome(fn):
-    t0 = time.monotonic()
-    try:
-        fn()
-        return {"ok": True}
-    except Exception as exc:
-        return {"ok": False, "type": type(exc).__name__, "msg": str(exc), "seconds": time.monotonic() - t0,
-                "peer": getattr(exc, "peer", None)}
 """
 
 

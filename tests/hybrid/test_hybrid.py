@@ -8,6 +8,7 @@ import pytest
 from torch_thunderbolt.algorithms.shape import shape_from_networks
 from torch_thunderbolt.backend.registration import _choose_transport, hosts_shape
 
+from ..core.collective_checks import EVERY_COLLECTIVE
 from .hybrid_harness import run_hybrid
 
 pytestmark = [pytest.mark.multiprocess]
@@ -44,18 +45,7 @@ dist.init_process_group("thunderbolt", init_method="env://")
 pg = dist.group.WORLD
 t = pg._comm.t
 W = WORLD
-bad = []
-
-def data(n, r):
-    return (torch.arange(n, dtype=torch.float32) % 97) + 1000 * r
-
-def total(n):
-    return (torch.arange(n, dtype=torch.float32) % 97) * W + 1000 * sum(range(W))
-
-def check(name, got, want):
-    if not torch.equal(got, want):
-        bad.append(name)
-
+""" + EVERY_COLLECTIVE + """
 # Same-host pairs only: shm moves the bytes, TCP moves none.
 tcp0 = (t.tcp.bytes_sent, t.tcp.bytes_received)
 shm0 = (t.shm.bytes_sent, t.shm.bytes_received)
@@ -71,40 +61,7 @@ for n in (1000, (1 << 18) + 3):
 same_host = {"tcp": [t.tcp.bytes_sent - tcp0[0], t.tcp.bytes_received - tcp0[1]],
              "shm": [t.shm.bytes_sent - shm0[0], t.shm.bytes_received - shm0[1]]}
 
-for label, n in (("small", 1000), ("large", (1 << 20) + 3)):
-    x = data(n, RANK)
-    dist.all_reduce(x)
-    check(f"all_reduce {label}", x, total(n))
-    for root in range(W):
-        x = data(n, RANK) if RANK == root else torch.zeros(n)
-        dist.broadcast(x, src=root)
-        check(f"broadcast {root} {label}", x, data(n, root))
-    x = data(n, RANK)
-    dist.reduce(x, dst=W - 1)
-    if RANK == W - 1:
-        check(f"reduce {label}", x, total(n))
-    outs = [torch.zeros(n) for _ in range(W)]
-    dist.all_gather(outs, data(n, RANK))
-    for r in range(W):
-        check(f"all_gather {r} {label}", outs[r], data(n, r))
-    out = torch.zeros(n)
-    dist.reduce_scatter(out, [data(n, RANK) + r for r in range(W)])
-    check(f"reduce_scatter {label}", out, total(n) + W * RANK)
-    outs = [torch.zeros(n) for _ in range(W)]
-    dist.all_to_all(outs, [data(n, RANK) + 10 * r for r in range(W)])
-    for r in range(W):
-        check(f"all_to_all {r} {label}", outs[r], data(n, r) + 10 * RANK)
-    for src in range(W):
-        for dst in range(W):
-            if src == dst:
-                continue
-            if RANK == src:
-                dist.send(data(n, src) + dst, dst=dst, tag=7)
-            elif RANK == dst:
-                x = torch.zeros(n)
-                dist.recv(x, src=src, tag=7)
-                check(f"send/recv {src}->{dst} {label}", x, data(n, src) + dst)
-    dist.barrier()
+every_collective()
 
 # Receive from any source: one message from a same-host and one from another-host rank.
 if RANK == 0:
@@ -119,15 +76,7 @@ if RANK == 0:
 elif RANK in (1, 2):
     dist.send(data(10, RANK), dst=0, tag=9)
 
-if RANK == W - 1:
-    time.sleep(0.3)
-stamp = torch.tensor([time.time()], dtype=torch.float64)
-dist.barrier()
-left = torch.tensor([time.time()], dtype=torch.float64)
-arrived = [torch.zeros(1, dtype=torch.float64) for _ in range(W)]
-dist.all_gather(arrived, stamp)
-if left.item() < max(a.item() for a in arrived) - 0.05:
-    bad.append("barrier: left before the last rank arrived")
+check_barrier(0.3)
 result({"kind": type(t).__name__, "order": pg._comm.shape.order, "bad": bad, "same_host": same_host,
         "tcp": [t.tcp.bytes_sent, t.tcp.bytes_received], "shm": [t.shm.bytes_sent, t.shm.bytes_received]})
 dist.destroy_process_group()

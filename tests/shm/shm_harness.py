@@ -5,30 +5,18 @@ from pathlib import Path
 
 from torch_thunderbolt.transport import shm_segment
 
-from ..core.mp import RankResult, run_ranks
+from ..core.mp import PRELUDE, RankResult, run_ranks
 
 # Every rank script starts with this: a TCPStore from the run_ranks environment, then connect_shm.
-SHM_PRELUDE = """
-import json, os, signal, sys, time
+SHM_PRELUDE = PRELUDE + """
+import signal
 from datetime import timedelta
-import torch
-import torch.distributed as dist
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.transport.base import ANY_SOURCE
 from torch_thunderbolt.transport.shm import connect_shm
-def result(obj):
-    print("RESULT " + json.dumps(obj), flush=True)
 r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), w, r == 0, timeout=timedelta(seconds=60))
 t = connect_shm(store, r, w, Config(), 60)
-def outcome(fn):
-    t0 = time.monotonic()
-    try:
-        fn()
-        return {"ok": True}
-    except Exception as exc:
-        return {"ok": False, "type": type(exc).__name__, "msg": str(exc), "seconds": time.monotonic() - t0,
-                "peer": getattr(exc, "peer", None)}
 """
 
 # Small rings by default, so multi-slot messages and full rings are exercised.

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import os
 import select
-import threading
 import time
 from typing import Any, Iterable
 
 from . import shm_ring as ring
-from .base import ANY_SOURCE, Request, Transport
+from .base import ANY_SOURCE, DrivenTransport, Request
 from .matching import Matcher
 from .shm import BLOCK_CAP, CONTENDED_BACKOFF, QUIET_CAP, SLOW_YIELD, ShmTransport, default_spin
 from .tcp import TcpTransport
@@ -27,7 +26,7 @@ from .tcp import TcpTransport
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
-class HybridTransport(Transport):
+class HybridTransport(DrivenTransport):
     def __init__(self, rank: int, world: int, shm: ShmTransport, tcp: TcpTransport, local: Iterable[int]) -> None:
         super().__init__(rank, world)
         self.local = frozenset(local) - {rank}  # peers reached over shared memory
@@ -37,7 +36,6 @@ class HybridTransport(Transport):
             sub.matcher = self.matcher
             sub._cv = self._cv
         self.networks = getattr(tcp, "networks", None)
-        self._progress_lock = threading.Lock()
         self._quiet = False
         self._contended_until = 0.0
 
@@ -81,20 +79,7 @@ class HybridTransport(Transport):
             (self.shm if req.peer == ANY_SOURCE else self._sub(req.peer))._post_recv(req)
             self._quiet = False
 
-    # -- progress ---------------------------------------------------------------------------------
-    def _progress(self, timeout: float) -> None:
-        if not self._progress_lock.acquire(blocking=False):
-            with self._cv:  # another thread drives both engines; it notifies on completions
-                if timeout > 0:
-                    self._cv.wait(min(timeout, 0.05))
-            return
-        try:
-            self._drive(timeout)
-        finally:
-            self._progress_lock.release()
-            with self._cv:
-                self._cv.notify_all()
-
+    # -- progress (DrivenTransport._progress calls _drive from one thread at a time) -----------------
     def _pump(self) -> bool:
         """Move what either engine can move without blocking; True if anything moved (or broke)."""
         moved = self.shm._pump()
@@ -198,6 +183,8 @@ class HybridTransport(Transport):
                 sub.close()
             if self.broken is None:
                 self.broken = self.shm.broken or self.tcp.broken
+            for s in (self._wake_r, self._wake_w):  # DrivenTransport's doorbell (the engines have their own)
+                s.close()
             self._cv.notify_all()
 
 

@@ -331,7 +331,8 @@ class ShmTransport(DrivenTransport):
             err = cls(message)
             if isinstance(err, PeerAbortedError):
                 err.peer = pe.rank
-        self._fail(pe, err, wrap=False, tell_peers=False)
+        # Forward it: a peer must not see our socket close (and blame us) before it hears the reason.
+        self._fail(pe, err, wrap=False)
 
     # -- failure and shutdown ---------------------------------------------------------------------------------
     def abort(self, error: BaseException) -> None:
