@@ -115,3 +115,15 @@ def test_topology_algorithms_give_exact_results(world: int, kind: str) -> None:
             assert torch.equal(got[r][seed][0], want), (kind, world, n, r)
             assert torch.equal(got[r][seed][1], make_input(root, n, dt, seed + 50))
         assert torch.equal(got[root][seed][2], want_r)
+
+
+def test_line_algorithms_pipeline_a_1mb_message_in_several_pieces() -> None:
+    from torch_thunderbolt.algorithms.select import MIN_PIPELINE_PIECES
+
+    shape = shape_from_networks([["10.0.0.1/30"], ["10.0.0.6/30"], ["10.0.0.2/30", "10.0.0.5/30"]])
+    plan = select.allreduce_plan(Config(), 0, 3, 1 << 18, 4, shape)  # 1 MB of float32 on a chain
+    assert plan.algo == "chain"
+    sends = [s for s in plan.steps if s.kind == SEND]
+    assert len(sends) >= MIN_PIPELINE_PIECES
+    big = select.allreduce_plan(Config(), 0, 3, 1 << 24, 4, shape)  # 64 MB: the configured 1 MB chunks
+    assert max(s.n for s in big.steps if s.kind == SEND) == Config().chunk_bytes // 4

@@ -91,12 +91,13 @@ def chain_reduce(rank: int, line: list[int], root: int, count: int, chunk: int) 
 
 
 def chain_allreduce(rank: int, line: list[int], count: int, chunk: int) -> Plan:
-    """Reduce towards line[0], then broadcast back, pipelined: each cable carries the data once per
-    direction (a ring laid on a line would push its closing edge through every middle host)."""
+    """Reduce towards the middle of the line, then broadcast back, pipelined: each cable carries the data
+    once per direction (a ring laid on a line would push its closing edge through every middle host), and
+    with the root in the middle both branches work at once, so the pipeline fills in half the hops."""
     plan = Plan(rank, len(line), "chain")
     if len(line) == 1:
         return plan
-    root = line[0]
+    root = line[(len(line) - 1) // 2]
     done = add_line_reduce(plan, line, root, count, chunk)
     n_chunks = len(chunks(0, count, chunk))
     if rank == root:

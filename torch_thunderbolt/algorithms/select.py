@@ -9,8 +9,18 @@ from .plan import Plan
 from .shape import Shape
 
 
-def _chunk_elems(cfg: Config, elem: int) -> int:
-    return max(1, cfg.chunk_bytes // max(1, elem))
+MIN_PIPELINE_PIECES = 8
+MIN_CHUNK_BYTES = 64 << 10
+
+
+def _chunk_elems(cfg: Config, elem: int, count: int | None = None) -> int:
+    """Pipeline piece size; with `count`, small enough for MIN_PIPELINE_PIECES pieces (down to 64 KB), so a
+    1 MB message on a line of hosts is pipelined too instead of crossing each cable in one piece."""
+    chunk = max(1, cfg.chunk_bytes // max(1, elem))
+    if count is not None:
+        floor = max(1, MIN_CHUNK_BYTES // max(1, elem))
+        chunk = min(chunk, max(floor, -(-count // MIN_PIPELINE_PIECES)))
+    return chunk
 
 
 def _small(cfg: Config, nbytes: int) -> bool:
@@ -36,7 +46,7 @@ def allreduce_plan(cfg: Config, rank: int, world: int, count: int, elem: int, sh
     if cfg.algo == "auto" and len(shape.groups) > 1 and len(shape.groups) < world:
         return hierarchy.hierarchical_allreduce(rank, shape.groups, count, chunk, line=shape.is_line)
     if cfg.algo == "chain" or (cfg.algo == "auto" and shape.is_line):
-        return chain.chain_allreduce(rank, shape.order, count, chunk)
+        return chain.chain_allreduce(rank, shape.order, count, _chunk_elems(cfg, elem, count))
     if cfg.algo == "biring" or (cfg.algo == "auto" and world > 2 and count >= 2 * world):
         return ring.bidirectional_ring_allreduce(rank, shape.order, count, chunk)
     return ring.ring_allreduce(rank, shape.order, split_even(count, world), chunk)
@@ -61,7 +71,7 @@ def all_gather_plan(cfg: Config, rank: int, world: int, counts: list[int], elem:
 def broadcast_plan(cfg: Config, rank: int, world: int, root: int, count: int, elem: int, shape: Shape) -> Plan:
     if cfg.algo != "chain" and (world <= 2 or _small(cfg, count * elem)):
         return direct.flat_broadcast(rank, world, root, count)
-    chunk = _chunk_elems(cfg, elem)
+    chunk = _chunk_elems(cfg, elem, count)
     if cfg.algo != "chain" and not shape.is_line and world >= 3 and count >= 2:
         return chain.two_way_ring_broadcast(rank, shape.order, root, count, chunk)
     return chain.chain_broadcast(rank, _line_from(shape, root), root, count, chunk)
@@ -70,4 +80,4 @@ def broadcast_plan(cfg: Config, rank: int, world: int, root: int, count: int, el
 def reduce_plan(cfg: Config, rank: int, world: int, root: int, count: int, elem: int, shape: Shape) -> Plan:
     if _small(cfg, count * elem) and cfg.algo != "chain":
         return direct.direct_reduce(rank, world, root, count)
-    return chain.chain_reduce(rank, _line_from(shape, root), root, count, _chunk_elems(cfg, elem))
+    return chain.chain_reduce(rank, _line_from(shape, root), root, count, _chunk_elems(cfg, elem, count))
