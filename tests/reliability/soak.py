@@ -122,6 +122,10 @@ for i in range(N):
 settle()
 dist.barrier()
 rss["end"] = proc.memory_info().rss
+from torch_thunderbolt.backend.process_group import _live_groups
+# Scratch each group keeps for its largest op so far: bounded by (groups x largest op), not a leak.
+rss["scratch_mb"] = round(sum(getattr(pg._comm, "_scratch", None).numel() for pg in _live_groups
+                              if getattr(pg._comm, "_scratch", None) is not None) / 2**20, 1)
 result({"ops": N, "participated": done, "mismatches": mismatches, "bad": bad, "rss": rss,
         "seconds": round(time.monotonic() - t0, 1)})
 dist.destroy_process_group()
