@@ -61,9 +61,9 @@ def test_backend_labels():
 def test_to_argv_round_trips_a_full_config():
     cfg = parse("--backends", "x=thunderbolt,gloo,gloo", "--baseline", "gloo#2", "--ops", "sendrecv,all_reduce",
                 "--sizes", "4K,1M", "--iters", "3", "--warmup", "1", "--dtype", "bf16", "--link",
-                "--link-streams", "1,8", "--link-bytes", "16M", "--link-repeats", "2", "--transport", "shm",
+                "--link-streams", "1,8", "--link-bytes", "16M", "--link-repeats", "2", "--transport", "shm", "--memcpy",
                 "--json", "out file.json", "--plot", "p.png", "--timeout", "12.5", "--no-progress", "--nproc", "3")
-    assert parse(*c.to_argv(cfg)) == cfg
+    assert cfg.memcpy and parse(*c.to_argv(cfg)) == cfg
 
 
 @settings(max_examples=40, deadline=None)

@@ -45,8 +45,9 @@ def test_interleaved_gloo_pair_with_link(tmp_path):
     out = tmp_path / "bench.json"
     run = bench("--nproc", "2", "--backends", "gloo,gloo", "--ops", "all_reduce,sendrecv", "--sizes", "4K",
                 "--iters", "2", "--warmup", "0", "--link", "--link-bytes", "8M", "--link-streams", "1,2",
-                "--link-repeats", "1", "--transport", "tcp", "--json", str(out))
+                "--link-repeats", "1", "--transport", "tcp", "--memcpy", "--json", str(out))
     assert run.returncode == 0, run.stderr
+    assert "# memcpy, 1 thread, 4096 B:" in run.stdout
     assert "# all_reduce on gloo#2 (gloo)" in run.stdout and "vs gloo" in run.stdout
     assert "raw TCP link rank 0 -> rank 1 at 127.0.0.1" in run.stdout
     doc = json.loads(out.read_text())
@@ -56,6 +57,7 @@ def test_interleaved_gloo_pair_with_link(tmp_path):
     second = [r for r in doc["results"] if r["backend"] == "gloo#2"]
     assert len(second) == 2 and all(r["ratio"] is not None and r["efficiency"] is not None for r in second)
     assert doc["meta"]["transport"] == "tcp"
+    assert doc["meta"]["memcpy"]["before"]["gbps"] > 0 and doc["meta"]["memcpy"]["after"]["gbps"] > 0
 
 
 def test_unknown_backend_is_one_clean_error_before_spawning(capsys, monkeypatch):

@@ -78,3 +78,13 @@ def test_connect_failure_is_peer_lost():
     listener.close()
     with pytest.raises(ThunderboltError, match="cannot connect to rank 1"):
         link.measure("127.0.0.1", port, PLAN)
+
+
+def test_memcpy_measurement_and_its_line():
+    from torch_thunderbolt.bench import memcpy
+
+    rec = memcpy.measure(1 << 20, repeats=3)
+    assert rec["bytes"] == 1 << 20 and rec["threads"] == 1
+    assert 0 < rec["gbps_min"] <= rec["gbps"] <= rec["gbps_max"]
+    line = memcpy.describe(rec, rec)
+    assert line.startswith("# memcpy, 1 thread, 1048576 B:") and "before" in line and "after" in line

@@ -15,7 +15,7 @@ import time
 from typing import Any, Mapping, Sequence, TextIO
 
 from ..errors import ConfigError
-from . import link, metrics, report, spawn, spec, table
+from . import link, memcpy, metrics, report, spawn, spec, table
 from .config import BackendSpec, BenchConfig, RankEnv, backend_streams, rank_env, to_argv, validate_for_world
 from .sizes import format_size
 
@@ -143,11 +143,17 @@ class _Session:
                  f"{self.cfg.iters} iters after {self.cfg.warmup} warmup; time = median of per-iteration max over "
                  f"ranks; tcp congestion control {congestion or '?'}")
         link_gbps = self._link() if self.cfg.link else {}
+        before = self._memcpy() if self.cfg.memcpy else None
         plan = {op: self._layouts(op) for op in self.cfg.ops}
         steps = sum(len(lays) for lays in plan.values()) * (self.cfg.warmup + self.cfg.iters)
         self.progress = Progress(self.err, steps, self.cfg.progress and self.lead)
         for op, layouts in plan.items():
             self._op(op, layouts, link_gbps)
+        if self.cfg.memcpy:  # every rank takes part in the barrier; only rank 0 has figures
+            after = self._memcpy()
+            if before is not None and after is not None:
+                meta["memcpy"] = {"before": before, "after": after}
+                self.say(memcpy.describe(before, after))
         if self.lead:
             self._write(meta)
         if self.wrong_results:
@@ -156,6 +162,14 @@ class _Session:
                       "(see the #wrong column)", file=self.err)
             return 1
         return 0
+
+    def _memcpy(self) -> dict | None:
+        """Rank 0 copies a buffer of the largest size while the others wait at a barrier."""
+        import torch.distributed as dist
+
+        result = memcpy.measure(max(self.cfg.sizes)) if self.lead else None
+        dist.barrier()
+        return result
 
     def _warn_unfair_cc(self, ours: str | None, system: str | None) -> None:
         """Congestion control alone moves TCP throughput 2-3x; gloo always uses the system's."""

@@ -40,6 +40,7 @@ class BenchConfig:
     link_streams: tuple[int, ...] = (1, 2, 4)
     link_bytes: int = 256 << 20
     link_repeats: int = 3
+    memcpy: bool = False
     transport: str | None = None
     json_path: str | None = None
     plot_path: str | None = None
@@ -101,6 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--link-streams", default="1,2,4", help="TCP stream counts for --link (default 1,2,4)")
     a("--link-bytes", default="256M", help="bytes per --link throughput measurement (default 256M)")
     a("--link-repeats", type=int, default=3, help="--link measurements per stream count (median)")
+    a("--memcpy", action="store_true",
+      help="also measure single-core memcpy bandwidth on rank 0, before and after (shared-memory yardstick)")
     a("--transport", choices=TRANSPORTS, default=None, help="sets THUNDERBOLT_TRANSPORT for the ranks")
     a("--json", dest="json_path", metavar="FILE", default=None, help="write one record per result")
     a("--plot", dest="plot_path", metavar="FILE.png", default=None, help="plot busbw and latency (matplotlib)")
@@ -134,7 +137,8 @@ def from_args(ns: argparse.Namespace) -> BenchConfig:
         ops=tuple(sz.choose(sz.split_list(ns.ops, "ops"), OPS, "op", OP_ALIASES)),
         sizes=tuple(sizes), dtype=dtype(ns.dtype).name, iters=ns.iters, warmup=ns.warmup, nproc=ns.nproc,
         link=ns.link, link_streams=tuple(sz.parse_int_list(ns.link_streams, "link-streams")),
-        link_bytes=sz.parse_size(ns.link_bytes), link_repeats=ns.link_repeats, transport=ns.transport,
+        link_bytes=sz.parse_size(ns.link_bytes), link_repeats=ns.link_repeats, memcpy=ns.memcpy,
+        transport=ns.transport,
         json_path=ns.json_path, plot_path=ns.plot_path, timeout=ns.timeout, progress=ns.progress)
 
 
@@ -154,6 +158,7 @@ def to_argv(cfg: BenchConfig) -> list[str]:
         if value is not None:
             argv += [flag, value]
     argv += ["--link"] if cfg.link else []
+    argv += ["--memcpy"] if cfg.memcpy else []
     argv += [] if cfg.progress else ["--no-progress"]
     return argv
 
