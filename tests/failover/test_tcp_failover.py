@@ -58,18 +58,18 @@ def _exchange(t: TcpTransport, msgs: list[torch.Tensor], results: dict, lazy: bo
 
 
 def _cut_mid_frame(victim: TcpTransport, fraction: float, total: int) -> dict:
-    """Cut stream 0 from inside the victim's own reader, in the middle of a payload, once `fraction` of the
+    """Cut stream 0 from inside the victim's own reader, at a payload being read, once `fraction` of the
     bytes arrived: a cut that is sure to catch data in flight."""
     original, state = victim._read_payload, {"cut": False}
 
     def reading(c):
-        step = original(c)
+        # A payload whose header was read is in flight on stream 0 (all of it, or what is left of it).
         if (not state["cut"] and c.stream == 0 and c.inbound is not None
                 and victim.bytes_received >= fraction * total):
             state["cut"] = True
             victim._conn_error(c, TimeoutError(errno.ETIMEDOUT, "Connection timed out (injected cable cut)"))
             return None
-        return step
+        return original(c)
 
     victim._read_payload = reading
     return state

@@ -4,7 +4,9 @@ Design: non-blocking sockets and a progress engine driven by whichever thread wa
 receive is read by the very thread that needs it — no hand-off to a receiver thread on the latency path.
 Posting a send writes inline when the socket has room; a collective frame whose receive is not posted yet
 is *parked*: its stream is simply not read until the receive arrives, so TCP flow control holds the bytes
-and nothing is copied twice. Any socket error or EOF puts the whole transport into the BROKEN state.
+and nothing is copied twice. Any socket error or EOF puts the whole transport into the BROKEN state —
+except a link error on one of a peer's streams while others over another cable live: then the stream is
+dropped and its unconsumed bytes are sent again on the others (tcp_failover.py, failover.py).
 """
 from __future__ import annotations
 
@@ -16,67 +18,33 @@ import logging
 import select
 import socket
 import threading
-from collections import deque
 
 from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerAbortedError, PeerLostError,
                       ProtocolError, ThunderboltError)
-from ..protocol.framing import (FRAME_HEADER_SIZE, Frame, FrameDecoder, Kind, Space, encode_abort, encode_control,
+from ..protocol.framing import (FRAME_HEADER_SIZE, Frame, Kind, Space, encode_abort, encode_control,
                                 encode_frame_header)
 from ..protocol.signature import describe_sig
 from .base import ANY_SOURCE, DrivenTransport, Request
-from .failover import Fields, RxCount, StreamLog, is_link_failure
+from .failover import Fields, RxCount, StreamLog
+from .tcp_conn import ABORT_PAYLOAD, Stream, Outgoing
+from .tcp_failover import StreamFailover
 from .layout import split_aligned
 from .matching import Matcher
 
 log = logging.getLogger("torch_thunderbolt.tcp")
-_STAGING = 1 << 16
-_ABORT = object()  # marks an inbound ABORT payload
 _REMOTE_ERRORS = {"MismatchError": MismatchError, "CollectiveTimeout": CollectiveTimeout,
                   "ProtocolError": ProtocolError, "PeerLostError": PeerLostError}
 
 
-class _Out:
-    """One frame queued on a stream: header, payload view, the request it serves (None for control
-    frames and resends of completed parts), bytes written, and its failover log entry."""
-
-    __slots__ = ("hdr", "payload", "req", "sent", "fields", "entry")
-
-    def __init__(self, hdr: bytes, payload: memoryview, req: Request | None, fields: Fields | None = None) -> None:
-        self.hdr, self.payload, self.req, self.sent, self.fields, self.entry = hdr, payload, req, 0, fields, None
-
-
-class _Conn:
-    __slots__ = ("sock", "fd", "peer", "stream", "addr", "local", "decoder", "sendq", "inbound", "parked", "bye",
-                 "staging", "dead", "log", "rx")
-
-    def __init__(self, sock: socket.socket, peer: int, stream: int, max_message: int) -> None:
-        sock.setblocking(False)
-        self.sock, self.fd, self.peer, self.stream = sock, sock.fileno(), peer, stream
-        try:
-            self.addr = "%s:%d" % sock.getpeername()[:2]
-            self.local = sock.getsockname()[0]  # one local address per cable
-        except OSError:
-            self.addr = self.local = "?"
-        self.decoder = FrameDecoder(max_message)
-        self.sendq: deque[_Out] = deque()
-        self.inbound: list | None = None  # [dest view, target, frame, bytes done]
-        self.parked: Frame | None = None
-        self.bye = False
-        self.dead = False  # lost its cable; the peer's other streams carry on
-        self.staging = bytearray(_STAGING)
-        self.log: StreamLog | None = None  # set when failover is on for this peer
-        self.rx: RxCount | None = None
-
-
-class TcpTransport(DrivenTransport):
+class TcpTransport(StreamFailover, DrivenTransport):
     def __init__(self, rank: int, world: int, conns: dict[int, list[socket.socket]], *,
                  stripe_bytes: int = 256 << 10, max_message: int = 1 << 40, spin_us: int = 0,
                  probe_after: float = 1.5) -> None:
         super().__init__(rank, world)
         self.matcher = Matcher(rank)
         self.stripe_bytes = stripe_bytes
-        self.conns: dict[int, list[_Conn]] = {
-            p: [_Conn(s, p, i, max_message) for i, s in enumerate(socks)] for p, socks in conns.items()
+        self.conns: dict[int, list[Stream]] = {
+            p: [Stream(s, p, i, max_message) for i, s in enumerate(socks)] for p, socks in conns.items()
         }
         self._all = [c for cs in self.conns.values() for c in cs]
         self._by_fd = {c.fd: c for c in self._all}
@@ -104,19 +72,6 @@ class TcpTransport(DrivenTransport):
             self._keeper = threading.Thread(target=self._keep_going, name=f"tb-failover-r{rank}", daemon=True)
             self._keeper.start()
 
-    def _keep_going(self) -> None:
-        """With failover on, acknowledge and answer RESYNCs even while no thread waits on this transport:
-        a peer may be waiting for data that only our answer brings back."""
-        while self.broken is None:
-            time.sleep(0.05)
-            if self._progress_lock.acquire(blocking=False):
-                try:
-                    with self._cv:
-                        if self.broken is None:
-                            self._pump()
-                finally:
-                    self._progress_lock.release()
-
     retired = 0  # every collective op up to this tag has finished on this rank
 
     def retire(self, tag: int) -> None:
@@ -128,7 +83,7 @@ class TcpTransport(DrivenTransport):
             if self.broken is not None:
                 raise self.broken
 
-    def _stray(self, c: _Conn, frame: Frame) -> MismatchError:
+    def _stray(self, c: Stream, frame: Frame) -> MismatchError:
         return MismatchError(
             f"rank {self.rank}: rank {c.peer} sent {describe_sig(frame.sig)} data for op #{frame.tag}, which this "
             f"rank finished without expecting data from rank {c.peer} (different collectives, roots or order)")
@@ -148,7 +103,7 @@ class TcpTransport(DrivenTransport):
             req.pending = len(parts)
             for i, (off, ln) in enumerate(parts):
                 fields = Fields(space, req.sig, tag, seq, off, ln, n)
-                self._enqueue(conns[i], _Out(self._header(fields), req.buf[off : off + ln], req, fields))
+                self._enqueue(conns[i], Outgoing(self._header(fields), req.buf[off : off + ln], req, fields))
             if not req.done and self._polling:
                 self._wake()
 
@@ -156,7 +111,7 @@ class TcpTransport(DrivenTransport):
     def _header(f: Fields) -> bytes:
         return encode_frame_header(Kind.DATA, Space(f.space), f.sig, f.tag, f.seq, f.offset, f.length, f.total)
 
-    def _enqueue(self, conn: _Conn, out: _Out, front: bool = False) -> None:
+    def _enqueue(self, conn: Stream, out: Outgoing, front: bool = False) -> None:
         """Queue a frame (with `front`: right after the frame being written, if any) and try to write."""
         if front and conn.sendq:
             conn.sendq.insert(1 if conn.sendq[0].sent else 0, out)
@@ -210,19 +165,6 @@ class TcpTransport(DrivenTransport):
             if self._pump():
                 self._last_traffic = time.monotonic()
 
-    def _probe_if_quiet(self) -> None:
-        now = time.monotonic()
-        if now - max(self._last_traffic, self._last_probe) < self.probe_after:
-            return
-        self._last_probe = now
-        pending = self.matcher.pending()
-        peers = set(self.conns) if any(r.peer == ANY_SOURCE for r in pending) else {r.peer for r in pending}
-        for p in peers & set(self.conns):
-            live = [c for c in self.conns[p] if not c.dead and not c.bye]
-            if live:
-                self.probes_sent += 1
-                self._enqueue(live[0], _Out(encode_control(Kind.PING, 0), memoryview(b""), None))
-
     def _spin(self, seconds: float) -> bool:
         """Busy-poll briefly before sleeping: a cross-core wake-up costs more than a small message."""
         if seconds <= 0:
@@ -272,7 +214,7 @@ class TcpTransport(DrivenTransport):
                 moved |= self._read(c)
         return moved
 
-    def _flush(self, c: _Conn) -> bool:
+    def _flush(self, c: Stream) -> bool:
         moved = False
         while c.sendq and not c.dead:
             out = c.sendq[0]
@@ -308,7 +250,7 @@ class TcpTransport(DrivenTransport):
                     self._cv.notify_all()
         return moved
 
-    def _read(self, c: _Conn) -> bool:
+    def _read(self, c: Stream) -> bool:
         moved = False
         try:
             while self.broken is None:
@@ -337,7 +279,7 @@ class TcpTransport(DrivenTransport):
                     self._control(c, frame)
                     continue
                 if frame.kind is Kind.ABORT:
-                    c.inbound = [memoryview(bytearray(frame.length)), _ABORT, frame, 0]
+                    c.inbound = [memoryview(bytearray(frame.length)), ABORT_PAYLOAD, frame, 0]
                     continue
                 if frame.kind is Kind.BYE:
                     c.bye = True
@@ -360,10 +302,10 @@ class TcpTransport(DrivenTransport):
         finally:
             if c.rx is not None and c.rx.ack_due() and not c.dead and self.broken is None:
                 c.rx.acked = c.rx.consumed
-                self._enqueue(c, _Out(encode_control(Kind.ACK, c.rx.consumed), memoryview(b""), None), front=True)
+                self._enqueue(c, Outgoing(encode_control(Kind.ACK, c.rx.consumed), memoryview(b""), None), front=True)
         return True
 
-    def _read_payload(self, c: _Conn) -> bool | None:
+    def _read_payload(self, c: Stream) -> bool | None:
         """Move payload bytes of the current frame; None when the socket has nothing more right now."""
         dest, target, frame, got = c.inbound
         if got < len(dest) and c.decoder.buffered:
@@ -385,7 +327,7 @@ class TcpTransport(DrivenTransport):
             c.inbound[3] = got
             return True
         c.inbound = None
-        if target is _ABORT:
+        if target is ABORT_PAYLOAD:
             self._remote_abort(c, bytes(dest).decode(errors="replace"))
             return None
         self.bytes_received += frame.length
@@ -393,68 +335,7 @@ class TcpTransport(DrivenTransport):
             self._cv.notify_all()
         return True
 
-    # -- failover (see failover.py) -----------------------------------------------------------------------
-    def _conn_error(self, c: _Conn, exc: BaseException) -> None:
-        if c.log is not None and is_link_failure(exc) and self.broken is None and self._survivors(c):
-            self._kill_stream(c, exc)
-        else:
-            self._fail(c, exc)
-
-    def _survivors(self, c: _Conn) -> list[_Conn]:
-        """The peer's other live streams, those on other cables first."""
-        live = [x for x in self.conns[c.peer] if x is not c and not x.dead]
-        return sorted(live, key=lambda x: x.local == c.local)
-
-    def _kill_stream(self, c: _Conn, exc: BaseException) -> None:
-        """Stop using stream `c`; tell the peer how much of it we consumed (it resends the rest)."""
-        if c.dead:
-            return
-        survivors = self._survivors(c)
-        if not survivors:
-            self._fail(c, exc)
-            return
-        c.dead = True
-        self.lost_streams += 1
-        self.no_park.add(c.peer)
-        log.warning("rank %d: lost stream %d to rank %d (%s -> %s): %s; continuing on %s", self.rank, c.stream,
-                    c.peer, c.local, c.addr, exc, ", ".join(f"stream {x.stream} ({x.local})" for x in survivors))
-        if c.inbound is not None:  # payload bytes already in place count: the resend starts after them
-            dest, target, frame, got = c.inbound
-            if target is not _ABORT and got and self.matcher.part_done(c.peer, frame.key, target, got):
-                self._cv.notify_all()
-        c.inbound, c.parked = None, None
-        unstarted = [o for o in c.sendq if o.entry is None and o.fields is not None]
-        c.sendq.clear()  # started frames are in the log and go again when the peer's RESYNC says from where
-        self._enqueue(survivors[0], _Out(encode_control(Kind.RESYNC, c.rx.consumed, c.stream), memoryview(b""),
-                                         None), front=True)
-        for i, out in enumerate(unstarted):
-            self.moved_bytes += len(out.payload)
-            self._enqueue(survivors[i % len(survivors)], out)
-        for x in survivors:  # frames parked there may wait for data that will now come after them
-            if x.parked is not None:
-                self._read(x)
-
-    def _control(self, c: _Conn, frame: Frame) -> None:
-        if c.log is None:
-            raise ProtocolError(f"rank {c.peer} sent {frame.kind.name} on a stream without failover")
-        if frame.kind is Kind.ACK:
-            c.log.ack(frame.offset)
-            return
-        streams = self.conns[c.peer]
-        if not 0 <= frame.tag < len(streams) or streams[frame.tag] is c:
-            raise ProtocolError(f"rank {c.peer} sent RESYNC for stream {frame.tag} on stream {c.stream}")
-        lost = streams[frame.tag]
-        self._kill_stream(lost, ConnectionAbortedError(errno.ECONNABORTED, f"rank {c.peer} lost this stream"))
-        survivors = self._survivors(lost)
-        parts = lost.log.replay(frame.offset)
-        for i, part in reversed(list(enumerate(parts))):  # each goes to the front: oldest first in the end
-            owner = part.owner
-            out = _Out(self._header(part.fields), memoryview(part.payload), owner.req if owner else None,
-                       part.fields)
-            self.resent_bytes += len(out.payload)
-            self._enqueue(survivors[i % len(survivors)], out, front=True)
-
-    def _remote_abort(self, c: _Conn, text: str) -> None:
+    def _remote_abort(self, c: Stream, text: str) -> None:
         name, _, reason = text.partition(": ")
         cls = _REMOTE_ERRORS.get(name, PeerAbortedError)
         message = f"rank {self.rank}: rank {c.peer} aborted the group: {reason or name}"
@@ -473,17 +354,17 @@ class TcpTransport(DrivenTransport):
             if self.broken is None and self._all:
                 self._fail(self._all[0], error, wrap=False)
 
-    def _peer_said_bye(self, c: _Conn) -> None:
+    def _peer_said_bye(self, c: Stream) -> None:
         if all(x.bye or x.dead for x in self.conns[c.peer]) and any(
                 r.peer == c.peer and not r.is_send for r in self.matcher.pending()):
             self._fail(c, ConnectionAbortedError(errno.ECONNABORTED, "the peer shut down its process group "
                                                  "while this rank still expected data from it"))
 
-    def _eof(self, c: _Conn) -> bool:
+    def _eof(self, c: Stream) -> bool:
         self._fail(c, ConnectionResetError(errno.ECONNRESET, "connection closed by peer"))
         return True
 
-    def _fail(self, c: _Conn, exc: BaseException, wrap: bool = True, tell_peers: bool = True) -> None:
+    def _fail(self, c: Stream, exc: BaseException, wrap: bool = True, tell_peers: bool = True) -> None:
         """Enter BROKEN: every pending and later request gets the error; peers learn the root cause."""
         if self.broken is not None:
             return

@@ -1,0 +1,107 @@
+"""The TCP transport's side of cable failover (bookkeeping in failover.py): what to do when one stream
+of a peer dies, ACK/RESYNC handling, the keeper thread that answers while nobody waits, and PING probes
+that give a waiting rank unacknowledged data so a dead link times out for it too. A mixin of TcpTransport:
+it uses the transport's connections, matcher, lock and queues."""
+from __future__ import annotations
+
+import errno
+import logging
+import time
+
+from ..errors import ProtocolError
+from ..protocol.framing import Frame, Kind, encode_control
+from .base import ANY_SOURCE
+from .failover import is_link_failure
+from .tcp_conn import ABORT_PAYLOAD, Stream, Outgoing
+
+log = logging.getLogger("torch_thunderbolt.tcp")
+
+
+class StreamFailover:
+    def _keep_going(self) -> None:
+        """With failover on, acknowledge and answer RESYNCs even while no thread waits on this transport:
+        a peer may be waiting for data that only our answer brings back."""
+        while self.broken is None:
+            time.sleep(0.05)
+            if self._progress_lock.acquire(blocking=False):
+                try:
+                    with self._cv:
+                        if self.broken is None:
+                            self._pump()
+                finally:
+                    self._progress_lock.release()
+                    with self._cv:  # a waiter that found the engine taken sleeps until notified
+                        self._cv.notify_all()
+
+    def _probe_if_quiet(self) -> None:
+        now = time.monotonic()
+        if now - max(self._last_traffic, self._last_probe) < self.probe_after:
+            return
+        self._last_probe = now
+        pending = self.matcher.pending()
+        peers = set(self.conns) if any(r.peer == ANY_SOURCE for r in pending) else {r.peer for r in pending}
+        for p in peers & set(self.conns):
+            live = [c for c in self.conns[p] if not c.dead and not c.bye]
+            if live:
+                self.probes_sent += 1
+                self._enqueue(live[0], Outgoing(encode_control(Kind.PING, 0), memoryview(b""), None))
+
+    def _conn_error(self, c: Stream, exc: BaseException) -> None:
+        if c.log is not None and is_link_failure(exc) and self.broken is None and self._survivors(c):
+            self._kill_stream(c, exc)
+        else:
+            self._fail(c, exc)
+
+    def _survivors(self, c: Stream) -> list[Stream]:
+        """The peer's other live streams, those on other cables first."""
+        live = [x for x in self.conns[c.peer] if x is not c and not x.dead]
+        return sorted(live, key=lambda x: x.local == c.local)
+
+    def _kill_stream(self, c: Stream, exc: BaseException) -> None:
+        """Stop using stream `c`; tell the peer how much of it we consumed (it resends the rest)."""
+        if c.dead:
+            return
+        survivors = self._survivors(c)
+        if not survivors:
+            self._fail(c, exc)
+            return
+        c.dead = True
+        self.lost_streams += 1
+        self.no_park.add(c.peer)
+        log.warning("rank %d: lost stream %d to rank %d (%s -> %s): %s; continuing on %s", self.rank, c.stream,
+                    c.peer, c.local, c.addr, exc, ", ".join(f"stream {x.stream} ({x.local})" for x in survivors))
+        if c.inbound is not None:  # payload bytes already in place count: the resend starts after them
+            dest, target, frame, got = c.inbound
+            if target is not ABORT_PAYLOAD and got and self.matcher.part_done(c.peer, frame.key, target, got):
+                self._cv.notify_all()
+        c.inbound, c.parked = None, None
+        unstarted = [o for o in c.sendq if o.entry is None and o.fields is not None]
+        c.sendq.clear()  # started frames are in the log and go again when the peer's RESYNC says from where
+        self._enqueue(survivors[0], Outgoing(encode_control(Kind.RESYNC, c.rx.consumed, c.stream), memoryview(b""),
+                                         None), front=True)
+        for i, out in enumerate(unstarted):
+            self.moved_bytes += len(out.payload)
+            self._enqueue(survivors[i % len(survivors)], out)
+        for x in survivors:  # frames parked there may wait for data that will now come after them
+            if x.parked is not None:
+                self._read(x)
+
+    def _control(self, c: Stream, frame: Frame) -> None:
+        if c.log is None:
+            raise ProtocolError(f"rank {c.peer} sent {frame.kind.name} on a stream without failover")
+        if frame.kind is Kind.ACK:
+            c.log.ack(frame.offset)
+            return
+        streams = self.conns[c.peer]
+        if not 0 <= frame.tag < len(streams) or streams[frame.tag] is c:
+            raise ProtocolError(f"rank {c.peer} sent RESYNC for stream {frame.tag} on stream {c.stream}")
+        lost = streams[frame.tag]
+        self._kill_stream(lost, ConnectionAbortedError(errno.ECONNABORTED, f"rank {c.peer} lost this stream"))
+        survivors = self._survivors(lost)
+        parts = lost.log.replay(frame.offset)
+        for i, part in reversed(list(enumerate(parts))):  # each goes to the front: oldest first in the end
+            owner = part.owner
+            out = Outgoing(self._header(part.fields), memoryview(part.payload), owner.req if owner else None,
+                       part.fields)
+            self.resent_bytes += len(out.payload)
+            self._enqueue(survivors[i % len(survivors)], out, front=True)
