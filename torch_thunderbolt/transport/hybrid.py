@@ -123,10 +123,7 @@ class HybridTransport(DrivenTransport):
         for sub in (shm, self.tcp):
             shm._drain(sub._wake_r)
         with self._cv:
-            for fd, _ in events:
-                pe = shm._by_fd.get(fd)
-                if pe is not None:
-                    shm._read_control(pe)
+            shm._read_doorbells(events)
             self._quiet = not self._pump() and not events
 
     def _spin(self, timeout: float) -> bool:

@@ -170,11 +170,15 @@ class ShmTransport(DrivenTransport):
             self._my_flag[0] = 0
         self._drain(self._wake_r)
         with self._cv:
-            for fd, _ in events:
-                pe = self._by_fd.get(fd)
-                if pe is not None:
-                    self._read_control(pe)
+            self._read_doorbells(events)
             self._quiet = not self._pump() and not events
+
+    def _read_doorbells(self, events: list) -> None:
+        """After poll(): read the control bytes (bells, BYE, ABORT) of every peer socket that woke us."""
+        for fd, _ in events:
+            pe = self._by_fd.get(fd)
+            if pe is not None:
+                self._read_control(pe)
 
     def _ready(self) -> bool:
         """Cheap lock-free look: is there anything the engine could move?"""
