@@ -157,7 +157,12 @@ def encode_control(kind: Kind, offset: int, stream: int = 0) -> bytes:
     return encode_frame_header(kind, Space.COLL, 0, stream, 0, offset, 0, 0)
 
 
+def abort_body(error: BaseException) -> bytes:
+    """What an ABORT carries, on any transport: "ErrorClass: reason" (utf-8, at most MAX_ABORT_PAYLOAD)."""
+    return f"{type(error).__name__}: {error}".encode()[:MAX_ABORT_PAYLOAD]
+
+
 def encode_abort(error: BaseException) -> bytes:
     """An ABORT frame carrying the error's class name and message."""
-    body = f"{type(error).__name__}: {error}".encode()[:MAX_ABORT_PAYLOAD]
+    body = abort_body(error)
     return encode_frame_header(Kind.ABORT, Space.COLL, 0, 0, 0, 0, len(body), len(body)) + body

@@ -8,13 +8,15 @@ pending and later request gets the same error at once.
 from __future__ import annotations
 
 import abc
+import re
 import socket
 import threading
 import time
 from collections import defaultdict
 from typing import Callable, Iterable, Sequence
 
-from ..errors import BackendClosedError, CollectiveTimeout
+from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerAbortedError, PeerLostError,
+                      ProtocolError)
 from ..protocol.framing import Space
 
 Key = tuple[int, int, int]  # (space, tag, seq)
@@ -223,3 +225,21 @@ class DrivenTransport(Transport):
             self._progress_lock.release()
             with self._cv:
                 self._cv.notify_all()
+
+
+_REMOTE_ERRORS = {"MismatchError": MismatchError, "CollectiveTimeout": CollectiveTimeout,
+                  "ProtocolError": ProtocolError, "PeerLostError": PeerLostError}
+
+
+def remote_error(rank: int, peer: int, text: str) -> BaseException:
+    """The error to raise on `rank` for an ABORT "ErrorClass: reason" that `peer` sent (every transport)."""
+    name, _, reason = text.partition(": ")
+    cls = _REMOTE_ERRORS.get(name, PeerAbortedError)
+    message = f"rank {rank}: rank {peer} aborted the group: {reason or name}"
+    if cls is PeerLostError:  # name the rank that was actually lost, not the messenger
+        lost = re.search(r"connection to rank (\d+)", reason)
+        return PeerLostError(message, rank=rank, peer=int(lost.group(1)) if lost else peer)
+    err = cls(message)
+    if isinstance(err, PeerAbortedError):
+        err.peer = peer
+    return err

@@ -19,18 +19,16 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import select
 import socket
 import struct
 import time
 from collections import deque
 
-from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerAbortedError, PeerLostError,
-                      ProtocolError, ThunderboltError)
-from ..protocol.framing import Frame, Kind, Space
+from ..errors import BackendClosedError, PeerLostError, ProtocolError, ThunderboltError
+from ..protocol.framing import Frame, Kind, Space, abort_body
 from . import shm_ring as ring
-from .base import ANY_SOURCE, DrivenTransport, Request
+from .base import ANY_SOURCE, DrivenTransport, Request, remote_error
 from .matching import Matcher
 from .shm_segment import Segment
 
@@ -39,8 +37,6 @@ BELL, BYE, ABORT = b"\x00", b"B", b"A"
 _LEN = struct.Struct("<I")
 BLOCK_CAP = 0.002  # longest single poll while sleeping (bounds the cost of a lost wake-up)
 QUIET_CAP = 0.02  # the same once a whole poll passed with nothing to do (an idle wait costs ~50 wake-ups/s)
-_REMOTE_ERRORS = {"MismatchError": MismatchError, "CollectiveTimeout": CollectiveTimeout,
-                  "ProtocolError": ProtocolError, "PeerLostError": PeerLostError}
 SLOW_YIELD = 200e-6  # a yield that long means other runnable tasks took the core
 CONTENDED_BACKOFF = 0.5  # seconds without spinning after that
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
@@ -325,16 +321,7 @@ class ShmTransport(DrivenTransport):
                                                   "while this rank still expected data from it"))
 
     def _remote_abort(self, pe: _Peer, text: str) -> None:
-        name, _, reason = text.partition(": ")
-        cls = _REMOTE_ERRORS.get(name, PeerAbortedError)
-        message = f"rank {self.rank}: rank {pe.rank} aborted the group: {reason or name}"
-        if cls is PeerLostError:  # name the rank that was actually lost, not the messenger
-            lost = re.search(r"connection to rank (\d+)", reason)
-            err: BaseException = PeerLostError(message, rank=self.rank, peer=int(lost.group(1)) if lost else pe.rank)
-        else:
-            err = cls(message)
-            if isinstance(err, PeerAbortedError):
-                err.peer = pe.rank
+        err = remote_error(self.rank, pe.rank, text)
         # Forward it: a peer must not see our socket close (and blame us) before it hears the reason.
         self._fail(pe, err, wrap=False)
 
@@ -359,7 +346,7 @@ class ShmTransport(DrivenTransport):
         else:
             err = exc
         if tell_peers:
-            body = f"{type(err).__name__}: {err}".encode()[:4096]
+            body = abort_body(err)
             self._send_all(ABORT + _LEN.pack(len(body)) + body)
         log.error("%s", err)
         self.broken = err

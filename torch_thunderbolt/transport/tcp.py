@@ -13,18 +13,16 @@ from __future__ import annotations
 import errno
 import os
 import time
-import re
 import logging
 import select
 import socket
 import threading
 
-from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerAbortedError, PeerLostError,
-                      ProtocolError, ThunderboltError)
+from ..errors import BackendClosedError, MismatchError, PeerLostError, ThunderboltError
 from ..protocol.framing import (FRAME_HEADER_SIZE, Frame, Kind, Space, encode_abort, encode_control,
                                 encode_frame_header)
 from ..protocol.signature import describe_sig
-from .base import ANY_SOURCE, DrivenTransport, Request
+from .base import ANY_SOURCE, DrivenTransport, Request, remote_error
 from .failover import Fields, RxCount, StreamLog
 from .tcp_conn import ABORT_PAYLOAD, Stream, Outgoing
 from .tcp_failover import StreamFailover
@@ -32,8 +30,6 @@ from .layout import split_aligned
 from .matching import Matcher
 
 log = logging.getLogger("torch_thunderbolt.tcp")
-_REMOTE_ERRORS = {"MismatchError": MismatchError, "CollectiveTimeout": CollectiveTimeout,
-                  "ProtocolError": ProtocolError, "PeerLostError": PeerLostError}
 
 
 class TcpTransport(StreamFailover, DrivenTransport):
@@ -336,16 +332,7 @@ class TcpTransport(StreamFailover, DrivenTransport):
         return True
 
     def _remote_abort(self, c: Stream, text: str) -> None:
-        name, _, reason = text.partition(": ")
-        cls = _REMOTE_ERRORS.get(name, PeerAbortedError)
-        message = f"rank {self.rank}: rank {c.peer} aborted the group: {reason or name}"
-        if cls is PeerLostError:  # name the rank that was actually lost, not the messenger
-            lost = re.search(r"connection to rank (\d+)", reason)
-            err: BaseException = PeerLostError(message, rank=self.rank, peer=int(lost.group(1)) if lost else c.peer)
-        else:
-            err = cls(message)
-            if isinstance(err, PeerAbortedError):
-                err.peer = c.peer
+        err = remote_error(self.rank, c.peer, text)
         self._fail(c, err, wrap=False)  # forward it: our FIN must not reach a peer before the reason
 
     def abort(self, error: BaseException) -> None:
