@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from .codecs import codec_for
+from .codecs import Codec, codec_for
 from .overlap import pipelined_all_reduce
 from .stages import Exchange, decode_result, encode_inputs, reduce_shard
 from .layout import DEFAULT_BLOCK_SIZE, PIECE_ELEMENTS, check_mode, chunk_layout, pipeline_pieces
@@ -82,27 +82,30 @@ def compressed_all_reduce(
     world = exchange.world_size
     if world == 1 or tensor.numel() == 0:
         return tensor
-    layout = chunk_layout(tensor.numel(), world)
     flat = tensor.detach().reshape(-1).to(torch.float32)
     if average:
         flat = flat / world
-    if len(pipeline_pieces(flat.numel(), piece_elements)) > 1:
-        in_place = tensor.is_contiguous() and tensor.dtype == torch.float32 and not average
-        out = flat if in_place else torch.empty_like(flat)
-        with torch.no_grad():
+    in_place = tensor.is_contiguous() and tensor.dtype == torch.float32 and not average  # flat is tensor's view
+    out = flat if in_place else torch.empty_like(flat)
+    with torch.no_grad():
+        if len(pipeline_pieces(flat.numel(), piece_elements)) > 1:
             pipelined_all_reduce(flat, out, codec, exchange, piece_elements)
-            if not in_place:
-                tensor.copy_(out.view(tensor.shape))
-        return tensor
+        else:
+            _one_piece(flat, out, codec, exchange)
+        if not in_place:
+            tensor.copy_(out.view(tensor.shape))
+    return tensor
+
+
+def _one_piece(flat: torch.Tensor, out: torch.Tensor, codec: Codec, exchange: Exchange) -> None:
+    """encode, all_to_all, reduce, all_gather, decode into `out` (may be `flat`: decoding comes last)."""
+    layout = chunk_layout(flat.numel(), exchange.world_size)
     sent = encode_inputs(flat, layout, codec)
     received = torch.empty_like(sent)
     exchange.all_to_all(received, sent)
     mine = reduce_shard(received, layout, codec)
-    gathered = torch.empty(world, mine.shape[1], dtype=torch.uint8)
+    gathered = torch.empty(layout.world_size, mine.shape[1], dtype=torch.uint8)
     exchange.all_gather(gathered, mine)
-    with torch.no_grad():
-        target = tensor.view(-1) if tensor.is_contiguous() else None
-        result = decode_result(gathered, layout, codec, out=target)
-        if result is not target:
-            tensor.copy_(result.view(tensor.shape))
-    return tensor
+    result = decode_result(gathered, layout, codec, out=out)
+    if result is not out:
+        out.copy_(result)

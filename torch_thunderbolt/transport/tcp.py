@@ -23,7 +23,7 @@ from ..protocol.framing import (FRAME_HEADER_SIZE, Frame, Kind, Space, encode_ab
                                 encode_frame_header)
 from ..protocol.signature import describe_sig
 from .base import ANY_SOURCE, DrivenTransport, Request, remote_error
-from .failover import Fields, RxCount, StreamLog
+from .failover import Fields
 from .tcp_conn import ABORT_PAYLOAD, Stream, Outgoing
 from .tcp_failover import StreamFailover
 from .layout import split_aligned
@@ -44,29 +44,9 @@ class TcpTransport(StreamFailover, DrivenTransport):
         }
         self._all = [c for cs in self.conns.values() for c in cs]
         self._by_fd = {c.fd: c for c in self._all}
-        self.lost_streams = 0
-        self.resent_bytes = 0  # payload sent again after a lost stream
-        self.moved_bytes = 0  # payload queued on a lost stream, sent on another one instead
-        self.no_park: set[int] = set()  # peers whose early frames are buffered, not parked (failover)
-        for peer, cs in self.conns.items():
-            # Streams over two or more cables (address pairs; the set looks the same from both ends).
-            if len({(c.local, c.addr.rpartition(":")[0]) for c in cs}) > 1:
-                for c in cs:
-                    c.log, c.rx = StreamLog(), RxCount()
-                # A parked frame stops its stream, and a RESYNC behind it could wait for data that only
-                # the RESYNC brings back: with failover, early frames are buffered instead.
-                self.no_park.add(peer)
         self.spin_seconds = spin_us / 1e6
         self._no_spin_until = 0.0
-        # A rank that only waits to receive has no unacknowledged data, so the kernel's link timeout never
-        # fires for it; after this long without traffic it sends a PING to the peers it waits on.
-        self.probe_after = probe_after
-        self._last_traffic = self._last_probe = time.monotonic()
-        self.probes_sent = 0
-        self._keeper: threading.Thread | None = None
-        if self.no_park:
-            self._keeper = threading.Thread(target=self._keep_going, name=f"tb-failover-r{rank}", daemon=True)
-            self._keeper.start()
+        self._init_failover(probe_after)
 
     retired = 0  # every collective op up to this tag has finished on this rank
 

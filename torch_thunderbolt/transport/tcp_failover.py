@@ -6,18 +6,43 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 import time
 
 from ..errors import ProtocolError
 from ..protocol.framing import Frame, Kind, encode_control
 from .base import ANY_SOURCE
-from .failover import is_link_failure
+from .failover import RxCount, StreamLog, is_link_failure
 from .tcp_conn import ABORT_PAYLOAD, Stream, Outgoing
 
 log = logging.getLogger("torch_thunderbolt.tcp")
 
 
 class StreamFailover:
+    def _init_failover(self, probe_after: float) -> None:
+        """After the streams exist: logs for peers reached over two or more cables, PING timing, keeper."""
+        self.lost_streams = 0
+        self.resent_bytes = 0  # payload sent again after a lost stream
+        self.no_park: set[int] = set()  # peers whose early frames are buffered, not parked
+        for peer, cs in self.conns.items():
+            # Streams over two or more cables (address pairs; the set looks the same from both ends).
+            if len({(c.local, c.addr.rpartition(":")[0]) for c in cs}) > 1:
+                for c in cs:
+                    c.log, c.rx = StreamLog(), RxCount()
+                # A parked frame stops its stream, and a RESYNC behind it could wait for data that only
+                # the RESYNC brings back: with failover, early frames are buffered instead.
+                self.no_park.add(peer)
+        # A rank that only waits to receive has no unacknowledged data, so the kernel's link timeout never
+        # fires for it; after this long without traffic it sends a PING to the peers it waits on.
+        self.probe_after = probe_after
+        self._last_traffic = self._last_probe = time.monotonic()
+        self.probes_sent = 0
+        self._keeper: threading.Thread | None = None
+        if self.no_park:
+            self._keeper = threading.Thread(target=self._keep_going, name=f"tb-failover-r{self.rank}",
+                                            daemon=True)
+            self._keeper.start()
+
     def _keep_going(self) -> None:
         """With failover on, acknowledge and answer RESYNCs even while no thread waits on this transport:
         a peer may be waiting for data that only our answer brings back."""
@@ -47,8 +72,8 @@ class StreamFailover:
                 self._enqueue(live[0], Outgoing(encode_control(Kind.PING, 0), memoryview(b""), None))
 
     def _conn_error(self, c: Stream, exc: BaseException) -> None:
-        if c.log is not None and is_link_failure(exc) and self.broken is None and self._survivors(c):
-            self._kill_stream(c, exc)
+        if c.log is not None and is_link_failure(exc) and self.broken is None:
+            self._kill_stream(c, exc)  # fails the transport itself when no other stream is left
         else:
             self._fail(c, exc)
 
@@ -80,7 +105,6 @@ class StreamFailover:
         self._enqueue(survivors[0], Outgoing(encode_control(Kind.RESYNC, c.rx.consumed, c.stream), memoryview(b""),
                                          None), front=True)
         for i, out in enumerate(unstarted):
-            self.moved_bytes += len(out.payload)
             self._enqueue(survivors[i % len(survivors)], out)
         for x in survivors:  # frames parked there may wait for data that will now come after them
             if x.parked is not None:
