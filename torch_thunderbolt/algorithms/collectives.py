@@ -54,8 +54,7 @@ class Communicator:
     def _tmp(self, n: int, like: torch.Tensor) -> torch.Tensor:
         """Scratch reused across ops (allocating fresh pages for every 64 MB op costs page faults)."""
         nbytes = n * like.element_size()
-        if self._scratch is None or self._scratch.numel() < nbytes:
-            self._scratch = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        self._scratch = _at_least(self._scratch, nbytes)
         return self._scratch[:nbytes].view(like.dtype) if nbytes else like.new_empty(0)
 
     def _run(self, plan: Plan, what: str, bufs: dict[str, torch.Tensor], op: str | None, like: torch.Tensor,
@@ -133,8 +132,7 @@ class Communicator:
         nbytes = x.numel() * x.element_size()
         if nbytes == 0:
             return x.clone()
-        if self._full is None or self._full.numel() < nbytes:
-            self._full = torch.empty(nbytes, dtype=torch.uint8)
+        self._full = _at_least(self._full, nbytes)
         return self._full[:nbytes].view(x.dtype).copy_(x.reshape(-1)).view(x.shape)
 
     def gather(self, out: torch.Tensor | None, x: torch.Tensor, root: int, counts: list[int]) -> None:
@@ -160,3 +158,10 @@ class Communicator:
         plan = self._plan(("barrier",), lambda: direct.barrier(self.rank, self.world))
         empty = torch.empty(0, dtype=torch.uint8)
         self._run(plan, "barrier", {"out": empty}, None, empty)
+
+
+def _at_least(buf: torch.Tensor | None, nbytes: int) -> torch.Tensor:
+    """`buf` if it holds `nbytes`, else a new byte buffer that does (kept by the caller for later ops)."""
+    if buf is None or buf.numel() < nbytes:
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    return buf
