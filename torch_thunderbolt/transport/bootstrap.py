@@ -261,7 +261,7 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float,
                                 f"(listening on {endpoints})", rank=rank, peer=missing[0] if missing else -1)
         for (p, s), sock in sorted(acceptor.conns.items()):
             conns.setdefault(p, []).append(sock)
-        every = [None if p == rank else json.loads(store.get(f"tb/ep/{p}")) for p in range(world)]
+        every = [None if p == rank else infos.get(p) or json.loads(store.get(f"tb/ep/{p}")) for p in range(world)]
         all_nets = [nets if e is None else e.get("nets", []) for e in every]
         here = socket.gethostname()
         local_ranks = sum(1 for e in every if e is None or e.get("host") == here)
