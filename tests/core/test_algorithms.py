@@ -17,7 +17,9 @@ CFGS = {
     "direct": Config(algo="direct"),
     "ring": Config(algo="ring", chunk_bytes=1024),
     "chain": Config(algo="chain", chunk_bytes=1024),
+    "window": Config(chunk_bytes=1024, small_bytes=256),  # with a 256-byte shared window: many rounds
 }
+WINDOW_BYTES = {"window": 256}
 
 
 def counts_for(world: int) -> list[int]:
@@ -54,7 +56,7 @@ def cases(world: int):
                     yield i, n, dtype, op
 
 
-@pytest.mark.parametrize("algo", ["auto", "direct", "ring"])
+@pytest.mark.parametrize("algo", ["auto", "direct", "ring", "window"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_all_reduce_grid(world: int, algo: str) -> None:
     todo = list(cases(world))
@@ -67,14 +69,14 @@ def test_all_reduce_grid(world: int, algo: str) -> None:
             out.append(x)
         return out
 
-    got = run_world(world, body, CFGS[algo])
+    got = run_world(world, body, CFGS[algo], window_bytes=WINDOW_BYTES.get(algo, 0))
     for k, (seed, n, dtype, op) in enumerate(todo):
         want = ref.all_reduce([make_input(r, n, dtype, seed) for r in range(world)], op)
         for r in range(world):
             assert torch.equal(got[r][k], want[r]), (world, algo, n, dtype, op, r)
 
 
-@pytest.mark.parametrize("algo", ["auto", "direct", "chain"])
+@pytest.mark.parametrize("algo", ["auto", "direct", "chain", "window"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_broadcast_and_reduce(world: int, algo: str) -> None:
     todo = [(s, n, dt, root) for s, (n, dt) in enumerate(
@@ -91,7 +93,7 @@ def test_broadcast_and_reduce(world: int, algo: str) -> None:
             out.append((x, y))
         return out
 
-    got = run_world(world, body, CFGS[algo])
+    got = run_world(world, body, CFGS[algo], window_bytes=WINDOW_BYTES.get(algo, 0))
     for k, (seed, n, dtype, root) in enumerate(todo):
         want_b = make_input(root, n, dtype, seed)
         op = "sum" if dtype != torch.bool else "bor"

@@ -10,9 +10,10 @@ from torch_thunderbolt.transport.memory import MemoryHub
 
 
 def run_world(world: int, fn: Callable[[Communicator], Any], cfg: Config | None = None,
-              timeout: float = 60.0, comm_timeout: float = 30.0) -> list[Any]:
-    """fn(comm) on every rank; returns the per-rank results or re-raises the first rank's exception."""
-    hub = MemoryHub(world)
+              timeout: float = 60.0, comm_timeout: float = 30.0, window_bytes: int = 0) -> list[Any]:
+    """fn(comm) on every rank; returns the per-rank results or re-raises the first rank's exception.
+    `window_bytes` > 0: the ranks share a window, so all_reduce and broadcast take the windowed path."""
+    hub = MemoryHub(world, window_bytes)
     cfg = cfg or Config()
     results: list[Any] = [None] * world
     errors: list[BaseException | None] = [None] * world

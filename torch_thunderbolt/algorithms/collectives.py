@@ -11,10 +11,11 @@ from typing import Callable
 import torch
 
 from ..config import Config
-from ..errors import CollectiveTimeout
+from ..errors import CollectiveTimeout, MismatchError
 from ..protocol.signature import encode_sig
 from ..transport.base import Transport
-from . import direct, select
+from ..transport.window import Window
+from . import direct, select, windowed
 from .layout import offsets
 from .plan import Plan, run_plan
 from .reduce_ops import make_reducer
@@ -73,6 +74,22 @@ class Communicator:
             raise
         self.t.retire(self.seq)
 
+    def _window(self) -> Window | None:
+        """The transport's shared window, when it spans the whole group and no algorithm is forced."""
+        win = self.t.window
+        return win if win is not None and win.world == self.world and self.cfg.algo == "auto" else None
+
+    def _run_window(self, body: Callable[[int, float, str], None], what: str, like: torch.Tensor,
+                    root: int = 0, count: int = 0) -> None:
+        self.seq += 1
+        sig = encode_sig(what, _dtype_name(like), root, count)
+        try:
+            body(sig, time.monotonic() + self.timeout,
+                 f"{what} (op #{self.seq}, {_dtype_name(like)}, {count} elements)")
+        except (CollectiveTimeout, MismatchError) as exc:
+            self.t.abort(exc)  # peers may be waiting on this rank's next step: tell them why it won't come
+            raise
+
     # -- collectives ----------------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: str = "sum", premul: object = None) -> None:
         if op in ("avg",) or op == "premul_sum":
@@ -80,6 +97,13 @@ class Communicator:
         if op == "premul_sum" and premul is not None:
             x.mul_(premul)
         n, es = x.numel(), x.element_size()
+        win = self._window()
+        if win is not None:
+            self._run_window(lambda sig, deadline, what: windowed.all_reduce(win, x, op, sig, deadline, what),
+                             "all_reduce", x, count=n)
+            if op == "avg":
+                x.div_(self.world)
+            return
         plan = self._plan(("ar", n, es), lambda: select.allreduce_plan(
             self.cfg, self.rank, self.world, n, es, self.shape))
         self._run(plan, "all_reduce", {"in": x, "out": x}, op, x, count=n)
@@ -88,6 +112,12 @@ class Communicator:
 
     def broadcast(self, x: torch.Tensor, root: int) -> None:
         n, es = x.numel(), x.element_size()
+        win = self._window()
+        if win is not None:
+            raw = x.view(torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+            self._run_window(lambda sig, deadline, what: windowed.broadcast(win, raw, root, sig, deadline, what),
+                             "broadcast", x, root=root, count=n)
+            return
         plan = self._plan(("bc", n, es, root), lambda: select.broadcast_plan(
             self.cfg, self.rank, self.world, root, n, es, self.shape))
         self._run(plan, "broadcast", {"out": x}, None, x, root=root, count=n)

@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Sequence
 from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerAbortedError, PeerLostError,
                       ProtocolError)
 from ..protocol.framing import Space
+from .window import Window
 
 Key = tuple[int, int, int]  # (space, tag, seq)
 ANY_SOURCE = -1
@@ -60,6 +61,8 @@ class Transport(abc.ABC):
         self.bytes_sent = 0
         self.bytes_received = 0
         self._cv = threading.Condition(threading.RLock())
+        # Memory every rank can read directly, for the collectives designed for it (ranks on one host).
+        self.window: Window | None = None
 
     # -- to implement ------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -210,17 +213,19 @@ class DrivenTransport(Transport):
             pass
 
     @abc.abstractmethod
-    def _drive(self, timeout: float) -> None:
-        """Move data, blocking at most `timeout` seconds; called by one thread at a time."""
+    def _drive(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
+        """Move data, blocking at most `timeout` seconds; called by one thread at a time. `until`: one more
+        condition worth returning early for (a shared window's counters); transports without a window
+        ignore it."""
 
-    def _progress(self, timeout: float) -> None:
+    def _progress(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
         if not self._progress_lock.acquire(blocking=False):
             with self._cv:  # another thread drives the engine; it notifies on completions
                 if timeout > 0:
-                    self._cv.wait(min(timeout, 0.05))
+                    self._cv.wait(min(timeout, 0.05 if until is None else 0.001))
             return
         try:
-            self._drive(timeout)
+            self._drive(timeout, until)
         finally:
             self._progress_lock.release()
             with self._cv:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import select
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from . import shm_ring as ring
 from .base import ANY_SOURCE, DrivenTransport, Request
@@ -99,7 +99,7 @@ class HybridTransport(DrivenTransport):
             self._cv.notify_all()
         return True
 
-    def _drive(self, timeout: float) -> None:
+    def _drive(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
         with self._cv:
             if self._pump() or timeout <= 0:
                 self._quiet = False

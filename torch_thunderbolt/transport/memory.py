@@ -7,20 +7,27 @@ PeerLostError, as a TCP transport would.
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 from ..errors import PeerLostError
 from ..protocol.framing import Frame, Kind, Space
 from .base import Request, Transport
 from .matching import Matcher
+from .window import BUFFERS, Window
 
 
 class MemoryHub:
-    """The shared medium of one in-memory world."""
+    """The shared medium of one in-memory world; `window_bytes` > 0 gives every rank a shared window."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, window_bytes: int = 0) -> None:
         self.world = world
         self.cv = threading.Condition()
+        self.buffers = {(r, k): bytearray(window_bytes) for r in range(world) for k in range(BUFFERS)}
+        self.counters = [0] * world
+        self.words = [[0] * BUFFERS for _ in range(world)]
         self.transports: list[MemoryTransport] = [MemoryTransport(self, r, world) for r in range(world)]
+        for t in self.transports:
+            t.window = MemoryWindow(self, t) if window_bytes > 0 else None
 
     def kill(self, rank: int) -> None:
         with self.cv:
@@ -75,3 +82,34 @@ class MemoryTransport(Transport):
     def _shutdown(self) -> None:
         with self.hub.cv:
             self.hub.cv.notify_all()
+
+
+class MemoryWindow(Window):
+    """The window of one rank of a MemoryHub: plain bytearrays, posts notify the hub's condition."""
+
+    def __init__(self, hub: MemoryHub, transport: MemoryTransport) -> None:
+        super().__init__(transport.rank, hub.world, len(hub.buffers[(0, 0)]))
+        self.hub, self.t = hub, transport
+
+    def buffer(self, owner: int, k: int) -> memoryview:
+        return memoryview(self.hub.buffers[(owner, k)])
+
+    def counter(self, owner: int) -> int:
+        return self.hub.counters[owner]
+
+    def word(self, owner: int, k: int) -> int:
+        return self.hub.words[owner][k]
+
+    def _publish(self, value: int, k: int | None, word: int) -> None:
+        with self.hub.cv:
+            if k is not None:
+                self.hub.words[self.rank][k] = word
+            self.hub.counters[self.rank] = value
+            self.hub.cv.notify_all()
+
+    def _idle(self, ready: Callable[[], bool], timeout: float) -> None:
+        with self.hub.cv:
+            self.hub.cv.wait_for(lambda: ready() or self.t.broken is not None, timeout)
+            if self.t.broken is not None:
+                raise self.t.broken
+

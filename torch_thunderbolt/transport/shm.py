@@ -24,6 +24,7 @@ import socket
 import struct
 import time
 from collections import deque
+from typing import Callable
 
 from ..errors import BackendClosedError, PeerLostError, ProtocolError, ThunderboltError
 from ..protocol.framing import Frame, Kind, Space, abort_body
@@ -31,6 +32,7 @@ from . import shm_ring as ring
 from .base import ANY_SOURCE, DrivenTransport, Request, remote_error
 from .matching import Matcher
 from .shm_segment import Segment
+from .shm_window import ShmWindow, area_bytes
 
 log = logging.getLogger("torch_thunderbolt.shm")
 BELL, BYE, ABORT = b"\x00", b"B", b"A"
@@ -40,6 +42,10 @@ QUIET_CAP = 0.02  # the same once a whole poll passed with nothing to do (an idl
 SLOW_YIELD = 200e-6  # a yield that long means other runnable tasks took the core
 CONTENDED_BACKOFF = 0.5  # seconds without spinning after that
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+def _never() -> bool:
+    return False
 
 
 def default_spin(local_ranks: int) -> float:
@@ -64,7 +70,7 @@ class _Peer:
 
 class ShmTransport(DrivenTransport):
     def __init__(self, rank: int, world: int, own: Segment, peers: dict[int, tuple[socket.socket, int, Segment]],
-                 *, slots: int, slot_bytes: int, spin: float | None = None) -> None:
+                 *, slots: int, slot_bytes: int, spin: float | None = None, window_bytes: int = 0) -> None:
         super().__init__(rank, world)
         self.matcher = Matcher(rank)
         self.own = own
@@ -87,6 +93,27 @@ class ShmTransport(DrivenTransport):
         self._quiet = False  # the last blocking poll timed out with nothing to do
         self._contended_until = 0.0  # no spinning before this time (monotonic): the CPU is contended
         self._to_ring: set[_Peer] = set()
+        self.window = self._make_window(slots, slot_bytes, window_bytes)
+
+    def _make_window(self, slots: int, slot_bytes: int, nbytes: int) -> ShmWindow | None:
+        """The shared window, when every rank of the group shares this host (a hybrid's host part has none)."""
+        if nbytes <= 0 or len(self.peers) != self.world - 1:
+            return None
+        start = ring.rings_end(self.world, slots, slot_bytes)
+        end = start + area_bytes(nbytes)
+        areas = {p: memoryview(pe.seg.mm)[start:end] for p, pe in self.peers.items()}
+        areas[self.rank] = self._own_mv[start:end]
+        return ShmWindow(self, areas, nbytes)
+
+    def wake_sleepers(self) -> None:
+        """After a window post: ring the bell of every peer asleep in poll() (it may wait for that post)."""
+        ring.fence()  # our counter store before their flag loads (they fence between flag store and check)
+        for pe in self._list:
+            if pe.flag[0] and not pe.eof:
+                try:
+                    pe.sock.send(BELL)
+                except OSError:
+                    pass  # full buffer: bells are pending anyway; a closed socket: the group is failing
 
     def peer_address(self, peer: int) -> str:
         pe = self.peers.get(peer)
@@ -128,9 +155,10 @@ class ShmTransport(DrivenTransport):
                 self._wake()
 
     # -- the engine ---------------------------------------------------------------------------------------
-    def _drive(self, timeout: float) -> None:
+    def _drive(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
+        done = until or _never
         with self._cv:
-            if self._pump() or timeout <= 0 or self.broken is not None:
+            if self._pump() or timeout <= 0 or self.broken is not None or done():
                 self._quiet = False
                 return
         # Spin only when traffic is flowing; a rank that already slept through a whole poll is waiting
@@ -147,6 +175,8 @@ class ShmTransport(DrivenTransport):
                 self._contended_until = after + CONTENDED_BACKOFF
                 break
             now = after
+            if done():
+                return
             if self._ready():
                 with self._cv:
                     if self._pump() or self.broken is not None:
@@ -154,7 +184,7 @@ class ShmTransport(DrivenTransport):
         with self._cv:
             self._my_flag[0] = 1
             ring.fence()  # the flag store must be visible before we look at the rings one last time
-            if self._pump() or self.broken is not None:
+            if self._pump() or self.broken is not None or done():
                 self._my_flag[0] = 0
                 return
             poller = self._poll_set()
@@ -392,6 +422,8 @@ class ShmTransport(DrivenTransport):
 
     def _release_memory(self) -> None:
         self.own.unlink()
+        if self.window is not None:
+            self.window.release()
         for pe in self._list:
             pe.writer.release()
             pe.reader.release()

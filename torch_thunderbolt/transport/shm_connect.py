@@ -5,8 +5,10 @@ under `tbshm/<rank>`, connects a doorbell socket to every lower rank (authentica
 from the store) and accepts one from every higher rank, maps every peer's segment, and waits until all
 ranks have mapped theirs. Then each unlinks its segment and listener path: from here on a crash, even
 kill -9, leaves nothing behind. Options come from THUNDERBOLT_SHM_SLOT (slot payload bytes, default 1M),
-THUNDERBOLT_SHM_SLOTS (slots per directed pair, default 8) and THUNDERBOLT_SHM_SPIN_US (spin before
-blocking; default 100, or 0 when ranks outnumber cores).
+THUNDERBOLT_SHM_SLOTS (slots per directed pair, default 8), THUNDERBOLT_SHM_SPIN_US (spin before
+blocking; default 100, or 0 when ranks outnumber cores) and THUNDERBOLT_SHM_WINDOW (bytes per buffer of
+the shared window the shared-memory collectives use, default 1M; 0 = none, collectives then run over
+the rings).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from ..errors import ConfigError, HandshakeError, PeerLostError
 from . import shm_ring as ring
 from . import shm_segment as segs
 from .shm import ShmTransport
+from .shm_window import area_bytes
 
 _HELLO = struct.Struct("<I16s")
 
@@ -34,6 +37,7 @@ class ShmOptions:
     slot_bytes: int = 1 << 20
     slots: int = 8
     spin_us: float | None = None  # None: automatic (see shm.default_spin)
+    window_bytes: int = 1 << 20
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "ShmOptions":
@@ -43,6 +47,10 @@ class ShmOptions:
             kw["slot_bytes"] = parse_size(env["THUNDERBOLT_SHM_SLOT"], "THUNDERBOLT_SHM_SLOT")
             if not 4096 <= kw["slot_bytes"] <= 1 << 30 or kw["slot_bytes"] % 4096:
                 raise ConfigError("THUNDERBOLT_SHM_SLOT: expected a multiple of 4K from 4K to 1G")
+        if env.get("THUNDERBOLT_SHM_WINDOW", "").strip():
+            kw["window_bytes"] = parse_size(env["THUNDERBOLT_SHM_WINDOW"], "THUNDERBOLT_SHM_WINDOW")
+            if kw["window_bytes"] and (not 4096 <= kw["window_bytes"] <= 1 << 30 or kw["window_bytes"] % 4096):
+                raise ConfigError("THUNDERBOLT_SHM_WINDOW: expected 0 or a multiple of 4K from 4K to 1G")
         for var, key, lo, hi in (("THUNDERBOLT_SHM_SLOTS", "slots", 2, 1024),
                                  ("THUNDERBOLT_SHM_SPIN_US", "spin_us", 0, 10_000_000)):
             text = env.get(var, "").strip()
@@ -167,13 +175,15 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Any, timeout: float,
     if rank < min(members, default=rank + 1):
         store.set(token_key, secrets.token_hex(16))
     token = bytes.fromhex(store.get(token_key).decode())
-    own = segs.create(ring.segment_bytes(world, opts.slots, opts.slot_bytes))
+    window = opts.window_bytes if len(members) == world - 1 else 0  # only a group all on this host has one
+    size = ring.segment_bytes(world, opts.slots, opts.slot_bytes, area_bytes(window))
+    own = segs.create(size)
     lst, path = _listen()
     socks: dict[int, socket.socket] = {}
     attached: list[segs.Segment] = []
     try:
         own_mv = memoryview(own.mm)
-        ring.write_header(own_mv, world, rank, opts.slots, opts.slot_bytes)
+        ring.write_header(own_mv, world, rank, opts.slots, opts.slot_bytes, area_bytes(window))
         own_mv.release()
         me = {"name": own.name, "path": str(own.path) if own.path else None, "sock": path, "pid": os.getpid(),
               "host": host_identity()}
@@ -189,10 +199,10 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Any, timeout: float,
         socks.update(_accept(lst, rank, {p for p in members if p > rank}, token, deadline))
         peers = {}
         for p, info in infos.items():
-            seg = segs.attach(info["name"], ring.segment_bytes(world, opts.slots, opts.slot_bytes), info["path"])
+            seg = segs.attach(info["name"], size, info["path"])
             attached.append(seg)
             mv = memoryview(seg.mm)
-            ok = ring.check_header(mv, world, p, opts.slots, opts.slot_bytes)
+            ok = ring.check_header(mv, world, p, opts.slots, opts.slot_bytes, area_bytes(window))
             mv.release()
             if not ok:
                 raise ConfigError(f"rank {p}'s shared-memory segment has a different layout (set the same "
@@ -203,7 +213,8 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Any, timeout: float,
             store.get(f"tbshm/ready/{p}")
         own.unlink()  # every peer has it mapped
         spin = None if opts.spin_us is None else opts.spin_us * 1e-6
-        return ShmTransport(rank, world, own, peers, slots=opts.slots, slot_bytes=opts.slot_bytes, spin=spin)
+        return ShmTransport(rank, world, own, peers, slots=opts.slots, slot_bytes=opts.slot_bytes, spin=spin,
+                            window_bytes=window)
     except BaseException:
         own.unlink()
         own.close()

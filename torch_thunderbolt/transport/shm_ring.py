@@ -5,6 +5,7 @@ Rank r's segment holds r's *inbound* rings, one per sender, plus a header with r
     [0, 4096)            header: magic, world, rank, slot bytes, slots; flag at byte 64 (own cache line)
     per sender s != r    a ring: control block (head at byte 0, tail at byte 64, padded to 4096),
                          then `slots` slots of (64-byte frame header + slot bytes of payload)
+    then                 the group's shared window, if it has one (see shm_window)
 
 The sender owns `head` (slots published), the receiver owns `tail` (slots consumed); each keeps its own
 copy and only reads the other's. A message of n bytes takes ceil(n / slot bytes) slots (at least one),
@@ -24,7 +25,7 @@ MAGIC = 0x54425348_4D303031  # "TBSHM001"
 HEADER_BYTES = 4096
 CTL_BYTES = 4096
 SLOT_HDR = 64
-_HDR = struct.Struct("<QQQQQ")  # magic, world, rank, slot_bytes, slots
+_HDR = struct.Struct("<QQQQQQ")  # magic, world, rank, slot_bytes, slots, window area bytes
 FLAG_OFFSET = 64
 # space, kind, sig, tag, seq, offset, length, total
 _SLOT = struct.Struct("<BBxxIqIxxxxQQQ")
@@ -34,8 +35,13 @@ def ring_bytes(slots: int, slot_bytes: int) -> int:
     return CTL_BYTES + slots * (SLOT_HDR + slot_bytes)
 
 
-def segment_bytes(world: int, slots: int, slot_bytes: int) -> int:
+def rings_end(world: int, slots: int, slot_bytes: int) -> int:
+    """Where the rings end: the shared window (if any) starts here."""
     return HEADER_BYTES + (world - 1) * ring_bytes(slots, slot_bytes)
+
+
+def segment_bytes(world: int, slots: int, slot_bytes: int, window_area: int = 0) -> int:
+    return rings_end(world, slots, slot_bytes) + window_area
 
 
 def ring_offset(owner: int, sender: int, slots: int, slot_bytes: int) -> int:
@@ -44,12 +50,12 @@ def ring_offset(owner: int, sender: int, slots: int, slot_bytes: int) -> int:
     return HEADER_BYTES + index * ring_bytes(slots, slot_bytes)
 
 
-def write_header(mv: memoryview, world: int, rank: int, slots: int, slot_bytes: int) -> None:
-    _HDR.pack_into(mv, 0, MAGIC, world, rank, slot_bytes, slots)
+def write_header(mv: memoryview, world: int, rank: int, slots: int, slot_bytes: int, window_area: int = 0) -> None:
+    _HDR.pack_into(mv, 0, MAGIC, world, rank, slot_bytes, slots, window_area)
 
 
-def check_header(mv: memoryview, world: int, rank: int, slots: int, slot_bytes: int) -> bool:
-    return _HDR.unpack_from(mv, 0) == (MAGIC, world, rank, slot_bytes, slots)
+def check_header(mv: memoryview, world: int, rank: int, slots: int, slot_bytes: int, window_area: int = 0) -> bool:
+    return _HDR.unpack_from(mv, 0) == (MAGIC, world, rank, slot_bytes, slots, window_area)
 
 
 def flag_view(mv: memoryview) -> memoryview:

@@ -17,6 +17,7 @@ import logging
 import select
 import socket
 import threading
+from typing import Callable
 
 from ..errors import BackendClosedError, MismatchError, PeerLostError, ThunderboltError
 from ..protocol.framing import (FRAME_HEADER_SIZE, Frame, Kind, Space, encode_abort, encode_control,
@@ -115,7 +116,7 @@ class TcpTransport(StreamFailover, DrivenTransport):
                 self._wake()
 
     # -- the engine ---------------------------------------------------------------------------------------
-    def _drive(self, timeout: float) -> None:
+    def _drive(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
         with self._cv:
             moved = self._pump()
             if moved:

@@ -1,0 +1,136 @@
+"""The shared-window collectives (algorithms/windowed.py) over the in-memory window: round geometry,
+ranks drifting apart, mismatched ops, late and dead peers. The reference grid runs in test_algorithms.py
+("window" variants) and, over real shared memory, in tests/shm."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from torch_thunderbolt.algorithms import reference as ref
+from torch_thunderbolt.algorithms import windowed
+from torch_thunderbolt.errors import CollectiveTimeout, MismatchError, PeerLostError
+from torch_thunderbolt.transport.memory import MemoryWindow
+
+from .worlds import run_world
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("cap", [1, 3, 64])
+def test_rounds_cover_every_element_once_within_the_cap(world: int, cap: int) -> None:
+    for count in [0, 1, world - 1, world, 7, world * cap, world * cap + 1, 1000]:
+        rounds = windowed.all_reduce_rounds(count, world, cap)
+        assert len(rounds) == max(1, -(-count // (world * cap)))
+        seen = []
+        for slices in rounds:
+            assert len(slices) == world
+            for start, length in slices:
+                assert 0 <= length <= cap
+                seen.extend(range(start, start + length))
+        assert seen == list(range(count)), (count, world, cap)
+
+
+@pytest.fixture
+def jitter(monkeypatch):
+    """Every post sleeps a random moment first: ranks drift apart by up to a round, so a buffer reused too
+    early (before every peer is done with it) would corrupt results."""
+    post = MemoryWindow._publish
+    rng = random.Random(7)
+    lock = threading.Lock()
+
+    def slow(self, value, k, word):
+        with lock:
+            pause = rng.random() * 2e-4
+        time.sleep(pause)
+        post(self, value, k, word)
+
+    monkeypatch.setattr(MemoryWindow, "_publish", slow)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_drifting_ranks_get_exact_results(world: int, jitter) -> None:
+    sizes = [0, 1, 5, 33, 64, 257]
+
+    def body(comm):
+        out = []
+        for i, n in enumerate(sizes * 2):
+            g = torch.Generator().manual_seed(i * 10 + comm.rank)
+            x = torch.randint(-50, 50, (n,), generator=g, dtype=torch.int32)
+            comm.all_reduce(x, "sum")
+            y = torch.randint(-50, 50, (n,), generator=g, dtype=torch.int64)
+            comm.broadcast(y, i % comm.world)
+            out.append((x, y))
+        return out
+
+    got = run_world(world, body, window_bytes=64)
+    for i, n in enumerate(sizes * 2):
+        xs, ys = [], []
+        for r in range(world):
+            g = torch.Generator().manual_seed(i * 10 + r)
+            xs.append(torch.randint(-50, 50, (n,), generator=g, dtype=torch.int32))
+            ys.append(torch.randint(-50, 50, (n,), generator=g, dtype=torch.int64))
+        for r in range(world):
+            assert torch.equal(got[r][i][0], ref.all_reduce(xs, "sum")[r]), (i, n, r)
+            assert torch.equal(got[r][i][1], ys[i % world]), (i, n, r)
+
+
+def _outcomes(world: int, body, **kw) -> list[BaseException | None]:
+    """Each rank's exception (None if it returned)."""
+    def guarded(comm):
+        try:
+            body(comm)
+        except Exception as exc:  # noqa: BLE001 - returned for the assertions
+            return exc
+        return None
+
+    return run_world(world, guarded, window_bytes=4096, **kw)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["count", "dtype", "two_roots", "all_reduce_vs_broadcast"])
+def test_a_peer_in_another_op_is_a_mismatch_naming_both_ranks(case: str) -> None:
+    def body(comm):
+        r = comm.rank
+        if case == "count":
+            comm.all_reduce(torch.ones(10 + r))
+        elif case == "dtype":
+            comm.all_reduce(torch.ones(10, dtype=torch.float32 if r == 0 else torch.float64))
+        elif case == "two_roots":
+            comm.broadcast(torch.ones(10), r)
+        else:
+            x = torch.ones(10)
+            comm.all_reduce(x) if r == 0 else comm.broadcast(x, 0)
+
+    errors = _outcomes(2, body, comm_timeout=10)
+    mismatches = [e for e in errors if isinstance(e, MismatchError)]
+    assert mismatches, errors
+    for e in mismatches:
+        assert "rank 0" in str(e) and "rank 1" in str(e), e
+    assert all(e is not None for e in errors), errors  # nobody returns as if it had worked
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_never_comes_is_named_in_the_timeout() -> None:
+    def body(comm):
+        if comm.rank != 2:
+            comm.all_reduce(torch.ones(100))
+
+    errors = _outcomes(3, body, comm_timeout=0.5)
+    assert isinstance(errors[0], CollectiveTimeout) and "did not arrive: [2]" in str(errors[0]), errors
+    assert errors[2] is None
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_dying_mid_op_fails_the_waiters() -> None:
+    def body(comm):
+        if comm.rank == 1:
+            comm.t.hub.kill(1)
+            return
+        comm.broadcast(torch.ones(5000), 1)
+
+    errors = _outcomes(2, body, comm_timeout=20)
+    assert isinstance(errors[0], PeerLostError) and errors[0].peer == 1, errors

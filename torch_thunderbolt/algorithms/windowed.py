@@ -1,0 +1,151 @@
+"""Collectives for ranks that share memory, run on a `transport.window.Window` instead of send/recv.
+
+all_reduce goes through the tensor in rounds of up to world x cap elements (cap: one buffer / world), and
+rank r owns slice r of each round:
+  1. every rank copies the other slices of its input into its own buffer (slot p for rank p), posts;
+  2. rank r reduces slice r by reading its input and every peer's slot r directly, writes the result
+     once (into its own slot r), posts;
+  3. every rank copies the other slices' results out of their owners' buffers, posts.
+Per element a rank does one copy in, one read of each peer's share, one result write and one copy out,
+where a ring over slot queues does a copy in and a copy out per step. A round (1 MB by default) stays in
+the shared L3 cache, so peers read each other's writes from cache. Two buffers per rank let a rank run a
+round ahead of the slowest peer; counters never reset, a step is `round * STEP + phase`.
+
+broadcast: the root copies a round into its buffer and posts; the others copy it out.
+
+Every post carries an op word (op, dtype, root, element count): a peer doing something else is a
+MismatchError naming both ranks, never a silently wrong result.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import MismatchError
+from ..protocol.signature import describe_sig
+from ..transport.window import BUFFERS, Window
+from .reduce_ops import make_combiner
+
+STEP = 3
+ARRIVED, REDUCED, DONE = 1, 2, 3
+Slices = list[tuple[int, int]]  # (start, length) of each rank's slice in one round
+
+
+def op_word(sig: int, count: int) -> int:
+    return ((sig & 0xFFFFFFFF) << 32) | (count & 0xFFFFFFFF)
+
+
+def describe_word(word: int) -> str:
+    return f"{describe_sig(word >> 32)} of {word & 0xFFFFFFFF} elements"
+
+
+def all_reduce_rounds(count: int, world: int, cap: int) -> list[Slices]:
+    """The slices of every round; at least one round, so even an empty op is checked against its peers."""
+    rounds: list[Slices] = []
+    lo = 0
+    while True:
+        m = min(world * cap, count - lo)
+        size = -(-m // world)
+        rounds.append([(lo + min(m, i * size), max(0, min(size, m - i * size))) for i in range(world)])
+        lo += m
+        if lo >= count:
+            return rounds
+
+
+def free_step(g: int) -> int:
+    """The step every peer must have reached before this rank rewrites the buffer of round g: the round
+    that used it last (g - BUFFERS) is done."""
+    return STEP * (g - BUFFERS) + DONE
+
+
+def _view(win: Window, owner: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """`owner`'s buffer k as a 1-D tensor of `dtype`, kept across ops (made once per buffer and dtype)."""
+    key = (owner, k, dtype)
+    view = win.cache.get(key)
+    if view is None:
+        raw = win.cache.get((owner, k))
+        if raw is None:
+            raw = win.cache[(owner, k)] = torch.frombuffer(win.buffer(owner, k), dtype=torch.uint8)
+        es = torch.empty(0, dtype=dtype).element_size()
+        view = win.cache[key] = raw[: win.nbytes // es * es].view(dtype)
+    return view
+
+
+def _check_words(win: Window, peers: list[int], k: int, word: int) -> None:
+    for p in peers:
+        theirs = win.word(p, k)
+        if theirs != word:
+            raise MismatchError(
+                f"rank {win.rank}: mismatched operation with rank {p} (shared-memory collective): rank {p} "
+                f"is in {describe_word(theirs)}, but rank {win.rank} expected {describe_word(word)}")
+
+
+def all_reduce(win: Window, x: torch.Tensor, op: str, sig: int, deadline: float, what: str) -> None:
+    """Reduce the 1-D contiguous `x` in place over every rank of the window."""
+    n, r = win.world, win.rank
+    combine = make_combiner(op, x.dtype)
+    if n == 1:
+        return
+    cap = win.nbytes // (n * x.element_size())
+    if cap == 0:
+        raise ValueError(f"the shared window ({win.nbytes} bytes) is too small for {n} ranks of {x.dtype}")
+    word = op_word(sig, x.numel())
+    others = [p for p in range(n) if p != r]
+    rounds = all_reduce_rounds(x.numel(), n, cap)
+    for t, slices in enumerate(rounds):
+        g = win.rounds + t
+        k = g % BUFFERS
+        win.wait(free_step(g), others, deadline, what)
+        mine = _view(win, r, k, x.dtype)
+        for p in others:
+            s, m = slices[p]
+            mine[p * cap : p * cap + m].copy_(x[s : s + m])
+        win.post(STEP * g + ARRIVED, k, word)
+        win.wait(STEP * g + ARRIVED, others, deadline, what)
+        _check_words(win, others, k, word)
+        s, m = slices[r]
+        result, acc = mine[r * cap : r * cap + m], x[s : s + m]
+        for p in others:
+            combine(result, acc, _view(win, p, k, x.dtype)[r * cap : r * cap + m])
+            acc = result
+        win.post(STEP * g + REDUCED)
+        x[s : s + m].copy_(result)
+        win.wait(STEP * g + REDUCED, others, deadline, what)
+        for p in others:
+            s, m = slices[p]
+            x[s : s + m].copy_(_view(win, p, k, x.dtype)[p * cap : p * cap + m])
+        win.post(STEP * g + DONE)
+    win.rounds += len(rounds)
+
+
+def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float, what: str) -> None:
+    """Copy the root's bytes (`x`: 1-D contiguous uint8) to every rank of the window."""
+    n, r = win.world, win.rank
+    if n == 1:
+        return
+    total, cap = x.numel(), win.nbytes
+    rounds = max(1, -(-total // cap))
+    word = op_word(sig, total)
+    others = [p for p in range(n) if p != r]
+    for t in range(rounds):
+        g = win.rounds + t
+        k = g % BUFFERS
+        lo = t * cap
+        m = max(0, min(cap, total - lo))
+        if r == root:
+            win.wait(free_step(g), others, deadline, what)
+            _view(win, r, k, torch.uint8)[:m].copy_(x[lo : lo + m])
+            win.post(STEP * g + ARRIVED, k, word)
+        else:
+            win.wait(STEP * g + ARRIVED, [root], deadline, what)
+            _check_words(win, [root], k, word)
+            x[lo : lo + m].copy_(_view(win, root, k, torch.uint8)[:m])
+            win.post(STEP * g + DONE, k, word)  # the word lets the root check that we ran the same op
+    g = win.rounds + rounds - 1
+    if r == root:
+        # Every rank ran the last round of the same op: otherwise two ranks that each believe they are the
+        # root would both return, silently. No rank writes this buffer's word again before our DONE (a
+        # rank writes a buffer's word only after the step that frees it, or after its root's post).
+        win.wait(STEP * g + ARRIVED, others, deadline, what)
+        _check_words(win, others, g % BUFFERS, word)
+        win.post(STEP * g + DONE)
+    win.rounds += rounds

@@ -1,0 +1,72 @@
+"""The shared window of a shm group: where it sits in each rank's segment, and how ranks wait on it.
+
+Layout, after the rings (`shm_ring.rings_end`): a 4096-byte control block with the progress counter at
+byte 0 and the op words at byte 64 (a cache line of their own), then BUFFERS buffers of `nbytes`.
+
+Waiting goes through the transport's progress engine (`ShmTransport._drive` with `until`): it spins
+briefly, then sleeps in poll() on the doorbell sockets with its "sleeping" flag set; a rank that posts a
+counter rings the bell of every sleeper. So a window wait keeps the rings moving (point-to-point traffic
+of other threads), notices a dead peer (EOF on its socket) and an ABORT, exactly like a receive.
+"""
+from __future__ import annotations
+
+from contextlib import suppress
+from typing import TYPE_CHECKING, Callable
+
+from . import shm_ring as ring
+from .window import BUFFERS, Window
+
+if TYPE_CHECKING:
+    from .shm import ShmTransport
+
+CTL_BYTES = 4096
+WORDS_OFFSET = 64
+
+
+def area_bytes(nbytes: int) -> int:
+    """Bytes a window of `nbytes` per buffer adds to each rank's segment (0: no window)."""
+    return CTL_BYTES + BUFFERS * nbytes if nbytes > 0 else 0
+
+
+class ShmWindow(Window):
+    def __init__(self, transport: "ShmTransport", areas: dict[int, memoryview], nbytes: int) -> None:
+        super().__init__(transport.rank, transport.world, nbytes)
+        self._t = transport
+        self._ctr = {p: mv[:8].cast("Q") for p, mv in areas.items()}
+        self._words = {p: mv[WORDS_OFFSET : WORDS_OFFSET + 8 * BUFFERS].cast("Q") for p, mv in areas.items()}
+        self._bufs = {(p, k): mv[CTL_BYTES + k * nbytes : CTL_BYTES + (k + 1) * nbytes]
+                      for p, mv in areas.items() for k in range(BUFFERS)}
+        self._areas = areas
+
+    def buffer(self, owner: int, k: int) -> memoryview:
+        return self._bufs[(owner, k)]
+
+    def counter(self, owner: int) -> int:
+        value = self._ctr[owner][0]
+        ring.publish_fence()  # arm64: the payload loads that follow must not move before this load
+        return value
+
+    def word(self, owner: int, k: int) -> int:
+        return self._words[owner][k]
+
+    def _publish(self, value: int, k: int | None, word: int) -> None:
+        if k is not None:
+            self._words[self.rank][k] = word
+        ring.publish_fence()  # arm64: payload and word stores before the counter store
+        self._ctr[self.rank][0] = value
+        self._t.wake_sleepers()
+
+    def _idle(self, ready: Callable[[], bool], timeout: float) -> None:
+        t = self._t
+        if t.broken is not None:
+            raise t.broken
+        t._progress(timeout, until=ready)
+        if t.broken is not None:
+            raise t.broken
+
+    def _release(self) -> None:
+        # A view can still be exported (a tensor kept alive by a traceback): then the unmap at exit frees it.
+        views = [*self._ctr.values(), *self._words.values(), *self._bufs.values(), *self._areas.values()]
+        for v in views:
+            with suppress(BufferError):
+                v.release()
