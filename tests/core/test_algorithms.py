@@ -103,7 +103,7 @@ def test_broadcast_and_reduce(world: int, algo: str) -> None:
         assert torch.equal(got[root][k][1], want_r)
 
 
-@pytest.mark.parametrize("algo", ["auto", "direct", "ring"])
+@pytest.mark.parametrize("algo", ["auto", "direct", "ring", "window"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_gather_family(world: int, algo: str) -> None:
     todo = [(s, n, dt) for s, (n, dt) in enumerate(
@@ -141,7 +141,7 @@ def test_gather_family(world: int, algo: str) -> None:
             out.append((ag, agv, rs, g, sc, a2a_out))
         return out
 
-    got = run_world(world, body, CFGS[algo])
+    got = run_world(world, body, CFGS[algo], window_bytes=WINDOW_BYTES.get(algo, 0))
     for k, (seed, n, dtype) in enumerate(todo):
         xs = [make_input(r, n, dtype, seed) for r in range(world)]
         counts = uneven(n)

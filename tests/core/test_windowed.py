@@ -63,19 +63,26 @@ def test_drifting_ranks_get_exact_results(world: int, jitter) -> None:
             comm.all_reduce(x, "sum")
             y = torch.randint(-50, 50, (n,), generator=g, dtype=torch.int64)
             comm.broadcast(y, i % comm.world)
-            out.append((x, y))
+            counts = [n + p % 2 for p in range(comm.world)]
+            z = torch.randint(-50, 50, (sum(counts),), generator=g, dtype=torch.int16)
+            rs = torch.empty(counts[comm.rank], dtype=torch.int16)
+            comm.reduce_scatter(rs, z, counts, "max")
+            out.append((x, y, rs))
         return out
 
     got = run_world(world, body, window_bytes=64)
     for i, n in enumerate(sizes * 2):
-        xs, ys = [], []
+        xs, ys, zs = [], [], []
+        counts = [n + p % 2 for p in range(world)]
         for r in range(world):
             g = torch.Generator().manual_seed(i * 10 + r)
             xs.append(torch.randint(-50, 50, (n,), generator=g, dtype=torch.int32))
             ys.append(torch.randint(-50, 50, (n,), generator=g, dtype=torch.int64))
+            zs.append(torch.randint(-50, 50, (sum(counts),), generator=g, dtype=torch.int16))
         for r in range(world):
             assert torch.equal(got[r][i][0], ref.all_reduce(xs, "sum")[r]), (i, n, r)
             assert torch.equal(got[r][i][1], ys[i % world]), (i, n, r)
+            assert torch.equal(got[r][i][2], ref.reduce_scatter(zs, "max", counts)[r]), (i, n, r)
 
 
 def _outcomes(world: int, body, **kw) -> list[BaseException | None]:
@@ -91,7 +98,7 @@ def _outcomes(world: int, body, **kw) -> list[BaseException | None]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", ["count", "dtype", "two_roots", "all_reduce_vs_broadcast"])
+@pytest.mark.parametrize("case", ["count", "dtype", "two_roots", "all_reduce_vs_broadcast", "blocks"])
 def test_a_peer_in_another_op_is_a_mismatch_naming_both_ranks(case: str) -> None:
     def body(comm):
         r = comm.rank
@@ -99,6 +106,9 @@ def test_a_peer_in_another_op_is_a_mismatch_naming_both_ranks(case: str) -> None
             comm.all_reduce(torch.ones(10 + r))
         elif case == "dtype":
             comm.all_reduce(torch.ones(10, dtype=torch.float32 if r == 0 else torch.float64))
+        elif case == "blocks":  # the same total, split differently
+            counts = [4, 6] if r == 0 else [5, 5]
+            comm.reduce_scatter(torch.empty(counts[r]), torch.ones(10), counts)
         elif case == "two_roots":
             comm.broadcast(torch.ones(10), r)
         else:

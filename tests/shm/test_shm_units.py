@@ -104,8 +104,9 @@ def test_janitor_removes_segments_of_dead_creators_only(tmp_path) -> None:
         assert all(n in segs.live_segments() for n in names)
         procs[0].send_signal(signal.SIGKILL)
         procs[0].wait(10)
-        removed = segs.cleanup_stale_segments()
-        assert names[0] in removed and names[0] not in segs.live_segments()
+        segs.cleanup_stale_segments()
+        # Not `in removed`: another job's janitor on this host (every connect_shm runs one) may be first.
+        assert names[0] not in segs.live_segments()
         assert names[1] in segs.live_segments()  # its creator is alive
     finally:
         for p in procs:

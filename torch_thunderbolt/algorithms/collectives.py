@@ -144,6 +144,13 @@ class Communicator:
         """Reduce `x` (all ranks' blocks, `counts` long) and keep this rank's block in `out`."""
         make_reducer(op, x.dtype)
         es = x.element_size()
+        win = self._window()
+        if win is not None:
+            self._run_window(lambda sig, deadline, what: windowed.reduce_scatter(
+                win, out, x, counts, op, sig, deadline, what), "reduce_scatter", x, count=sum(counts))
+            if op == "avg":
+                out.div_(self.world)
+            return
         plan, in_place = self._plan(("rs", tuple(counts), es), lambda: select.reduce_scatter_plan(
             self.cfg, self.rank, self.world, counts, es, self.shape))
         if in_place:  # ring: reduce a full working copy, then keep our block

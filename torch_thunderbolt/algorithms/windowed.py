@@ -13,10 +13,15 @@ round ahead of the slowest peer; counters never reset, a step is `round * STEP +
 
 broadcast: the root copies a round into its buffer and posts; the others copy it out.
 
+reduce_scatter: like all_reduce's first two steps, with each rank's block (uneven blocks allowed) in
+place of its slice, and the result written straight into the output: nothing to copy out.
+
 Every post carries an op word (op, dtype, root, element count): a peer doing something else is a
 MismatchError naming both ranks, never a silently wrong result.
 """
 from __future__ import annotations
+
+import zlib
 
 import torch
 
@@ -149,3 +154,46 @@ def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float
         _check_words(win, others, g % BUFFERS, word)
         win.post(STEP * g + DONE)
     win.rounds += rounds
+
+
+def block_rounds(counts: list[int], cap: int) -> int:
+    """Rounds of reduce_scatter: the largest block, `cap` elements at a time (at least one round)."""
+    return max(1, -(-max(counts, default=0) // cap))
+
+
+def reduce_scatter(win: Window, out: torch.Tensor, x: torch.Tensor, counts: list[int], op: str, sig: int,
+                   deadline: float, what: str) -> None:
+    """`out` = this rank's block of the reduction of every rank's `x` (blocks of `counts` elements)."""
+    n, r = win.world, win.rank
+    combine = make_combiner(op, x.dtype)
+    starts = [sum(counts[:p]) for p in range(n)]
+    if n == 1:
+        out.copy_(x[: counts[0]])
+        return
+    cap = win.nbytes // (n * x.element_size())
+    if cap == 0:
+        raise ValueError(f"the shared window ({win.nbytes} bytes) is too small for {n} ranks of {x.dtype}")
+    layout = zlib.crc32(repr(counts).encode()) & 0xFF  # uneven blocks that differ but add up the same
+    word = op_word(sig ^ layout, sum(counts))
+    others = [p for p in range(n) if p != r]
+    rounds = block_rounds(counts, cap)
+    for t in range(rounds):
+        g = win.rounds + t
+        k = g % BUFFERS
+        lo = t * cap
+        win.wait(free_step(g), others, deadline, what)
+        mine = _view(win, r, k, x.dtype)
+        for p in others:
+            m = max(0, min(cap, counts[p] - lo))
+            mine[p * cap : p * cap + m].copy_(x[starts[p] + lo : starts[p] + lo + m])
+        win.post(STEP * g + ARRIVED, k, word)
+        win.wait(STEP * g + ARRIVED, others, deadline, what)
+        _check_words(win, others, k, word)
+        m = max(0, min(cap, counts[r] - lo))
+        dest, acc = out[lo : lo + m], x[starts[r] + lo : starts[r] + lo + m]
+        for p in others:
+            combine(dest, acc, _view(win, p, k, x.dtype)[r * cap : r * cap + m])
+            acc = dest
+        win.post(STEP * g + DONE)
+    win.rounds += rounds
+
