@@ -7,7 +7,7 @@ rank r owns slice r of each round:
      once (into its own slot r), posts;
   3. every rank copies the other slices' results out of their owners' buffers, posts.
 Per element a rank does one copy in, one read of each peer's share, one result write and one copy out,
-where a ring over slot queues does a copy in and a copy out per step. A round (1 MB by default) stays in
+where a ring over slot queues does a copy in and a copy out per step. A round (2 MB by default) stays in
 the shared L3 cache, so peers read each other's writes from cache. Two buffers per rank let a rank run a
 round ahead of the slowest peer; counters never reset, a step is `round * STEP + phase`.
 

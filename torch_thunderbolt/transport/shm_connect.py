@@ -7,7 +7,7 @@ ranks have mapped theirs. Then each unlinks its segment and listener path: from 
 kill -9, leaves nothing behind. Options come from THUNDERBOLT_SHM_SLOT (slot payload bytes, default 1M),
 THUNDERBOLT_SHM_SLOTS (slots per directed pair, default 8), THUNDERBOLT_SHM_SPIN_US (spin before
 blocking; default 100, or 0 when ranks outnumber cores) and THUNDERBOLT_SHM_WINDOW (bytes per buffer of
-the shared window the shared-memory collectives use, default 1M; 0 = none, collectives then run over
+the shared window the shared-memory collectives use, default 2M; 0 = none, collectives then run over
 the rings).
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ class ShmOptions:
     slot_bytes: int = 1 << 20
     slots: int = 8
     spin_us: float | None = None  # None: automatic (see shm.default_spin)
-    window_bytes: int = 1 << 20
+    window_bytes: int = 2 << 20
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "ShmOptions":
