@@ -109,8 +109,9 @@ def test_a_peer_in_another_op_is_a_mismatch_naming_both_ranks(case: str) -> None
         elif case == "blocks":  # the same total, split differently
             counts = [4, 6] if r == 0 else [5, 5]
             comm.reduce_scatter(torch.empty(counts[r]), torch.ones(10), counts)
-        elif case == "two_roots":
+        elif case == "two_roots":  # a root returns at once; its next op finds the peer was a root too
             comm.broadcast(torch.ones(10), r)
+            comm.all_reduce(torch.ones(3))
         else:
             x = torch.ones(10)
             comm.all_reduce(x) if r == 0 else comm.broadcast(x, 0)

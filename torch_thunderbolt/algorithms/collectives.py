@@ -99,7 +99,8 @@ class Communicator:
         n, es = x.numel(), x.element_size()
         win = self._window()
         if win is not None:
-            self._run_window(lambda sig, deadline, what: windowed.all_reduce(win, x, op, sig, deadline, what),
+            self._run_window(lambda sig, deadline, what: windowed.all_reduce(
+                win, x, op, sig, deadline, what, self.cfg.small_bytes),
                              "all_reduce", x, count=n)
             if op == "avg":
                 x.div_(self.world)

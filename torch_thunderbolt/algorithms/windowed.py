@@ -11,7 +11,12 @@ where a ring over slot queues does a copy in and a copy out per step. A round (2
 the shared L3 cache, so peers read each other's writes from cache. Two buffers per rank let a rank run a
 round ahead of the slowest peer; counters never reset, a step is `round * STEP + phase`.
 
-broadcast: the root copies a round into its buffer and posts; the others copy it out.
+Small all_reduces (up to THUNDERBOLT_SMALL) are one-shot instead: every rank copies its whole input into
+its buffer and reduces all buffers itself, in rank order (so every rank gets the same bits): one wait
+instead of three.
+
+broadcast: the root copies a round into its buffer and posts; the others copy it out. The root does not
+wait for them at the end: it checks their op words when its next windowed op starts (`settle`).
 
 reduce_scatter: like all_reduce's first two steps, with each rank's block (uneven blocks allowed) in
 place of its slice, and the result written straight into the output: nothing to copy out.
@@ -84,11 +89,33 @@ def _check_words(win: Window, peers: list[int], k: int, word: int) -> None:
                 f"is in {describe_word(theirs)}, but rank {win.rank} expected {describe_word(word)}")
 
 
-def all_reduce(win: Window, x: torch.Tensor, op: str, sig: int, deadline: float, what: str) -> None:
-    """Reduce the 1-D contiguous `x` in place over every rank of the window."""
+def settle(win: Window, deadline: float, what: str) -> None:
+    """Finish the check a broadcast root left open: every peer ran that broadcast's last round (two ranks
+    that both believed they were the root would otherwise both have returned, silently)."""
+    if win.unchecked is None:
+        return
+    g, word = win.unchecked
+    others = [p for p in range(win.world) if p != win.rank]
+    win.wait(STEP * g + ARRIVED, others, deadline, what)
+    _check_words(win, others, g % BUFFERS, word)
+    win.unchecked = None
+    win.post(STEP * g + DONE)  # no peer rewrites that buffer's word before this post
+
+
+ONE_SHOT = 0x5A  # mixed into the op word: a one-shot rank must never pair with a sliced one
+
+
+def all_reduce(win: Window, x: torch.Tensor, op: str, sig: int, deadline: float, what: str,
+               one_shot_bytes: int = 0) -> None:
+    """Reduce the 1-D contiguous `x` in place over every rank of the window; one-shot up to
+    `one_shot_bytes` (and at most one buffer)."""
     n, r = win.world, win.rank
     combine = make_combiner(op, x.dtype)
     if n == 1:
+        return
+    settle(win, deadline, what)
+    if x.numel() * x.element_size() <= min(one_shot_bytes, win.nbytes):
+        _one_shot_all_reduce(win, x, combine, op_word(sig ^ ONE_SHOT, x.numel()), deadline, what)
         return
     cap = win.nbytes // (n * x.element_size())
     if cap == 0:
@@ -122,11 +149,30 @@ def all_reduce(win: Window, x: torch.Tensor, op: str, sig: int, deadline: float,
     win.rounds += len(rounds)
 
 
+def _one_shot_all_reduce(win: Window, x: torch.Tensor, combine, word: int, deadline: float, what: str) -> None:
+    n, r, m = win.world, win.rank, x.numel()
+    g = win.rounds
+    k = g % BUFFERS
+    others = [p for p in range(n) if p != r]
+    win.wait(free_step(g), others, deadline, what)
+    _view(win, r, k, x.dtype)[:m].copy_(x)
+    win.post(STEP * g + ARRIVED, k, word)
+    win.wait(STEP * g + ARRIVED, others, deadline, what)
+    _check_words(win, others, k, word)
+    acc = _view(win, 0, k, x.dtype)[:m]
+    for p in range(1, n):
+        combine(x, acc, _view(win, p, k, x.dtype)[:m])
+        acc = x
+    win.post(STEP * g + DONE)
+    win.rounds += 1
+
+
 def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float, what: str) -> None:
     """Copy the root's bytes (`x`: 1-D contiguous uint8) to every rank of the window."""
     n, r = win.world, win.rank
     if n == 1:
         return
+    settle(win, deadline, what)
     total, cap = x.numel(), win.nbytes
     rounds = max(1, -(-total // cap))
     word = op_word(sig, total)
@@ -145,14 +191,11 @@ def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float
             _check_words(win, [root], k, word)
             x[lo : lo + m].copy_(_view(win, root, k, torch.uint8)[:m])
             win.post(STEP * g + DONE, k, word)  # the word lets the root check that we ran the same op
-    g = win.rounds + rounds - 1
     if r == root:
-        # Every rank ran the last round of the same op: otherwise two ranks that each believe they are the
-        # root would both return, silently. No rank writes this buffer's word again before our DONE (a
-        # rank writes a buffer's word only after the step that frees it, or after its root's post).
-        win.wait(STEP * g + ARRIVED, others, deadline, what)
-        _check_words(win, others, g % BUFFERS, word)
-        win.post(STEP * g + DONE)
+        # Our last round stays at ARRIVED (not DONE) until `settle` has checked the peers' words: no rank
+        # writes that buffer's word again before our DONE (a rank writes a buffer's word only after the
+        # step that frees it, or after its root's post).
+        win.unchecked = (win.rounds + rounds - 1, word)
     win.rounds += rounds
 
 
@@ -173,6 +216,7 @@ def reduce_scatter(win: Window, out: torch.Tensor, x: torch.Tensor, counts: list
     cap = win.nbytes // (n * x.element_size())
     if cap == 0:
         raise ValueError(f"the shared window ({win.nbytes} bytes) is too small for {n} ranks of {x.dtype}")
+    settle(win, deadline, what)
     layout = zlib.crc32(repr(counts).encode()) & 0xFF  # uneven blocks that differ but add up the same
     word = op_word(sig ^ layout, sum(counts))
     others = [p for p in range(n) if p != r]

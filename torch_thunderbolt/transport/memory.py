@@ -107,6 +107,9 @@ class MemoryWindow(Window):
             self.hub.counters[self.rank] = value
             self.hub.cv.notify_all()
 
+    def _check(self) -> None:
+        self.t._check_usable()
+
     def _idle(self, ready: Callable[[], bool], timeout: float) -> None:
         with self.hub.cv:
             self.hub.cv.wait_for(lambda: ready() or self.t.broken is not None, timeout)

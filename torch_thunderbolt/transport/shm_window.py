@@ -56,6 +56,9 @@ class ShmWindow(Window):
         self._ctr[self.rank][0] = value
         self._t.wake_sleepers()
 
+    def _check(self) -> None:
+        self._t._check_usable()
+
     def _idle(self, ready: Callable[[], bool], timeout: float) -> None:
         t = self._t
         if t.broken is not None:

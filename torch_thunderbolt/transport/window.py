@@ -28,6 +28,9 @@ class Window(abc.ABC):
     def __init__(self, rank: int, world: int, nbytes: int) -> None:
         self.rank, self.world, self.nbytes = rank, world, nbytes
         self.rounds = 0  # rounds completed by the ops run so far: the same on every rank between ops
+        # A broadcast root's last round whose peers' op words are still to be checked: (round, word). The
+        # root returns without waiting for its peers and checks them when it starts its next windowed op.
+        self.unchecked: tuple[int, int] | None = None
         self.cache: dict = {}  # views the algorithm layer keeps across ops; dropped by release()
 
     # -- to implement ---------------------------------------------------------------------------------
@@ -51,11 +54,17 @@ class Window(abc.ABC):
     def _idle(self, ready: Callable[[], bool], timeout: float) -> None:
         """Wait until `ready()` may hold, at most `timeout` s; raise the group's error if it broke."""
 
+    @abc.abstractmethod
+    def _check(self) -> None:
+        """Raise the group's error if it broke or was closed (a broken group must not run more ops, even
+        ones whose steps its peers happen to have posted already)."""
+
     def _release(self) -> None:
         """Unmap what the implementation mapped (after `cache` is cleared)."""
 
     # -- shared ---------------------------------------------------------------------------------------------
     def post(self, value: int, k: int | None = None, word: int = 0) -> None:
+        self._check()
         self._publish(value, k, word)
 
     def wait(self, value: int, peers: Iterable[int], deadline: float, what: str) -> None:
