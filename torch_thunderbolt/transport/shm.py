@@ -105,6 +105,18 @@ class ShmTransport(DrivenTransport):
         areas[self.rank] = self._own_mv[start:end]
         return ShmWindow(self, areas, nbytes)
 
+    def parked_collective(self, peers: list[int]) -> tuple[int, int] | None:
+        """(peer, op signature) of collective data from one of `peers` that waits for a receive nobody has
+        posted (its ring is parked on it), or None."""
+        with self._cv:
+            for p in peers:
+                pe = self.peers.get(p)
+                if pe is not None and pe.parked and pe.reader.pending():
+                    space, _, sig, *_ = pe.reader.peek()
+                    if space == Space.COLL:
+                        return p, sig
+        return None
+
     def wake_sleepers(self) -> None:
         """After a window post: ring the bell of every peer asleep in poll() (it may wait for that post)."""
         ring.fence()  # our counter store before their flag loads (they fence between flag store and check)

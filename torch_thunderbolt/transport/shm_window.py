@@ -13,6 +13,8 @@ from __future__ import annotations
 from contextlib import suppress
 from typing import TYPE_CHECKING, Callable
 
+from ..errors import MismatchError
+from ..protocol.signature import describe_sig
 from . import shm_ring as ring
 from .window import BUFFERS, Window
 
@@ -59,13 +61,21 @@ class ShmWindow(Window):
     def _check(self) -> None:
         self._t._check_usable()
 
-    def _idle(self, ready: Callable[[], bool], timeout: float) -> None:
+    def _idle(self, ready: Callable[[], bool], timeout: float, late: list[int], what: str) -> None:
         t = self._t
         if t.broken is not None:
             raise t.broken
         t._progress(timeout, until=ready)
         if t.broken is not None:
             raise t.broken
+        # A rank we wait for that sends ring data of a collective has skipped this op: had it run it, its
+        # counter would already be past the step we wait for (counters only grow).
+        stray = t.parked_collective(late)
+        if stray is not None:
+            peer, sig = stray
+            raise MismatchError(
+                f"rank {self.rank}: mismatched operation with rank {peer}: rank {peer} sent data of "
+                f"{describe_sig(sig)}, but rank {self.rank} is in {what}")
 
     def _release(self) -> None:
         # A view can still be exported (a tensor kept alive by a traceback): then the unmap at exit frees it.
