@@ -110,7 +110,7 @@ class MemoryWindow(Window):
     def _check(self) -> None:
         self.t._check_usable()
 
-    def _idle(self, ready: Callable[[], bool], timeout: float, late: list[int], what: str) -> None:
+    def _idle(self, ready: Callable[[], bool], timeout: float, behind: Callable[[int], bool], what: str) -> None:
         with self.hub.cv:
             self.hub.cv.wait_for(lambda: ready() or self.t.broken is not None, timeout)
             if self.t.broken is not None:

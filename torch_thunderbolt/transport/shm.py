@@ -16,12 +16,10 @@ BYE and ABORT texts; EOF without BYE means the peer process died (kill -9 includ
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import select
 import socket
-import struct
 import time
 from collections import deque
 from typing import Callable
@@ -29,14 +27,13 @@ from typing import Callable
 from ..errors import BackendClosedError, PeerLostError, ProtocolError, ThunderboltError
 from ..protocol.framing import Frame, Kind, Space, abort_body
 from . import shm_ring as ring
-from .base import ANY_SOURCE, DrivenTransport, Request, remote_error
+from .base import ANY_SOURCE, DrivenTransport, Request
 from .matching import Matcher
 from .shm_segment import Segment
+from .shm_control import ABORT, BELL, BYE, LEN, ControlWire
 from .shm_window import ShmWindow, area_bytes
 
 log = logging.getLogger("torch_thunderbolt.shm")
-BELL, BYE, ABORT = b"\x00", b"B", b"A"
-_LEN = struct.Struct("<I")
 BLOCK_CAP = 0.002  # longest single poll while sleeping (bounds the cost of a lost wake-up)
 QUIET_CAP = 0.02  # the same once a whole poll passed with nothing to do (an idle wait costs ~50 wake-ups/s)
 SLOW_YIELD = 200e-6  # a yield that long means other runnable tasks took the core
@@ -68,7 +65,7 @@ class _Peer:
         self.eof = False
 
 
-class ShmTransport(DrivenTransport):
+class ShmTransport(ControlWire, DrivenTransport):
     def __init__(self, rank: int, world: int, own: Segment, peers: dict[int, tuple[socket.socket, int, Segment]],
                  *, slots: int, slot_bytes: int, spin: float | None = None, window_bytes: int = 0) -> None:
         super().__init__(rank, world)
@@ -116,16 +113,6 @@ class ShmTransport(DrivenTransport):
                     if space == Space.COLL:
                         return p, sig
         return None
-
-    def wake_sleepers(self) -> None:
-        """After a window post: ring the bell of every peer asleep in poll() (it may wait for that post)."""
-        ring.fence()  # our counter store before their flag loads (they fence between flag store and check)
-        for pe in self._list:
-            if pe.flag[0] and not pe.eof:
-                try:
-                    pe.sock.send(BELL)
-                except OSError:
-                    pass  # full buffer: bells are pending anyway; a closed socket: the group is failing
 
     def peer_address(self, peer: int) -> str:
         pe = self.peers.get(peer)
@@ -210,13 +197,6 @@ class ShmTransport(DrivenTransport):
         with self._cv:
             self._read_doorbells(events)
             self._quiet = not self._pump() and not events
-
-    def _read_doorbells(self, events: list) -> None:
-        """After poll(): read the control bytes (bells, BYE, ABORT) of every peer socket that woke us."""
-        for fd, _ in events:
-            pe = self._by_fd.get(fd)
-            if pe is not None:
-                self._read_control(pe)
 
     def _ready(self) -> bool:
         """Cheap lock-free look: is there anything the engine could move?"""
@@ -306,67 +286,6 @@ class ShmTransport(DrivenTransport):
                     pass  # full buffer: it has bells to read anyway; a dead peer shows up as EOF
         self._to_ring.clear()
 
-    # -- the control wire -----------------------------------------------------------------------------------
-    def _drain(self, sock: socket.socket) -> None:
-        try:
-            while sock.recv(4096):
-                pass
-        except OSError:
-            pass
-
-    def _read_control(self, pe: _Peer) -> None:
-        while not pe.eof and self.broken is None:
-            try:
-                data = pe.sock.recv(65536)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as exc:
-                self._fail(pe, exc)
-                return
-            if not data:
-                pe.eof = True
-                if not pe.bye:
-                    self._fail(pe, ConnectionResetError(errno.ECONNRESET, f"process {pe.pid} is gone"))
-                return
-            if pe.ctl or data.strip(BELL):  # plain doorbells need no parsing
-                pe.ctl += data
-                self._parse_control(pe)
-
-    def _parse_control(self, pe: _Peer) -> None:
-        buf = pe.ctl
-        i = 0
-        while i < len(buf):
-            c = buf[i : i + 1]
-            if c == BELL:
-                i += 1
-            elif c == BYE:
-                i += 1
-                pe.bye = True
-                self._peer_said_bye(pe)
-            elif c == ABORT:
-                if len(buf) < i + 5:
-                    break
-                (n,) = _LEN.unpack_from(buf, i + 1)
-                if len(buf) < i + 5 + n:
-                    break
-                self._remote_abort(pe, bytes(buf[i + 5 : i + 5 + n]).decode(errors="replace"))
-                i += 5 + n
-            else:
-                self._fail(pe, ProtocolError(f"rank {pe.rank} sent an unknown control byte {c!r}"), wrap=False)
-                return
-        del buf[:i]
-
-    def _peer_said_bye(self, pe: _Peer) -> None:
-        self._read(pe)  # what it sent before leaving is in the ring already
-        if any(r.peer == pe.rank and not r.is_send for r in self.matcher.pending()):
-            self._fail(pe, ConnectionAbortedError(errno.ECONNABORTED, "the peer shut down its process group "
-                                                  "while this rank still expected data from it"))
-
-    def _remote_abort(self, pe: _Peer, text: str) -> None:
-        err = remote_error(self.rank, pe.rank, text)
-        # Forward it: a peer must not see our socket close (and blame us) before it hears the reason.
-        self._fail(pe, err, wrap=False)
-
     # -- failure and shutdown ---------------------------------------------------------------------------------
     def abort(self, error: BaseException) -> None:
         """Fail this transport with `error` and tell every peer why, so they fail fast and clearly too."""
@@ -389,7 +308,7 @@ class ShmTransport(DrivenTransport):
             err = exc
         if tell_peers:
             body = abort_body(err)
-            self._send_all(ABORT + _LEN.pack(len(body)) + body)
+            self._send_all(ABORT + LEN.pack(len(body)) + body)
         log.error("%s", err)
         self.broken = err
         for r in self.matcher.pending():
@@ -400,26 +319,6 @@ class ShmTransport(DrivenTransport):
             other.sendq.clear()
         self._close_sockets()
         self._cv.notify_all()
-
-    def _send_all(self, msg: bytes) -> None:
-        for pe in self._list:
-            if pe.eof:
-                continue
-            try:
-                pe.sock.setblocking(True)
-                pe.sock.settimeout(0.5)
-                pe.sock.sendall(msg)
-            except OSError:
-                pass
-
-    def _close_sockets(self) -> None:
-        for pe in self._list:
-            try:
-                pe.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            pe.sock.close()
-            pe.eof = True
 
     def _shutdown(self) -> None:
         with self._cv:

@@ -61,17 +61,19 @@ class ShmWindow(Window):
     def _check(self) -> None:
         self._t._check_usable()
 
-    def _idle(self, ready: Callable[[], bool], timeout: float, late: list[int], what: str) -> None:
+    def _idle(self, ready: Callable[[], bool], timeout: float, behind: Callable[[int], bool], what: str) -> None:
         t = self._t
         if t.broken is not None:
             raise t.broken
         t._progress(timeout, until=ready)
         if t.broken is not None:
             raise t.broken
-        # A rank we wait for that sends ring data of a collective has skipped this op: had it run it, its
-        # counter would already be past the step we wait for (counters only grow).
-        stray = t.parked_collective(late)
-        if stray is not None:
+        # A rank we wait for that sends ring data of a collective has skipped this op: had it run it, it
+        # would have posted the step we wait for before sending anything later (counters only grow). So
+        # its counter is read again *after* its ring data was seen: a post that came first shows by then.
+        stray = t.parked_collective([p for p in range(self.world) if p != self.rank and behind(p)])
+        ring.publish_fence()
+        if stray is not None and behind(stray[0]):
             peer, sig = stray
             raise MismatchError(
                 f"rank {self.rank}: mismatched operation with rank {peer}: rank {peer} sent data of "

@@ -51,9 +51,9 @@ class Window(abc.ABC):
         """Store `word` for buffer `k` (unless None), then `value` as this rank's counter; wake sleepers."""
 
     @abc.abstractmethod
-    def _idle(self, ready: Callable[[], bool], timeout: float, late: list[int], what: str) -> None:
+    def _idle(self, ready: Callable[[], bool], timeout: float, behind: Callable[[int], bool], what: str) -> None:
         """Wait until `ready()` may hold, at most `timeout` s; raise the group's error if it broke, and
-        MismatchError if one of the `late` ranks is visibly in another collective."""
+        MismatchError if a rank still `behind(rank)` is visibly in another collective."""
 
     @abc.abstractmethod
     def _check(self) -> None:
@@ -74,12 +74,12 @@ class Window(abc.ABC):
         ready = lambda: all(self.counter(p) >= value for p in peers)  # noqa: E731
         while not ready():
             now = time.monotonic()
-            late = [p for p in peers if self.counter(p) < value]
             if now >= deadline:
+                late = [p for p in peers if self.counter(p) < value]
                 raise CollectiveTimeout(
                     f"Timed out: rank {self.rank} waiting in {what} (shared-memory window, step {value}); "
                     f"ranks that did not arrive: {late}")
-            self._idle(ready, min(0.2, deadline - now), late, what)
+            self._idle(ready, min(0.2, deadline - now), lambda p: p in peers and self.counter(p) < value, what)
 
     def release(self) -> None:
         self.cache.clear()
