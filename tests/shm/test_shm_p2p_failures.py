@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from .shm_harness import run_shm
+from ..core.mp import PRELUDE, run_ranks
+from .shm_harness import leftovers, run_shm
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -179,3 +180,21 @@ else:
     results = run_shm(script, 2, tmp_path)
     out = results[0].json()
     assert out["ok"] is False and out["type"] == "PeerLostError" and out["seconds"] < 5, out
+
+
+def test_ranks_with_different_window_settings_get_a_config_error(tmp_path) -> None:
+    script = PRELUDE + """
+from datetime import timedelta
+from torch_thunderbolt.config import Config
+from torch_thunderbolt.transport.shm_connect import ShmOptions, connect_shm
+r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), w, r == 0, timeout=timedelta(seconds=30))
+opts = ShmOptions(window_bytes=(2 << 20) if r == 0 else 0)  # as if THUNDERBOLT_SHM_WINDOW differed
+result(outcome(lambda: connect_shm(store, r, w, Config(), 20, opts).close()))
+"""
+    before = leftovers()
+    for res in run_ranks(script, 2, tmp_path, timeout=60, expect_ok=False):
+        out = res.json()
+        assert out["ok"] is False and out["type"] == "ConfigError", (res.rank, out)
+        assert "THUNDERBOLT_SHM_" in out["msg"] and out["seconds"] < 10
+    assert not leftovers() - before

@@ -53,7 +53,8 @@ def test_layout_offsets_do_not_overlap() -> None:
 
 
 @pytest.mark.parametrize("env", [{"THUNDERBOLT_SHM_SLOT": "1000"}, {"THUNDERBOLT_SHM_SLOTS": "1"},
-                                 {"THUNDERBOLT_SHM_SPIN_US": "x"}, {"THUNDERBOLT_SHM_SLOT": "lots"}])
+                                 {"THUNDERBOLT_SHM_SPIN_US": "x"}, {"THUNDERBOLT_SHM_SLOT": "lots"},
+                                 {"THUNDERBOLT_SHM_WINDOW": "1000"}, {"THUNDERBOLT_SHM_WINDOW": "2G"}])
 def test_bad_options_raise_config_error_naming_the_variable(env) -> None:
     with pytest.raises(ConfigError, match=next(iter(env))):
         ShmOptions.from_env(env)
@@ -64,6 +65,8 @@ def test_options_parse() -> None:
                              "THUNDERBOLT_SHM_SPIN_US": "0"})
     assert (o.slot_bytes, o.slots, o.spin_us) == (256 << 10, 8, 0)
     assert ShmOptions.from_env({}) == ShmOptions()
+    assert ShmOptions.from_env({"THUNDERBOLT_SHM_WINDOW": "0"}).window_bytes == 0
+    assert ShmOptions.from_env({"THUNDERBOLT_SHM_WINDOW": "4M"}).window_bytes == 4 << 20
 
 
 def test_segment_names_fit_macos_and_carry_the_pid() -> None:

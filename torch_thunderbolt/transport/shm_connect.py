@@ -199,12 +199,19 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Any, timeout: float,
         socks.update(_accept(lst, rank, {p for p in members if p > rank}, token, deadline))
         peers = {}
         for p, info in infos.items():
-            seg = segs.attach(info["name"], size, info["path"])
-            attached.append(seg)
-            mv = memoryview(seg.mm)
-            ok = ring.check_header(mv, world, p, opts.slots, opts.slot_bytes, area_bytes(window))
-            mv.release()
-            if not ok:
+            try:
+                seg = segs.attach(info["name"], size, info["path"])
+            except segs.SizeMismatch:
+                seg = None
+            except FileNotFoundError:
+                _raise_peer_failure(store, rank, p)
+                raise
+            if seg is not None:
+                attached.append(seg)
+                mv = memoryview(seg.mm)
+                ok = ring.check_header(mv, world, p, opts.slots, opts.slot_bytes, area_bytes(window))
+                mv.release()
+            if seg is None or not ok:
                 raise ConfigError(f"rank {p}'s shared-memory segment has a different layout (set the same "
                                   f"THUNDERBOLT_SHM_* on every rank)")
             peers[p] = (socks[p], info["pid"], seg)
@@ -215,7 +222,12 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Any, timeout: float,
         spin = None if opts.spin_us is None else opts.spin_us * 1e-6
         return ShmTransport(rank, world, own, peers, slots=opts.slots, slot_bytes=opts.slot_bytes, spin=spin,
                             window_bytes=window)
-    except BaseException:
+    except BaseException as exc:
+        # Before our segment disappears: a peer that can't attach it any more learns why from the store.
+        try:
+            store.set(f"tbshm/failed/{rank}", f"{type(exc).__name__}: {exc}"[:1000])
+        except Exception:  # noqa: BLE001 - the store may be what failed
+            pass
         own.unlink()
         own.close()
         for seg in attached:
@@ -229,3 +241,18 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Any, timeout: float,
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def _raise_peer_failure(store: Any, rank: int, peer: int) -> None:
+    """If `peer` gave up during setup (its segment is gone), raise its reason on this rank too."""
+    key = f"tbshm/failed/{peer}"
+    try:
+        if not store.check([key]):
+            return
+        text = store.get(key).decode(errors="replace")
+    except Exception:  # noqa: BLE001 - no reason available: the caller raises what it has
+        return
+    name, _, reason = text.partition(": ")
+    cls = ConfigError if name == "ConfigError" else HandshakeError
+    raise cls(f"rank {rank}: rank {peer} failed to set up shared memory: {reason or name}")
+

@@ -149,6 +149,10 @@ def create(size: int) -> Segment:
     return Segment(name, size, mm, True, path)
 
 
+class SizeMismatch(OSError):
+    """A peer's segment is smaller than this rank's settings say it should be."""
+
+
 def attach(name: str, size: int, path: str | None = None) -> Segment:
     """Map a peer's segment (created by `create` in another process)."""
     if path:
@@ -157,7 +161,7 @@ def attach(name: str, size: int, path: str | None = None) -> Segment:
         fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
     try:
         if os.fstat(fd).st_size < size:
-            raise OSError(f"shared-memory segment {name} is smaller than expected ({size} bytes)")
+            raise SizeMismatch(f"shared-memory segment {name} is smaller than expected ({size} bytes)")
         mm = mmap.mmap(fd, size)
     finally:
         os.close(fd)
