@@ -48,6 +48,7 @@ def test_measure_against_serve_over_loopback():
     assert errors == [] and not thread.is_alive()
     assert [r["streams"] for r in records] == [1, 3]
     assert all(r["gbps"] > 0 and r["gbps_min"] <= r["gbps"] <= r["gbps_max"] for r in records)
+    assert all(0 < r["duplex_gbps_min"] <= r["duplex_gbps"] <= r["duplex_gbps_max"] for r in records)
     assert records[1]["bytes"] == 3 << 20
     assert latency["iters"] == 50 and 0 < latency["latency_us_p10"] <= latency["latency_us"] <= latency["latency_us_p90"]
 

@@ -48,15 +48,28 @@ def test_ratio_is_speed_vs_baseline_and_skips_wrong_results():
     assert fast.ratio == pytest.approx(2.0)
 
 
+def _link(gbps: float, duplex: float | None = None) -> dict:
+    return {"gbps": gbps} if duplex is None else {"gbps": gbps, "duplex_gbps": duplex}
+
+
 def test_efficiency_uses_each_backends_stream_count():
     tb = _result("thunderbolt", times=[1000.0], n=2)
     gl = _result("gloo", times=[1000.0], n=2)
-    metrics.add_efficiency([tb, gl], {1: 2.0, 4: 4.0}, {"thunderbolt": 4, "gloo": 1})
+    metrics.add_efficiency([tb, gl], {1: _link(2.0), 4: _link(4.0)}, {"thunderbolt": 4, "gloo": 1})
     assert tb.efficiency == pytest.approx(tb.busbw_gbps / 4.0) and tb.link_streams == 4
     assert gl.efficiency == pytest.approx(gl.busbw_gbps / 2.0) and gl.link_streams == 1
     other = _result("mpi", times=[1000.0])
-    metrics.add_efficiency([other], {1: 2.0}, {})
+    metrics.add_efficiency([other], {1: _link(2.0)}, {})
     assert other.efficiency is None
+
+
+def test_efficiency_against_duplex_rate_for_symmetric_ops_only():
+    ar = _result("thunderbolt", op="all_reduce", times=[1000.0], n=2)
+    bc = _result("thunderbolt", op="broadcast", times=[1000.0], n=2)
+    metrics.add_efficiency([ar, bc], {2: _link(4.0, duplex=2.5)}, {"thunderbolt": 2})
+    assert ar.efficiency == pytest.approx(ar.busbw_gbps / 2.5) and ar.link_direction == "duplex"
+    assert bc.efficiency == pytest.approx(bc.busbw_gbps / 4.0) and bc.link_direction == "one-way"
+    assert "both directions at once" in table.format_table([ar], None, "tcp")
 
 
 def test_record_flattens_extra_and_keeps_required_keys():
@@ -92,7 +105,7 @@ def test_table_ratio_and_eff_columns_and_failure_footer():
     bad = _result("thunderbolt", nbytes=4096, times=[10.0], n=2, wrong=7)
     rows = [tb, gl, bad, _result("gloo", nbytes=4096, times=[10.0], n=2)]
     metrics.add_ratios(rows, "gloo")
-    metrics.add_efficiency(rows, {4: 2.0, 1: 1.0}, {"thunderbolt": 4, "gloo": 1})
+    metrics.add_efficiency(rows, {4: _link(2.0), 1: _link(1.0)}, {"thunderbolt": 4, "gloo": 1})
     text = table.format_table([bad, tb], "gloo", "auto")
     assert "ratio" in text and "vs gloo" in text and "eff" in text and "4 stream(s)" in text
     bad_line, good_line = text.splitlines()[3:5]
@@ -112,7 +125,9 @@ def test_link_table():
     lat = {"bytes": 8, "iters": 100, "latency_us": 11.7, "latency_us_p10": 10.0, "latency_us_p90": 13.0}
     text = table.format_link(recs, lat, "127.0.0.1", 256 << 20, 3)
     assert "256MB per measurement" in text and "median of 3" in text
-    assert text.splitlines()[2].split() == ["1", "2.00", "16.0", "1.50", "2.50", "bbr"]
+    assert text.splitlines()[2].split() == ["1", "2.00", "16.0", "1.50", "2.50", "bbr", "-"]
+    recs[0]["duplex_gbps"] = 1.25
+    assert table.format_link(recs, lat, "127.0.0.1", 256 << 20, 3).splitlines()[2].split()[-1] == "1.25"
     assert "median 11.7 us" in text
 
 

@@ -178,7 +178,7 @@ class _Session:
             self.say(f"# warning: THUNDERBOLT_CC={ours} but gloo uses the system's {system or '?'}: "
                      "the ratio column compares congestion controls as much as backends")
 
-    def _link(self) -> dict[int, float]:
+    def _link(self) -> dict[int, dict]:
         import torch.distributed as dist
 
         needed = {s for b in self.cfg.backends if (s := _link_streams_of(b.kind, self.streams))}
@@ -197,7 +197,7 @@ class _Session:
         throughput, latency, address = outcome
         self.say(table.format_link(throughput, latency, address, plan.nbytes, plan.repeats))
         self.records += report.link_records(throughput, latency, address, self.env.world_size)
-        return {rec["streams"]: rec["gbps"] for rec in throughput}
+        return {rec["streams"]: rec for rec in throughput}
 
     def _layouts(self, op: str) -> list[spec.Layout]:
         """One layout per distinct rounded size (small sizes may round to the same one)."""
@@ -205,7 +205,7 @@ class _Session:
         layouts = (spec.layout(op, s, itemsize, self.env.world_size) for s in self.cfg.sizes)
         return list({lay.nbytes: lay for lay in layouts}.values())
 
-    def _op(self, op: str, layouts: list[spec.Layout], link_gbps: dict[int, float]) -> None:
+    def _op(self, op: str, layouts: list[spec.Layout], link_gbps: dict[int, dict]) -> None:
         from . import runner
 
         cfg, n, progress = self.cfg, self.env.world_size, self.progress

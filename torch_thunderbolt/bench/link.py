@@ -4,6 +4,10 @@ Rank 1 listens on its address towards the master (loopback for local runs); the 
 to rank 0 through the control group. Rank 0 sends, one thread per stream (socket calls release the
 GIL), and stops the clock when rank 1 has acknowledged every byte. Both sides know the plan (stream
 counts, bytes, repeats) from the shared configuration, so no protocol beyond the bytes is needed.
+
+Each stream count is measured twice: one way (rank 0 sends), and duplex (both send the same amount at
+once, the traffic pattern of a ring all_reduce between two ranks). On one machine the two directions
+share the CPUs that run TCP, so the duplex rate per direction is the ceiling for symmetric collectives.
 """
 from __future__ import annotations
 
@@ -121,20 +125,32 @@ def open_listener(address: str, plan: LinkPlan) -> socket.socket:
     return listener
 
 
+def _jobs(socks: Sequence[socket.socket], inboxes: Sequence[memoryview], chunk: memoryview | None,
+          per_stream: int) -> list[Callable[[], None]]:
+    """Receive `per_stream` bytes on every socket, and send as many too when `chunk` is given (duplex)."""
+    jobs: list[Callable[[], None]] = [lambda s=s, v=v: _recv_exact(s, v, per_stream) for s, v in zip(socks, inboxes)]
+    if chunk is not None:
+        jobs += [lambda s=s: _send_all(s, chunk, per_stream) for s in socks]
+    return jobs
+
+
 def serve(listener: socket.socket, plan: LinkPlan) -> None:
-    """Rank 1: receive every planned measurement, then answer the ping-pong."""
+    """Rank 1: receive every planned one-way measurement, take part in every duplex one, then answer the
+    ping-pong."""
     buffers = [memoryview(bytearray(CHUNK)) for _ in range(max(plan.streams))]
-    for streams in plan.streams:
-        per_stream = plan.nbytes // streams
-        for _ in range(plan.repeats):
-            conns = [listener.accept()[0] for _ in range(streams)]
-            try:
-                _in_threads([lambda c=c, v=v: _recv_exact(c, v, per_stream) for c, v in zip(conns, buffers)])
-                for c in conns:
-                    c.sendall(b"k")
-            finally:
-                for c in conns:
-                    c.close()
+    chunk = memoryview(bytearray(b"\xa5" * CHUNK))
+    for duplex in (False, True):
+        for streams in plan.streams:
+            per_stream = plan.nbytes // streams
+            for _ in range(plan.repeats):
+                conns = [listener.accept()[0] for _ in range(streams)]
+                try:
+                    _in_threads(_jobs(conns, buffers, chunk if duplex else None, per_stream))
+                    for c in conns:
+                        c.sendall(b"k")
+                finally:
+                    for c in conns:
+                        c.close()
     conn = listener.accept()[0]
     with conn:
         view = memoryview(bytearray(PING_BYTES))
@@ -156,13 +172,19 @@ def _connect(address: str, port: int, plan: LinkPlan) -> socket.socket:
     return sock
 
 
-def _one_transfer(address: str, port: int, streams: int, plan: LinkPlan, chunk: memoryview) -> tuple[float, str | None]:
+def _one_transfer(address: str, port: int, streams: int, plan: LinkPlan, chunk: memoryview,
+                  inboxes: Sequence[memoryview] | None = None) -> tuple[float, str | None]:
+    """Seconds until rank 1 acknowledged `plan.nbytes` sent over `streams`; with `inboxes`, duplex: rank 1
+    sends as much back at the same time, received into those buffers."""
     per_stream = plan.nbytes // streams
     socks = [_connect(address, port, plan) for _ in range(streams)]
     try:
         cc = congestion_control(socks[0])
         start = time.perf_counter()
-        _in_threads([lambda s=s: _send_all(s, chunk, per_stream) for s in socks])
+        jobs = [lambda s=s: _send_all(s, chunk, per_stream) for s in socks]
+        if inboxes is not None:
+            jobs += _jobs(socks, inboxes, None, per_stream)
+        _in_threads(jobs)
         ack = memoryview(bytearray(1))
         for s in socks:
             _recv_exact(s, ack, 1)
@@ -175,6 +197,7 @@ def _one_transfer(address: str, port: int, streams: int, plan: LinkPlan, chunk: 
 def measure(address: str, port: int, plan: LinkPlan) -> tuple[list[dict], dict]:
     """Rank 0: throughput records per stream count, and the ping-pong latency record."""
     chunk = memoryview(bytearray(b"\x5a" * CHUNK))
+    inboxes = [memoryview(bytearray(CHUNK)) for _ in range(max(plan.streams))]
     records = []
     for streams in plan.streams:
         runs = [_one_transfer(address, port, streams, plan, chunk) for _ in range(plan.repeats)]
@@ -183,6 +206,10 @@ def measure(address: str, port: int, plan: LinkPlan) -> tuple[list[dict], dict]:
         records.append({"streams": streams, "bytes": moved, "gbps": rates.median, "gbps_min": rates.minimum,
                         "gbps_max": rates.maximum, "time_us": moved / rates.median / 1e3,
                         "congestion_control": runs[0][1]})
+    for rec in records:  # the same order as serve(): every one-way measurement first, then the duplex ones
+        runs = [_one_transfer(address, port, rec["streams"], plan, chunk, inboxes) for _ in range(plan.repeats)]
+        rates = summarize([rec["bytes"] / seconds / 1e9 for seconds, _ in runs])
+        rec.update(duplex_gbps=rates.median, duplex_gbps_min=rates.minimum, duplex_gbps_max=rates.maximum)
     return records, _pingpong(address, port, plan)
 
 

@@ -63,6 +63,7 @@ class Result:
     ratio: float | None = None       # speed vs the baseline backend, > 1 = this one is faster
     efficiency: float | None = None  # busbw / raw TCP link throughput at the backend's stream count
     link_streams: int | None = None
+    link_direction: str | None = None  # "duplex" (both ranks sending at once) or "one-way"
     extra: dict = field(default_factory=dict)
 
     def record(self) -> dict:
@@ -95,11 +96,21 @@ def add_ratios(results: list[Result], baseline: str | None) -> None:
         r.ratio = ref.time_us / r.time_us
 
 
-def add_efficiency(results: list[Result], link_gbps: dict[int, float], streams_of: dict[str, int]) -> None:
-    """Fill `efficiency` = busbw / raw link GB/s at the stream count each backend uses."""
+# Every rank sends and receives at once: the link's ceiling is its duplex rate (both directions busy).
+SYMMETRIC_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})
+
+
+def add_efficiency(results: list[Result], link: dict[int, dict], streams_of: dict[str, int]) -> None:
+    """Fill `efficiency` = busbw / raw link GB/s at the stream count each backend uses: the duplex rate
+    (per direction, both sending) for symmetric ops, the one-way rate for broadcast and sendrecv."""
     for r in results:
         streams = streams_of.get(r.backend)
-        gbps = link_gbps.get(streams) if streams is not None else None
-        if gbps and not r.wrong:
+        rec = link.get(streams) if streams is not None else None
+        if not rec or r.wrong:
+            continue
+        duplex = r.op in SYMMETRIC_OPS and bool(rec.get("duplex_gbps"))
+        gbps = rec["duplex_gbps"] if duplex else rec.get("gbps")
+        if gbps:
             r.efficiency = r.busbw_gbps / gbps
             r.link_streams = streams
+            r.link_direction = "duplex" if duplex else "one-way"

@@ -61,8 +61,9 @@ def format_table(rows: Sequence[Result], baseline: str | None, transport: str) -
     title = (f"# {first.op} on {first.backend} ({first.backend_kind}), world_size {first.world_size}, "
              f"transport {transport}, {first.iters} iters")
     if show_eff:
-        streams = next(r.link_streams for r in rows if r.link_streams is not None)
-        title += f"; eff = busbw / raw TCP at {streams} stream(s)"
+        first_eff = next(r for r in rows if r.link_streams is not None)
+        both = ", both directions at once" if first_eff.link_direction == "duplex" else ", one way"
+        title += f"; eff = busbw / raw TCP at {first_eff.link_streams} stream(s){both}"
     lines = [title, *_header_lines(baseline, show_eff)]
     lines += [format_row(r, baseline, show_eff) for r in rows]
     wrong = sum(r.wrong for r in rows)
@@ -77,11 +78,16 @@ def format_link(records: Sequence[dict], latency: dict | None, address: str, nby
     lines = [f"# raw TCP link rank 0 -> rank 1 at {address}: {format_size(nbytes)}B per measurement, "
              f"median of {repeats}",
              "#" + "".join(h.rjust(w) for h, w in (("streams", 8), ("GB/s", 9), ("Gbit/s", 9),
-                                                    ("min GB/s", 10), ("max GB/s", 10), ("cc", 8)))[1:]]
+                                                    ("min GB/s", 10), ("max GB/s", 10), ("cc", 8),
+                                                    ("duplex GB/s", 13)))[1:]]
     for rec in records:
+        duplex = rec.get("duplex_gbps")
         lines.append("".join(c.rjust(w) for c, w in (
             (str(rec["streams"]), 8), (f"{rec['gbps']:.2f}", 9), (f"{rec['gbps'] * 8:.1f}", 9),
-            (f"{rec['gbps_min']:.2f}", 10), (f"{rec['gbps_max']:.2f}", 10), (rec.get("congestion_control") or "?", 8))))
+            (f"{rec['gbps_min']:.2f}", 10), (f"{rec['gbps_max']:.2f}", 10), (rec.get("congestion_control") or "?", 8),
+            (f"{duplex:.2f}" if duplex else "-", 13))))
+    lines.append("# duplex: GB/s per direction with both ranks sending at once (the ceiling for all_reduce, "
+                 "all_gather, reduce_scatter, all_to_all)")
     if latency is not None:
         lines.append(f"# ping-pong one-way latency (RTT/2, {latency['bytes']} B, {latency['iters']} round trips): "
                      f"median {latency['latency_us']:.1f} us, p10 {latency['latency_us_p10']:.1f}, "
