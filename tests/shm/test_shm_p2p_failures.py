@@ -73,7 +73,8 @@ result(out)
     assert run_shm(script, 2, tmp_path)[0].json() == {"source": 1, "value": 42}
 
 
-@pytest.mark.parametrize("kind", ["size", "dtype", "op", "window_vs_ring", "p2p_size"])
+@pytest.mark.parametrize("kind", ["size", "dtype", "op", "window_vs_ring", "window_vs_ring_receiver",
+                                  "p2p_size"])
 def test_mismatch_raises_on_both_ranks_and_breaks_the_group(kind: str, tmp_path) -> None:
     script = COMM + f"""
 kind = "{kind}"
@@ -88,6 +89,9 @@ def op():
     elif kind == "window_vs_ring":  # a shared-window op on one rank, a slot-ring op on the other
         x = torch.ones(1 << 16)
         comm.all_reduce(x) if r == 0 else comm.all_gather(torch.empty(2 << 16), x)
+    elif kind == "window_vs_ring_receiver":  # the ring op only receives: the gather's root
+        x = torch.ones(1000)
+        comm.gather(torch.empty(2000), x, 0, [1000, 1000]) if r == 0 else comm.all_reduce(x)
     else:
         if r == 0:
             t.wait([t.isend_p2p(1, 0, mv(arr(1, n=8)))], time.monotonic() + 10)

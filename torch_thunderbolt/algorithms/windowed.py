@@ -32,10 +32,10 @@ import torch
 
 from ..errors import MismatchError
 from ..protocol.signature import describe_sig
-from ..transport.window import BUFFERS, Window
+from ..transport.window import BUFFERS, STEPS, Window
 from .reduce_ops import make_combiner
 
-STEP = 3
+STEP = STEPS
 ARRIVED, REDUCED, DONE = 1, 2, 3
 Slices = list[tuple[int, int]]  # (start, length) of each rank's slice in one round
 

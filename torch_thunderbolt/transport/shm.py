@@ -24,8 +24,9 @@ import time
 from collections import deque
 from typing import Callable
 
-from ..errors import BackendClosedError, PeerLostError, ProtocolError, ThunderboltError
+from ..errors import BackendClosedError, MismatchError, PeerLostError, ProtocolError, ThunderboltError
 from ..protocol.framing import Frame, Kind, Space, abort_body
+from ..protocol.signature import describe_sig
 from . import shm_ring as ring
 from .base import ANY_SOURCE, DrivenTransport, Request
 from .matching import Matcher
@@ -197,6 +198,26 @@ class ShmTransport(ControlWire, DrivenTransport):
         with self._cv:
             self._read_doorbells(events)
             self._quiet = not self._pump() and not events
+            if self._quiet and self.window is not None:
+                self._check_skipped_by_window()
+
+    def _check_skipped_by_window(self) -> None:
+        """A collective receive from a peer that has already begun a windowed op this rank has not reached
+        can never complete: the peer skipped this op (its sends would be in the ring before it moved on).
+        Without this, a ring op that only receives (a gather's root) facing a windowed op would time out."""
+        for req in self.matcher.pending():
+            if req.is_send or req.key[0] != Space.COLL or req.peer == ANY_SOURCE:
+                continue
+            pe = self.peers.get(req.peer)
+            if pe is None or not self.window.started_beyond(req.peer):
+                continue
+            ring.publish_fence()  # the counter was read first: ring writes made before that post show now
+            if not pe.reader.pending():
+                self._fail(pe, MismatchError(
+                    f"rank {self.rank}: mismatched operation with rank {req.peer}: rank {req.peer} has begun "
+                    f"a shared-memory collective while rank {self.rank} waits for its data in "
+                    f"{describe_sig(req.sig)} (op {req.key[1]})"), wrap=False)
+                return
 
     def _ready(self) -> bool:
         """Cheap lock-free look: is there anything the engine could move?"""

@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 from ..errors import CollectiveTimeout
 
 BUFFERS = 2
+STEPS = 3  # counter values per round: a step is `round * STEPS + phase`, phase 1..STEPS (algorithms/windowed)
 
 
 class Window(abc.ABC):
@@ -80,6 +81,11 @@ class Window(abc.ABC):
                     f"Timed out: rank {self.rank} waiting in {what} (shared-memory window, step {value}); "
                     f"ranks that did not arrive: {late}")
             self._idle(ready, min(0.2, deadline - now), lambda p: p in peers and self.counter(p) < value, what)
+
+    def started_beyond(self, owner: int) -> bool:
+        """`owner` has posted a step of a round this rank has not started (between ops only: it has begun
+        a windowed op this rank has not reached)."""
+        return self.counter(owner) > STEPS * self.rounds
 
     def release(self) -> None:
         self.cache.clear()
