@@ -89,6 +89,15 @@ def issue(i, d):
 
 proc = psutil.Process()
 rss = {"start": proc.memory_info().rss}
+
+def shmem_mb():
+    # Shared-memory pages this process has touched (Linux): they count in RSS but are the shm transport's
+    # fixed-size rings and windows, filled in as traffic first reaches them, not heap growth.
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(l.split()[1]) >> 10 for l in f if l.startswith("RssShmem:")), None)
+    except OSError:
+        return None
 mismatches, bad, pending, done, t0 = 0, [], [], 0, time.monotonic()
 
 def settle():
@@ -118,10 +127,12 @@ for i in range(N):
         rss["warm"] = proc.memory_info().rss
     if N >= 1000 and i % (N // 20) == 0:
         rss.setdefault("trace_mb", []).append(proc.memory_info().rss >> 20)
+        rss.setdefault("shmem_trace_mb", []).append(shmem_mb())
         print(f"PROGRESS {i} {time.monotonic() - t0:.0f}s rss={proc.memory_info().rss >> 20}MB", flush=True)
 settle()
 dist.barrier()
 rss["end"] = proc.memory_info().rss
+rss["end_shmem_mb"] = shmem_mb()
 from torch_thunderbolt.backend.process_group import _live_groups
 # Scratch each group keeps for its largest op so far: bounded by (groups x largest op), not a leak.
 rss["scratch_mb"] = round(sum(getattr(pg._comm, "_scratch", None).numel() for pg in _live_groups
