@@ -145,3 +145,26 @@ def test_a_peer_dying_mid_op_fails_the_waiters() -> None:
 
     errors = _outcomes(2, body, comm_timeout=20)
     assert isinstance(errors[0], PeerLostError) and errors[0].peer == 1, errors
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_receiver_is_never_overrun(monkeypatch) -> None:
+    """The root may run ahead by as many rounds as there are buffers, never more: rank 1 pauses after each
+    round arrives and before it reads it, so a buffer reused one round too early would corrupt its copy."""
+    check = windowed._check_words
+
+    def slow(win, peers, k, word):
+        if win.rank == 1:
+            time.sleep(0.002)
+        check(win, peers, k, word)
+
+    monkeypatch.setattr(windowed, "_check_words", slow)
+    data = torch.arange(400, dtype=torch.int64)
+
+    def body(comm):
+        x = data.clone() if comm.rank == 0 else torch.zeros(400, dtype=torch.int64)
+        comm.broadcast(x, 0)
+        return x
+
+    for got in run_world(3, body, window_bytes=64):
+        assert torch.equal(got, data)

@@ -69,6 +69,13 @@ def test_options_parse() -> None:
     assert ShmOptions.from_env({"THUNDERBOLT_SHM_WINDOW": "4M"}).window_bytes == 4 << 20
 
 
+def test_default_window_is_bigger_when_ranks_outnumber_cores(monkeypatch) -> None:
+    from torch_thunderbolt.transport import shm_connect
+    monkeypatch.setattr(shm_connect.os, "cpu_count", lambda: 2)
+    assert shm_connect.default_window_bytes(2) == 1 << 20
+    assert shm_connect.default_window_bytes(4) == 2 << 20
+
+
 def test_segment_names_fit_macos_and_carry_the_pid() -> None:
     name = segs.new_name()
     assert len("/" + name) <= 31

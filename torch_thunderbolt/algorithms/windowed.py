@@ -7,9 +7,9 @@ rank r owns slice r of each round:
      once (into its own slot r), posts;
   3. every rank copies the other slices' results out of their owners' buffers, posts.
 Per element a rank does one copy in, one read of each peer's share, one result write and one copy out,
-where a ring over slot queues does a copy in and a copy out per step. A round (2 MB by default) stays in
-the shared L3 cache, so peers read each other's writes from cache. Two buffers per rank let a rank run a
-round ahead of the slowest peer; counters never reset, a step is `round * STEP + phase`.
+where a ring over slot queues does a copy in and a copy out per step. A round (1 MB by default) stays in
+the shared L3 cache, so peers read each other's writes from cache. Four buffers per rank let a rank run
+rounds ahead of the slowest peer; counters never reset, a step is `round * STEP + phase`.
 
 Small all_reduces (up to THUNDERBOLT_SMALL) are one-shot instead: every rank copies its whole input into
 its buffer and reduces all buffers itself, in rank order (so every rank gets the same bits): one wait

@@ -7,8 +7,8 @@ ranks have mapped theirs. Then each unlinks its segment and listener path: from 
 kill -9, leaves nothing behind. Options come from THUNDERBOLT_SHM_SLOT (slot payload bytes, default 1M),
 THUNDERBOLT_SHM_SLOTS (slots per directed pair, default 8), THUNDERBOLT_SHM_SPIN_US (spin before
 blocking; default 100, or 0 when ranks outnumber cores) and THUNDERBOLT_SHM_WINDOW (bytes per buffer of
-the shared window the shared-memory collectives use, default 2M; 0 = none, collectives then run over
-the rings).
+the shared window the shared-memory collectives use: default 1M, or 2M when ranks outnumber cores; 0 =
+none, the collectives then run over the rings).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class ShmOptions:
     slot_bytes: int = 1 << 20
     slots: int = 8
     spin_us: float | None = None  # None: automatic (see shm.default_spin)
-    window_bytes: int = 2 << 20
+    window_bytes: int | None = None  # None: automatic (see default_window_bytes)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "ShmOptions":
@@ -63,6 +63,13 @@ class ShmOptions:
                     raise ConfigError(f"{var}: expected an integer from {lo} to {hi}, got {value}")
                 kw[key] = value
         return cls(**kw)
+
+
+def default_window_bytes(local_ranks: int) -> int:
+    """Bytes per window buffer (a round): 1 MB keeps rounds in cache; with more ranks than cores every
+    wait is a scheduler wake-up, so 2 MB halves their number. os.cpu_count(), not the affinity mask, so
+    every rank on the host picks the same size (the segment layouts must agree)."""
+    return (2 << 20) if local_ranks > (os.cpu_count() or 1) else (1 << 20)
 
 
 def host_identity() -> str:
@@ -175,7 +182,8 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Any, timeout: float,
     if rank < min(members, default=rank + 1):
         store.set(token_key, secrets.token_hex(16))
     token = bytes.fromhex(store.get(token_key).decode())
-    window = opts.window_bytes if len(members) == world - 1 else 0  # only a group all on this host has one
+    window = default_window_bytes(world) if opts.window_bytes is None else opts.window_bytes
+    window = window if len(members) == world - 1 else 0  # only a group all on this host has one
     size = ring.segment_bytes(world, opts.slots, opts.slot_bytes, area_bytes(window))
     own = segs.create(size)
     lst, path = _listen()

@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 
 from ..errors import CollectiveTimeout
 
-BUFFERS = 2
+BUFFERS = 4
 STEPS = 3  # counter values per round: a step is `round * STEPS + phase`, phase 1..STEPS (algorithms/windowed)
 
 
