@@ -100,14 +100,11 @@ class Communicator:
         win = self._window()
         if win is not None:
             self._run_window(lambda sig, deadline, what: windowed.all_reduce(
-                win, x, op, sig, deadline, what, self.cfg.small_bytes),
-                             "all_reduce", x, count=n)
-            if op == "avg":
-                x.div_(self.world)
-            return
-        plan = self._plan(("ar", n, es), lambda: select.allreduce_plan(
-            self.cfg, self.rank, self.world, n, es, self.shape))
-        self._run(plan, "all_reduce", {"in": x, "out": x}, op, x, count=n)
+                win, x, op, sig, deadline, what, self.cfg.small_bytes), "all_reduce", x, count=n)
+        else:
+            plan = self._plan(("ar", n, es), lambda: select.allreduce_plan(
+                self.cfg, self.rank, self.world, n, es, self.shape))
+            self._run(plan, "all_reduce", {"in": x, "out": x}, op, x, count=n)
         if op == "avg":
             x.div_(self.world)
 
@@ -144,14 +141,17 @@ class Communicator:
     def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, counts: list[int], op: str = "sum") -> None:
         """Reduce `x` (all ranks' blocks, `counts` long) and keep this rank's block in `out`."""
         make_reducer(op, x.dtype)
-        es = x.element_size()
         win = self._window()
         if win is not None:
             self._run_window(lambda sig, deadline, what: windowed.reduce_scatter(
                 win, out, x, counts, op, sig, deadline, what), "reduce_scatter", x, count=sum(counts))
-            if op == "avg":
-                out.div_(self.world)
-            return
+        else:
+            self._reduce_scatter_plan(out, x, counts, op)
+        if op == "avg":
+            out.div_(self.world)
+
+    def _reduce_scatter_plan(self, out: torch.Tensor, x: torch.Tensor, counts: list[int], op: str) -> None:
+        es = x.element_size()
         plan, in_place = self._plan(("rs", tuple(counts), es), lambda: select.reduce_scatter_plan(
             self.cfg, self.rank, self.world, counts, es, self.shape))
         if in_place:  # ring: reduce a full working copy, then keep our block
@@ -161,8 +161,6 @@ class Communicator:
             out.copy_(work[start : start + counts[self.rank]])
         else:
             self._run(plan, "reduce_scatter", {"in": x, "out": out}, op, x, count=sum(counts))
-        if op == "avg":
-            out.div_(self.world)
 
     def _tmp_full(self, x: torch.Tensor) -> torch.Tensor:
         """A copy of `x` to reduce in place, in a buffer kept across ops (a fresh 64 MB clone per call costs

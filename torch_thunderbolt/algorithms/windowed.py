@@ -9,7 +9,7 @@ rank r owns slice r of each round:
 Per element a rank does one copy in, one read of each peer's share, one result write and one copy out,
 where a ring over slot queues does a copy in and a copy out per step. A round (1 MB by default) stays in
 the shared L3 cache, so peers read each other's writes from cache. Four buffers per rank let a rank run
-rounds ahead of the slowest peer; counters never reset, a step is `round * STEP + phase`.
+rounds ahead of the slowest peer; counters never reset, a step is `round * STEPS + phase`.
 
 Small all_reduces (up to THUNDERBOLT_SMALL) are one-shot instead: every rank copies its whole input into
 its buffer and reduces all buffers itself, in rank order (so every rank gets the same bits): one wait
@@ -33,9 +33,9 @@ import torch
 from ..errors import MismatchError
 from ..protocol.signature import describe_sig
 from ..transport.window import BUFFERS, STEPS, Window
+from .layout import offsets
 from .reduce_ops import make_combiner
 
-STEP = STEPS
 ARRIVED, REDUCED, DONE = 1, 2, 3
 Slices = list[tuple[int, int]]  # (start, length) of each rank's slice in one round
 
@@ -64,7 +64,19 @@ def all_reduce_rounds(count: int, world: int, cap: int) -> list[Slices]:
 def free_step(g: int) -> int:
     """The step every peer must have reached before this rank rewrites the buffer of round g: the round
     that used it last (g - BUFFERS) is done."""
-    return STEP * (g - BUFFERS) + DONE
+    return STEPS * (g - BUFFERS) + DONE
+
+
+def _others(win: Window) -> list[int]:
+    return [p for p in range(win.world) if p != win.rank]
+
+
+def _slice_cap(win: Window, x: torch.Tensor) -> int:
+    """Elements of `x` one rank's slot of a buffer holds (a buffer has one slot per rank)."""
+    cap = win.nbytes // (win.world * x.element_size())
+    if cap == 0:
+        raise ValueError(f"the shared window ({win.nbytes} bytes) is too small for {win.world} ranks of {x.dtype}")
+    return cap
 
 
 def _view(win: Window, owner: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -95,11 +107,11 @@ def settle(win: Window, deadline: float, what: str) -> None:
     if win.unchecked is None:
         return
     g, word = win.unchecked
-    others = [p for p in range(win.world) if p != win.rank]
-    win.wait(STEP * g + ARRIVED, others, deadline, what)
+    others = _others(win)
+    win.wait(STEPS * g + ARRIVED, others, deadline, what)
     _check_words(win, others, g % BUFFERS, word)
     win.unchecked = None
-    win.post(STEP * g + DONE)  # no peer rewrites that buffer's word before this post
+    win.post(STEPS * g + DONE)  # no peer rewrites that buffer's word before this post
 
 
 ONE_SHOT = 0x5A  # mixed into the op word: a one-shot rank must never pair with a sliced one
@@ -117,11 +129,9 @@ def all_reduce(win: Window, x: torch.Tensor, op: str, sig: int, deadline: float,
     if x.numel() * x.element_size() <= min(one_shot_bytes, win.nbytes):
         _one_shot_all_reduce(win, x, combine, op_word(sig ^ ONE_SHOT, x.numel()), deadline, what)
         return
-    cap = win.nbytes // (n * x.element_size())
-    if cap == 0:
-        raise ValueError(f"the shared window ({win.nbytes} bytes) is too small for {n} ranks of {x.dtype}")
+    cap = _slice_cap(win, x)
     word = op_word(sig, x.numel())
-    others = [p for p in range(n) if p != r]
+    others = _others(win)
     rounds = all_reduce_rounds(x.numel(), n, cap)
     for t, slices in enumerate(rounds):
         g = win.rounds + t
@@ -131,21 +141,21 @@ def all_reduce(win: Window, x: torch.Tensor, op: str, sig: int, deadline: float,
         for p in others:
             s, m = slices[p]
             mine[p * cap : p * cap + m].copy_(x[s : s + m])
-        win.post(STEP * g + ARRIVED, k, word)
-        win.wait(STEP * g + ARRIVED, others, deadline, what)
+        win.post(STEPS * g + ARRIVED, k, word)
+        win.wait(STEPS * g + ARRIVED, others, deadline, what)
         _check_words(win, others, k, word)
         s, m = slices[r]
         result, acc = mine[r * cap : r * cap + m], x[s : s + m]
         for p in others:
             combine(result, acc, _view(win, p, k, x.dtype)[r * cap : r * cap + m])
             acc = result
-        win.post(STEP * g + REDUCED)
+        win.post(STEPS * g + REDUCED)
         x[s : s + m].copy_(result)
-        win.wait(STEP * g + REDUCED, others, deadline, what)
+        win.wait(STEPS * g + REDUCED, others, deadline, what)
         for p in others:
             s, m = slices[p]
             x[s : s + m].copy_(_view(win, p, k, x.dtype)[p * cap : p * cap + m])
-        win.post(STEP * g + DONE)
+        win.post(STEPS * g + DONE)
     win.rounds += len(rounds)
 
 
@@ -153,17 +163,17 @@ def _one_shot_all_reduce(win: Window, x: torch.Tensor, combine, word: int, deadl
     n, r, m = win.world, win.rank, x.numel()
     g = win.rounds
     k = g % BUFFERS
-    others = [p for p in range(n) if p != r]
+    others = _others(win)
     win.wait(free_step(g), others, deadline, what)
     _view(win, r, k, x.dtype)[:m].copy_(x)
-    win.post(STEP * g + ARRIVED, k, word)
-    win.wait(STEP * g + ARRIVED, others, deadline, what)
+    win.post(STEPS * g + ARRIVED, k, word)
+    win.wait(STEPS * g + ARRIVED, others, deadline, what)
     _check_words(win, others, k, word)
     acc = _view(win, 0, k, x.dtype)[:m]
     for p in range(1, n):
         combine(x, acc, _view(win, p, k, x.dtype)[:m])
         acc = x
-    win.post(STEP * g + DONE)
+    win.post(STEPS * g + DONE)
     win.rounds += 1
 
 
@@ -176,7 +186,7 @@ def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float
     total, cap = x.numel(), win.nbytes
     rounds = max(1, -(-total // cap))
     word = op_word(sig, total)
-    others = [p for p in range(n) if p != r]
+    others = _others(win)
     for t in range(rounds):
         g = win.rounds + t
         k = g % BUFFERS
@@ -185,12 +195,12 @@ def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float
         if r == root:
             win.wait(free_step(g), others, deadline, what)
             _view(win, r, k, torch.uint8)[:m].copy_(x[lo : lo + m])
-            win.post(STEP * g + ARRIVED, k, word)
+            win.post(STEPS * g + ARRIVED, k, word)
         else:
-            win.wait(STEP * g + ARRIVED, [root], deadline, what)
+            win.wait(STEPS * g + ARRIVED, [root], deadline, what)
             _check_words(win, [root], k, word)
             x[lo : lo + m].copy_(_view(win, root, k, torch.uint8)[:m])
-            win.post(STEP * g + DONE, k, word)  # the word lets the root check that we ran the same op
+            win.post(STEPS * g + DONE, k, word)  # the word lets the root check that we ran the same op
     if r == root:
         # Our last round stays at ARRIVED (not DONE) until `settle` has checked the peers' words: no rank
         # writes that buffer's word again before our DONE (a rank writes a buffer's word only after the
@@ -209,17 +219,15 @@ def reduce_scatter(win: Window, out: torch.Tensor, x: torch.Tensor, counts: list
     """`out` = this rank's block of the reduction of every rank's `x` (blocks of `counts` elements)."""
     n, r = win.world, win.rank
     combine = make_combiner(op, x.dtype)
-    starts = [sum(counts[:p]) for p in range(n)]
+    starts = offsets(counts)
     if n == 1:
         out.copy_(x[: counts[0]])
         return
-    cap = win.nbytes // (n * x.element_size())
-    if cap == 0:
-        raise ValueError(f"the shared window ({win.nbytes} bytes) is too small for {n} ranks of {x.dtype}")
+    cap = _slice_cap(win, x)
     settle(win, deadline, what)
     layout = zlib.crc32(repr(counts).encode()) & 0xFF  # uneven blocks that differ but add up the same
     word = op_word(sig ^ layout, sum(counts))
-    others = [p for p in range(n) if p != r]
+    others = _others(win)
     rounds = block_rounds(counts, cap)
     for t in range(rounds):
         g = win.rounds + t
@@ -230,14 +238,14 @@ def reduce_scatter(win: Window, out: torch.Tensor, x: torch.Tensor, counts: list
         for p in others:
             m = max(0, min(cap, counts[p] - lo))
             mine[p * cap : p * cap + m].copy_(x[starts[p] + lo : starts[p] + lo + m])
-        win.post(STEP * g + ARRIVED, k, word)
-        win.wait(STEP * g + ARRIVED, others, deadline, what)
+        win.post(STEPS * g + ARRIVED, k, word)
+        win.wait(STEPS * g + ARRIVED, others, deadline, what)
         _check_words(win, others, k, word)
         m = max(0, min(cap, counts[r] - lo))
         dest, acc = out[lo : lo + m], x[starts[r] + lo : starts[r] + lo + m]
         for p in others:
             combine(dest, acc, _view(win, p, k, x.dtype)[r * cap : r * cap + m])
             acc = dest
-        win.post(STEP * g + DONE)
+        win.post(STEPS * g + DONE)
     win.rounds += rounds
 
