@@ -6,8 +6,9 @@ from typing import Iterator
 
 import pytest
 
-from torch_thunderbolt.lab.testing import lab_session, lab_skip_reason
+from torch_thunderbolt.lab.testing import lab_session
 from torch_thunderbolt.lab.view import Lab
+from ..labs import skip_unless_lab
 
 from .hybrid_harness import run_hybrid_lab
 from .test_hybrid import COLLECTIVES, KILL
@@ -17,9 +18,7 @@ pytestmark = [pytest.mark.lab, pytest.mark.multiprocess]
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[Lab]:
-    reason = lab_skip_reason()
-    if reason:
-        pytest.skip(reason)
+    skip_unless_lab()
     with lab_session(2, "pair", cc="reno") as lab:
         yield lab
 

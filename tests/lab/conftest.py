@@ -6,7 +6,8 @@ from typing import Iterator, Sequence
 import pytest
 
 from torch_thunderbolt.lab.executor import CommandResult
-from torch_thunderbolt.lab.testing import lab_session, lab_skip_reason
+from torch_thunderbolt.lab.testing import lab_session
+from tests.labs import skip_unless_lab
 
 
 class FakeRunner:
@@ -44,8 +45,6 @@ def make_runner() -> type[FakeRunner]:
 @pytest.fixture
 def chain3_lab() -> Iterator:
     """A real 3-host chain at 10gbit (needs root); removed after the test whatever happens."""
-    reason = lab_skip_reason()
-    if reason:
-        pytest.skip(reason)
+    skip_unless_lab()
     with lab_session(3, "chain", rate="10gbit", cc="reno") as lab:
         yield lab

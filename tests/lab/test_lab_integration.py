@@ -7,7 +7,8 @@ import pytest
 from torch_thunderbolt.cli.main import main
 from torch_thunderbolt.lab.executor import lab_down, lab_namespaces
 from torch_thunderbolt.lab.state import state_path
-from torch_thunderbolt.lab.testing import lab_skip_reason, tcp_ping, unique_lab_name
+from torch_thunderbolt.lab.testing import tcp_ping, unique_lab_name
+from tests.labs import skip_unless_lab
 
 pytestmark = [pytest.mark.lab]
 
@@ -40,9 +41,7 @@ def test_chain_without_forwarding_cannot_reach_the_far_end(chain3_lab):
 
 @pytest.mark.timeout(60)
 def test_cli_up_status_exec_down_and_down_without_state(tmp_path, capsys):
-    reason = lab_skip_reason()
-    if reason:
-        pytest.skip(reason)
+    skip_unless_lab()
     name, sd = unique_lab_name(), str(tmp_path)
     try:
         assert main(["lab", "up", "--hosts", "2", "--topology", "pair", "--cables", "2", "--rate", "5gbit",

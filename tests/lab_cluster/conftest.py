@@ -5,23 +5,18 @@ from typing import Iterator
 
 import pytest
 
-from torch_thunderbolt.lab.testing import lab_session, lab_skip_reason
+from torch_thunderbolt.lab.testing import lab_session
+from ..labs import skip_unless_lab
 from torch_thunderbolt.lab.view import Lab
 
 # Unshaped cables with reno: correctness tests want speed, not realism (bbr caps veth at ~1.5 GB/s).
 SHAPES = {"chain3": (3, "chain"), "ring3": (3, "ring"), "mesh4": (4, "mesh")}
 
 
-def _skip_unless_lab() -> None:
-    reason = lab_skip_reason()
-    if reason:
-        pytest.skip(reason)
-
-
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def cluster(request) -> Iterator[Lab]:
     """Each of the three cluster shapes in turn, one lab per shape for the whole module."""
-    _skip_unless_lab()
+    skip_unless_lab()
     hosts, topology = SHAPES[request.param]
     with lab_session(hosts, topology, cc="reno") as lab:
         yield lab
@@ -29,13 +24,13 @@ def cluster(request) -> Iterator[Lab]:
 
 @pytest.fixture(scope="module")
 def chain3() -> Iterator[Lab]:
-    _skip_unless_lab()
+    skip_unless_lab()
     with lab_session(3, "chain", cc="reno") as lab:
         yield lab
 
 
 @pytest.fixture
 def pair2cables() -> Iterator[Lab]:
-    _skip_unless_lab()
+    skip_unless_lab()
     with lab_session(2, "pair", cables=2, rate="5gbit", cc="reno") as lab:
         yield lab

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from torch_thunderbolt.lab.testing import lab_skip_reason
+from ..labs import skip_unless_lab
 
 from .labrun import REPO
 
@@ -56,9 +56,7 @@ def test_spread_and_sizes():
 @pytest.mark.timeout(240)
 def test_quick_compression_run_counts_a_quarter_of_the_bytes(tmp_path):
     """The short CI version of the compression measurement: bytes only, no timing asserted."""
-    reason = lab_skip_reason()
-    if reason:
-        pytest.skip(reason)
+    skip_unless_lab()
     out = tmp_path / "lab.md"
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "lab_bench.py"), "--quick", "--scenarios",
                            "compression", "--out", str(out), "--work", str(tmp_path / "work")],

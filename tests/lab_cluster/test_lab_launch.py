@@ -7,7 +7,8 @@ import textwrap
 
 import pytest
 
-from torch_thunderbolt.lab.testing import lab_session, lab_skip_reason, unique_lab_name
+from torch_thunderbolt.lab.testing import lab_session, unique_lab_name
+from ..labs import skip_unless_lab
 
 from .labrun import REPO
 
@@ -39,9 +40,7 @@ dist.destroy_process_group()
 
 @pytest.mark.timeout(150)
 def test_launch_lab_with_the_thunderbolt_backend(tmp_path):
-    reason = lab_skip_reason()
-    if reason:
-        pytest.skip(reason)
+    skip_unless_lab()
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(JOB))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("THUNDERBOLT_", "GLOO_", "MASTER_"))}

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from torch_thunderbolt.cli.main import main
-from torch_thunderbolt.lab.testing import lab_session, lab_skip_reason
+from torch_thunderbolt.lab.testing import lab_session
+from tests.labs import skip_unless_lab
 
 from_here = Path(__file__).parent
 
@@ -15,9 +16,7 @@ pytestmark = [pytest.mark.lab, pytest.mark.multiprocess, pytest.mark.slow]
 
 @pytest.fixture
 def chain3():
-    reason = lab_skip_reason()
-    if reason:
-        pytest.skip(reason)
+    skip_unless_lab()
     with lab_session(3, "chain", rate="10gbit") as lab:
         yield lab
 

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-from torch_thunderbolt.lab.testing import lab_session, lab_skip_reason
+from torch_thunderbolt.lab.testing import lab_session
+from ..labs import skip_unless_lab
 
 from .links import cable_cut, sigstop_peer
 
 
 @pytest.fixture
 def lab_or_skip():
-    reason = lab_skip_reason()
-    if reason:
-        pytest.skip(reason)
+    skip_unless_lab()
 
     def make(cables: int):
         return lab_session(2, "pair", cables=cables, rate="10gbit")

@@ -3,7 +3,7 @@
     with lab_session(3, "chain", rate="10gbit") as lab:
         lab.run("mac2", ["ping", "-c1", lab.addresses("mac0")[0]])
 
-pytest users: `lab_fixture_skip_reason()` says why labs cannot run here (None when they can).
+pytest users: `lab_skip_reason()` says why labs cannot run here (None when they can).
 Each session gets a unique name, so parallel test runs and other engineers' labs never collide.
 """
 from __future__ import annotations
