@@ -43,14 +43,10 @@ class ShmOptions:
     def from_env(cls, env: Mapping[str, str] | None = None) -> "ShmOptions":
         env = os.environ if env is None else env
         kw: dict = {}
-        if env.get("THUNDERBOLT_SHM_SLOT", "").strip():
-            kw["slot_bytes"] = parse_size(env["THUNDERBOLT_SHM_SLOT"], "THUNDERBOLT_SHM_SLOT")
-            if not 4096 <= kw["slot_bytes"] <= 1 << 30 or kw["slot_bytes"] % 4096:
-                raise ConfigError("THUNDERBOLT_SHM_SLOT: expected a multiple of 4K from 4K to 1G")
-        if env.get("THUNDERBOLT_SHM_WINDOW", "").strip():
-            kw["window_bytes"] = parse_size(env["THUNDERBOLT_SHM_WINDOW"], "THUNDERBOLT_SHM_WINDOW")
-            if kw["window_bytes"] and (not 4096 <= kw["window_bytes"] <= 1 << 30 or kw["window_bytes"] % 4096):
-                raise ConfigError("THUNDERBOLT_SHM_WINDOW: expected 0 or a multiple of 4K from 4K to 1G")
+        for var, key, zero_ok in (("THUNDERBOLT_SHM_SLOT", "slot_bytes", False),
+                                  ("THUNDERBOLT_SHM_WINDOW", "window_bytes", True)):
+            if env.get(var, "").strip():
+                kw[key] = _pages(env[var], var, zero_ok)
         for var, key, lo, hi in (("THUNDERBOLT_SHM_SLOTS", "slots", 2, 1024),
                                  ("THUNDERBOLT_SHM_SPIN_US", "spin_us", 0, 10_000_000)):
             text = env.get(var, "").strip()
@@ -63,6 +59,14 @@ class ShmOptions:
                     raise ConfigError(f"{var}: expected an integer from {lo} to {hi}, got {value}")
                 kw[key] = value
         return cls(**kw)
+
+
+def _pages(text: str, var: str, zero_ok: bool) -> int:
+    """A size option that must be a multiple of 4K from 4K to 1G (or 0, where that means "none")."""
+    value = parse_size(text, var)
+    if (value or not zero_ok) and (not 4096 <= value <= 1 << 30 or value % 4096):
+        raise ConfigError(f"{var}: expected {'0 or ' if zero_ok else ''}a multiple of 4K from 4K to 1G")
+    return value
 
 
 def default_window_bytes(local_ranks: int) -> int:
@@ -184,14 +188,15 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Any, timeout: float,
     token = bytes.fromhex(store.get(token_key).decode())
     window = default_window_bytes(world) if opts.window_bytes is None else opts.window_bytes
     window = window if len(members) == world - 1 else 0  # only a group all on this host has one
-    size = ring.segment_bytes(world, opts.slots, opts.slot_bytes, area_bytes(window))
+    area = area_bytes(window)
+    size = ring.segment_bytes(world, opts.slots, opts.slot_bytes, area)
     own = segs.create(size)
     lst, path = _listen()
     socks: dict[int, socket.socket] = {}
     attached: list[segs.Segment] = []
     try:
         own_mv = memoryview(own.mm)
-        ring.write_header(own_mv, world, rank, opts.slots, opts.slot_bytes, area_bytes(window))
+        ring.write_header(own_mv, world, rank, opts.slots, opts.slot_bytes, area)
         own_mv.release()
         me = {"name": own.name, "path": str(own.path) if own.path else None, "sock": path, "pid": os.getpid(),
               "host": host_identity()}
@@ -207,21 +212,21 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Any, timeout: float,
         socks.update(_accept(lst, rank, {p for p in members if p > rank}, token, deadline))
         peers = {}
         for p, info in infos.items():
+            layout = ConfigError(f"rank {p}'s shared-memory segment has a different layout (set the same "
+                                 f"THUNDERBOLT_SHM_* on every rank)")
             try:
                 seg = segs.attach(info["name"], size, info["path"])
             except segs.SizeMismatch:
-                seg = None
+                raise layout from None
             except FileNotFoundError:
                 _raise_peer_failure(store, rank, p)
                 raise
-            if seg is not None:
-                attached.append(seg)
-                mv = memoryview(seg.mm)
-                ok = ring.check_header(mv, world, p, opts.slots, opts.slot_bytes, area_bytes(window))
-                mv.release()
-            if seg is None or not ok:
-                raise ConfigError(f"rank {p}'s shared-memory segment has a different layout (set the same "
-                                  f"THUNDERBOLT_SHM_* on every rank)")
+            attached.append(seg)
+            mv = memoryview(seg.mm)
+            ok = ring.check_header(mv, world, p, opts.slots, opts.slot_bytes, area)
+            mv.release()
+            if not ok:
+                raise layout
             peers[p] = (socks[p], info["pid"], seg)
         store.set(f"tbshm/ready/{rank}", "1")
         for p in infos:
