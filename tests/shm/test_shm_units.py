@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from torch_thunderbolt.errors import ConfigError
 from torch_thunderbolt.transport import shm_ring as ring
 from torch_thunderbolt.transport import shm_segment as segs
+from torch_thunderbolt.transport.shm_control import BELL, BYE, ControlWire
 from torch_thunderbolt.transport.shm_connect import ShmOptions, host_identity
 
 from ..core.mp import REPO
@@ -133,3 +136,45 @@ def test_janitor_removes_segments_of_dead_creators_only(tmp_path) -> None:
 def test_host_identity_is_stable() -> None:
     assert host_identity() == host_identity()
     assert host_identity().split("|")[0]
+
+
+class _Wire(ControlWire):
+    """The least of a ShmTransport that its control wire needs, to drive `_read_control` by hand."""
+
+    def __init__(self) -> None:
+        self.rank, self.broken, self.failed = 0, None, None
+        self.matcher = SimpleNamespace(pending=lambda: [])
+
+    def _read(self, pe) -> bool:
+        return False
+
+    def _fail(self, pe, exc, wrap=True) -> None:
+        self.failed = exc
+
+
+def test_a_reset_after_bye_is_an_orderly_close_not_a_lost_peer() -> None:
+    # Linux reports ECONNRESET (after the data) when a Unix socket is closed with unread bytes in it: a peer
+    # that said BYE and closed with our doorbells unread must not count as lost.
+    ours, theirs = socket.socketpair()
+    with ours:
+        ours.send(BELL * 2)
+        theirs.send(BYE)
+        theirs.shutdown(socket.SHUT_RDWR)
+        theirs.close()
+        ours.setblocking(False)
+        pe = SimpleNamespace(rank=1, pid=1, sock=ours, eof=False, bye=False, ctl=bytearray())
+        wire = _Wire()
+        wire._read_control(pe)
+        assert pe.bye and pe.eof and wire.failed is None
+
+
+def test_a_reset_without_bye_is_a_lost_peer() -> None:
+    ours, theirs = socket.socketpair()
+    with ours:
+        ours.send(BELL)
+        theirs.close()
+        ours.setblocking(False)
+        pe = SimpleNamespace(rank=1, pid=1, sock=ours, eof=False, bye=False, ctl=bytearray())
+        wire = _Wire()
+        wire._read_control(pe)
+        assert wire.failed is not None

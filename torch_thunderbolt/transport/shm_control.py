@@ -52,7 +52,12 @@ class ControlWire:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
-                self._fail(pe, exc)
+                if pe.bye:
+                    # The peer left in order. A Unix socket closed with our doorbells still unread in it
+                    # reports ECONNRESET after the BYE instead of EOF: that is its close, not a loss.
+                    pe.eof = True
+                else:
+                    self._fail(pe, exc)
                 return
             if not data:
                 pe.eof = True
