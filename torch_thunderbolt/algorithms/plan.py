@@ -93,7 +93,7 @@ class _Graph:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous tensor's storage (the tensor must outlive the view)."""
-    nbytes = t.numel() * t.element_size()
+    nbytes = t.nbytes
     if nbytes == 0:
         return memoryview(bytearray(0))
     if not t.is_contiguous():

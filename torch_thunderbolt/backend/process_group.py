@@ -1,6 +1,7 @@
 """The torch ProcessGroup: maps each torch.distributed call onto the Communicator, on the worker thread."""
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..algorithms.collectives import Communicator
+from ..algorithms.plan import tensor_bytes
 from ..algorithms.shape import Shape
 from ..compression.allreduce import compressed_all_reduce
 from ..config import Config
@@ -35,6 +37,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
     def __init__(self, transport: Transport, cfg: Config, timeout: float, description: str = "",
                  shape: Shape | None = None) -> None:
         super().__init__(transport.rank, transport.world)
+        self._rank, self._size = transport.rank, transport.world  # rank() is a C++ call, ~1 µs each
         self._transport = transport
         self._cfg = cfg
         self._timeout = timeout
@@ -71,7 +74,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
 
     # -- plumbing ------------------------------------------------------------------------------------------
     def _submit(self, what: str, fn: Callable[[], None], result: Any, nbytes: int = 0) -> Work:
-        work = Work(f"{what} on rank {self.rank()}", result)
+        work = Work(f"{what} on rank {self._rank}", result)
         return self._worker.submit(work, fn, inline_ok=nbytes <= self._cfg.small_bytes)
 
     def _with_timeout(self, opts: Any) -> Communicator:
@@ -98,7 +101,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
     def _compress(self, flat: torch.Tensor, op: str) -> bool:
         """THUNDERBOLT_COMPRESSION applies to float SUM/AVG all_reduce above the small-message size."""
         return (self._cfg.compression != "none" and op in ("sum", "avg") and flat.is_floating_point()
-                and flat.numel() * flat.element_size() > self._cfg.small_bytes and self.size() > 1)
+                and flat.numel() * flat.element_size() > self._cfg.small_bytes and self._size > 1)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -117,7 +120,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
         root = opts.rootRank
-        staged = [Staged(t, read=self.rank() == root) for t in tensors]
+        staged = [Staged(t, read=self._rank == root) for t in tensors]
 
         def run() -> None:
             comm = self._with_timeout(opts)
@@ -147,7 +150,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             comm = self._with_timeout(opts)
             for outs, x in zip(outputs, inputs):
                 self._check_list(outs, "all_gather output list")
-                check_same_dtype(outs + [x], "all_gather", self.rank())
+                check_same_dtype(outs + [x], "all_gather", self._rank)
                 counts = [o.numel() for o in outs]
                 flat = torch.empty(sum(counts), dtype=x.dtype)
                 comm.all_gather(flat, flat_cat([x]), counts)
@@ -166,9 +169,9 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         out = Staged(output, read=False)
 
         def run() -> None:
-            if output.numel() != x.numel() * self.size():
-                raise ValueError(f"rank {self.rank()}: all_gather_into_tensor: output has {output.numel()} "
-                                 f"elements, expected {self.size()} x {x.numel()}")
+            if output.numel() != x.numel() * self._size:
+                raise ValueError(f"rank {self._rank}: all_gather_into_tensor: output has {output.numel()} "
+                                 f"elements, expected {self._size} x {x.numel()}")
             self._with_timeout(opts).all_gather(out.flat, flat_cat([x]))
             out.write_back()
 
@@ -210,14 +213,14 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
 
         def run() -> None:
-            if x.numel() != output.numel() * self.size():
-                raise ValueError(f"rank {self.rank()}: reduce_scatter_tensor: input has {x.numel()} elements, "
-                                 f"expected {self.size()} x {output.numel()}")
+            if x.numel() != output.numel() * self._size:
+                raise ValueError(f"rank {self._rank}: reduce_scatter_tensor: input has {x.numel()} elements, "
+                                 f"expected {self._size} x {output.numel()}")
             flat_in = x.detach().reshape(-1).cpu().clone() if factor is not None else flat_cat([x])
             if factor is not None:
                 flat_in.mul_(factor)
             out = Staged(output, read=False)
-            self._with_timeout(opts).reduce_scatter(out.flat, flat_in, [output.numel()] * self.size(), _plain(op))
+            self._with_timeout(opts).reduce_scatter(out.flat, flat_in, [output.numel()] * self._size, _plain(op))
             out.write_back()
 
         return self._submit("reduce_scatter_tensor", run, [output], x.numel() * x.element_size())
@@ -233,7 +236,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 if factor is not None:
                     flat_in.mul_(factor)
                 out = Staged(o, read=False)
-                comm.reduce_scatter(out.flat, flat_in, [o.numel()] * self.size(), _plain(op))
+                comm.reduce_scatter(out.flat, flat_in, [o.numel()] * self._size, _plain(op))
                 out.write_back()
 
         return self._submit("reduce_scatter_tensor_coalesced", run, outputs)
@@ -246,14 +249,14 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         def run() -> None:
             x = inputs[0]
             n = x.numel()
-            if self.rank() == root:
+            if self._rank == root:
                 outs = outputs[0]
                 self._check_list(outs, "gather_list")
-                flat = torch.empty(n * self.size(), dtype=x.dtype)
-                self._with_timeout(opts).gather(flat, flat_cat([x]), root, [n] * self.size())
+                flat = torch.empty(n * self._size, dtype=x.dtype)
+                self._with_timeout(opts).gather(flat, flat_cat([x]), root, [n] * self._size)
                 split_into(flat, outs)
             else:
-                self._with_timeout(opts).gather(None, flat_cat([x]), root, [n] * self.size())
+                self._with_timeout(opts).gather(None, flat_cat([x]), root, [n] * self._size)
 
         return self._submit("gather", run, outputs)
 
@@ -264,10 +267,10 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             out = Staged(outputs[0], read=False)
             n = out.flat.numel()
             src = None
-            if self.rank() == root:
+            if self._rank == root:
                 self._check_list(inputs[0], "scatter_list")
                 src = flat_cat(inputs[0])
-            self._with_timeout(opts).scatter(out.flat, src, root, [n] * self.size())
+            self._with_timeout(opts).scatter(out.flat, src, root, [n] * self._size)
             out.write_back()
 
         return self._submit("scatter", run, outputs)
@@ -286,7 +289,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
     def all_to_all_single(self, output: torch.Tensor, x: torch.Tensor, out_splits: list[int],
                           in_splits: list[int], opts: Any = None) -> Work:
         def run() -> None:
-            r, w = self.rank(), self.size()
+            r, w = self._rank, self._size
             send = rows_to_elems(x, list(in_splits), w, "all_to_all_single input", r)
             recv = rows_to_elems(output, list(out_splits), w, "all_to_all_single output", r)
             out = Staged(output, read=False)
@@ -308,11 +311,9 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
 
     # -- point to point --------------------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work:
-        flat = flat_cat(tensors).contiguous()
-        from ..algorithms.plan import tensor_bytes
-
+        flat = flat_cat(tensors)
         req = self._transport.isend_p2p(dst, tag, tensor_bytes(flat))
-        return self._p2p_work(f"send to rank {dst} (tag {tag})", req, tensors, keep=flat)
+        return self._p2p_work("send to", dst, tag, req, tensors, keep=flat)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work:
         return self._recv(tensors, src, tag)
@@ -321,24 +322,20 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         return self._recv(tensors, ANY_SOURCE, tag)
 
     def _recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work:
-        from ..algorithms.plan import tensor_bytes
-
-        staged = [Staged(t, read=False) for t in tensors]
-        flat = staged[0].flat if len(staged) == 1 else torch.empty(sum(t.numel() for t in tensors),
-                                                                     dtype=tensors[0].dtype)
+        if len(tensors) == 1:
+            staged = Staged(tensors[0], read=False)
+            flat, done = staged.flat, (staged.write_back if staged.copied else None)
+        else:
+            flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
+            done = functools.partial(split_into, flat, tensors)
         req = self._transport.irecv_p2p(src, tag, tensor_bytes(flat))
+        return self._p2p_work("recv from", src, tag, req, tensors, keep=flat, on_done=done)
 
-        def done() -> None:
-            if len(staged) == 1:
-                staged[0].write_back()
-            else:
-                split_into(flat, tensors)
+    def _p2p_work(self, verb: str, peer: int, tag: int, req: Any, result: Any, keep: Any,
+                  on_done: Callable[[], None] | None = None) -> Work:
+        who = "any rank" if peer == ANY_SOURCE else f"rank {peer}"
+        what = f"{verb} {who} (tag {tag}) on rank {self._rank}"
 
-        who = "any rank" if src == ANY_SOURCE else f"rank {src}"
-        return self._p2p_work(f"recv from {who} (tag {tag})", req, tensors, keep=flat, on_done=done)
-
-    def _p2p_work(self, what: str, req: Any, result: Any, keep: Any, on_done: Callable[[], None] | None = None
-                  ) -> Work:
         def wait_fn(seconds: float | None) -> None:
             budget = seconds if seconds is not None else self._timeout
             self._transport.wait([req], time.monotonic() + budget, what)
@@ -348,16 +345,16 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             work._source = req.source
             work.finish()
 
-        work = Work(f"{what} on rank {self.rank()}", result, wait_fn)
+        work = Work(what, result, wait_fn)
         if req.done and req.error is None:
             wait_fn(None)
         return work
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def _check_list(self, tensors: list[torch.Tensor], what: str) -> None:
-        if len(tensors) != self.size():
-            raise ValueError(f"rank {self.rank()}: {what} has {len(tensors)} tensors, expected one per rank "
-                             f"({self.size()})")
+        if len(tensors) != self._size:
+            raise ValueError(f"rank {self._rank}: {what} has {len(tensors)} tensors, expected one per rank "
+                             f"({self._size})")
 
     def shutdown(self) -> None:
         with self._close_lock:

@@ -33,7 +33,7 @@ class Staged:
 
     def __init__(self, t: torch.Tensor, read: bool = True) -> None:
         self.orig = t
-        if t.device.type == "cpu" and t.is_contiguous():
+        if t.is_cpu and t.is_contiguous():
             self.flat = t.view(-1) if t.dim() != 1 else t
             self.copied = False
         else:
@@ -47,8 +47,9 @@ class Staged:
 
 
 def flat_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if len(tensors) == 1 and tensors[0].device.type == "cpu" and tensors[0].is_contiguous():
-        return tensors[0].reshape(-1)
+    if len(tensors) == 1 and tensors[0].is_cpu and tensors[0].is_contiguous():
+        t = tensors[0]
+        return t if t.dim() == 1 else t.view(-1)  # each torch call costs ~1 µs, as much as a small send
     return torch.cat([t.detach().reshape(-1).to("cpu") for t in tensors]) if tensors else torch.empty(0)
 
 

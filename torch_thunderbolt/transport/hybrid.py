@@ -12,18 +12,15 @@ with the shm "sleeping" flag set so same-host peers ring the bell. No alternatin
 """
 from __future__ import annotations
 
-import os
 import select
-import time
 from typing import Any, Callable, Iterable
 
 from . import shm_ring as ring
 from .base import ANY_SOURCE, DrivenTransport, Request
 from .matching import Matcher
-from .shm import BLOCK_CAP, CONTENDED_BACKOFF, QUIET_CAP, SLOW_YIELD, ShmTransport, default_spin
+from .shm import BLOCK_CAP, QUIET_CAP, ShmTransport, default_spin
+from .spin import SpinGuard
 from .tcp import TcpTransport
-
-_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 class HybridTransport(DrivenTransport):
@@ -37,7 +34,7 @@ class HybridTransport(DrivenTransport):
             sub._cv = self._cv
         self.networks = getattr(tcp, "networks", None)
         self._quiet = False
-        self._contended_until = 0.0
+        self._spinner = SpinGuard()
 
     def _sub(self, peer: int) -> ShmTransport | TcpTransport:
         return self.shm if peer in self.local else self.tcp
@@ -128,21 +125,11 @@ class HybridTransport(DrivenTransport):
 
     def _spin(self, timeout: float) -> bool:
         """Busy-poll briefly (yielding the CPU) while traffic flows; True if something moved."""
-        now = time.monotonic()
-        if self._quiet or now < self._contended_until:
-            return False
-        end = now + min(self.shm.spin, timeout)
-        while now < end:
-            _yield()
-            after = time.monotonic()
-            if after - now > SLOW_YIELD:  # other processes want this core: block instead
-                self._contended_until = after + CONTENDED_BACKOFF
-                return False
-            now = after
-            with self._cv:
-                if self._pump():
-                    return True
-        return False
+        return not self._quiet and self._spinner.spin(min(self.shm.spin, timeout), self._pump_locked)
+
+    def _pump_locked(self) -> bool:
+        with self._cv:
+            return self._pump()
 
     def _poll_set(self) -> "select.poll":
         """One poll set over both engines: shm doorbells and TCP streams, plus both wake-up sockets."""

@@ -20,7 +20,6 @@ import logging
 import os
 import select
 import socket
-import time
 from collections import deque
 from typing import Callable
 
@@ -33,13 +32,11 @@ from .matching import Matcher
 from .shm_segment import Segment
 from .shm_control import ABORT, BELL, BYE, LEN, ControlWire
 from .shm_window import ShmWindow, area_bytes
+from .spin import SpinGuard
 
 log = logging.getLogger("torch_thunderbolt.shm")
 BLOCK_CAP = 0.002  # longest single poll while sleeping (bounds the cost of a lost wake-up)
 QUIET_CAP = 0.02  # the same once a whole poll passed with nothing to do (an idle wait costs ~50 wake-ups/s)
-SLOW_YIELD = 200e-6  # a yield that long means other runnable tasks took the core
-CONTENDED_BACKOFF = 0.5  # seconds without spinning after that
-_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 def _never() -> bool:
@@ -89,7 +86,7 @@ class ShmTransport(ControlWire, DrivenTransport):
         self._by_fd = {pe.sock.fileno(): pe for pe in self._list}
         self.spin = default_spin(world) if spin is None else spin
         self._quiet = False  # the last blocking poll timed out with nothing to do
-        self._contended_until = 0.0  # no spinning before this time (monotonic): the CPU is contended
+        self._spinner = SpinGuard()
         self._to_ring: set[_Peer] = set()
         self.window = self._make_window(slots, slot_bytes, window_bytes)
 
@@ -162,25 +159,9 @@ class ShmTransport(ControlWire, DrivenTransport):
                 self._quiet = False
                 return
         # Spin only when traffic is flowing; a rank that already slept through a whole poll is waiting
-        # for something slow (a late peer, the user's compute) and spinning would just burn CPU. A yield
-        # that took long means other processes want this core: then a blocking wake-up (which the
-        # scheduler serves promptly) beats queueing behind them, so stop spinning for a while.
-        now = time.monotonic()
-        spin = 0.0 if self._quiet or now < self._contended_until else min(self.spin, timeout)
-        end = now + spin
-        while now < end:
-            _yield()
-            after = time.monotonic()
-            if after - now > SLOW_YIELD:
-                self._contended_until = after + CONTENDED_BACKOFF
-                break
-            now = after
-            if done():
-                return
-            if self._ready():
-                with self._cv:
-                    if self._pump() or self.broken is not None:
-                        return
+        # for something slow (a late peer, the user's compute) and spinning would just burn CPU.
+        if not self._quiet and self._spinner.spin(min(self.spin, timeout), lambda: self._spin_poll(done)):
+            return
         with self._cv:
             self._my_flag[0] = 1
             ring.fence()  # the flag store must be visible before we look at the rings one last time
@@ -218,6 +199,14 @@ class ShmTransport(ControlWire, DrivenTransport):
                     f"a shared-memory collective while rank {self.rank} waits for its data in "
                     f"{describe_sig(req.sig)} (op {req.key[1]})"), wrap=False)
                 return
+
+    def _spin_poll(self, done: Callable[[], bool]) -> bool:
+        if done():
+            return True
+        if not self._ready():
+            return False
+        with self._cv:
+            return self._pump() or self.broken is not None
 
     def _ready(self) -> bool:
         """Cheap lock-free look: is there anything the engine could move?"""

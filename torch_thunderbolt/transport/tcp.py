@@ -11,7 +11,6 @@ dropped and its unconsumed bytes are sent again on the others (tcp_failover.py, 
 from __future__ import annotations
 
 import errno
-import os
 import time
 import logging
 import select
@@ -29,6 +28,7 @@ from .tcp_conn import ABORT_PAYLOAD, Stream, Outgoing
 from .tcp_failover import StreamFailover
 from .layout import split_aligned
 from .matching import Matcher
+from .spin import SpinGuard
 
 log = logging.getLogger("torch_thunderbolt.tcp")
 
@@ -46,7 +46,7 @@ class TcpTransport(StreamFailover, DrivenTransport):
         self._all = [c for cs in self.conns.values() for c in cs]
         self._by_fd = {c.fd: c for c in self._all}
         self.spin_seconds = spin_us / 1e6
-        self._no_spin_until = 0.0
+        self._spinner = SpinGuard()
         self._init_failover(probe_after)
 
     retired = 0  # every collective op up to this tag has finished on this rank
@@ -124,7 +124,8 @@ class TcpTransport(StreamFailover, DrivenTransport):
             if moved or timeout <= 0 or self.broken is not None:
                 return
             self._probe_if_quiet()
-        if self._spin(min(timeout, self.spin_seconds)):
+            ready = self._poll_set() if self.spin_seconds > 0 else None
+        if ready is not None and self._spin(min(timeout, self.spin_seconds), ready):
             return
         with self._cv:
             poller = self._poll_set()
@@ -142,25 +143,15 @@ class TcpTransport(StreamFailover, DrivenTransport):
             if self._pump():
                 self._last_traffic = time.monotonic()
 
-    def _spin(self, seconds: float) -> bool:
-        """Busy-poll briefly before sleeping: a cross-core wake-up costs more than a small message."""
-        if seconds <= 0:
-            return False
-        now = time.perf_counter()
-        if now < self._no_spin_until:
-            return False
-        end = now + seconds
-        while now < end:
-            with self._cv:
-                if self._pump() or self.broken is not None:
-                    return True
-            os.sched_yield()  # let a rank sharing this core run
-            after = time.perf_counter()
-            if after - now > 200e-6:  # the core is contended: spinning only steals it, so stop a while
-                self._no_spin_until = after + 0.5
-                return False
-            now = after
-        return False
+    def _spin(self, seconds: float, ready: "select.poll") -> bool:
+        """Busy-poll briefly before sleeping: a cross-core wake-up costs more than a small message. Each look
+        is one poll(0) over the streams, and the streams are read only once it reports news: an empty
+        read raises BlockingIOError per stream, which costs more than the poll."""
+        return self._spinner.spin(seconds, lambda: bool(ready.poll(0)) and self._pump_locked())
+
+    def _pump_locked(self) -> bool:
+        with self._cv:
+            return self._pump() or self.broken is not None
 
     def _poll_set(self) -> "select.poll":
         poller = select.poll()

@@ -1,0 +1,82 @@
+"""SpinGuard: when a waiting rank busy-polls, and how it backs off from a contended core (fake clock)."""
+from __future__ import annotations
+
+from torch_thunderbolt.transport.spin import FIRST_PAUSE, MAX_PAUSE, SLOW_YIELD, SpinGuard
+
+
+class FakeCpu:
+    """A clock that each yield advances by `step` (or by the next value of `slow`, when given)."""
+
+    def __init__(self, step: float = 1e-6) -> None:
+        self.now = 100.0
+        self.step = step
+        self.slow: list[float] = []
+        self.yields = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def yield_cpu(self) -> None:
+        self.yields += 1
+        self.now += self.slow.pop(0) if self.slow else self.step
+
+
+def guard(cpu: FakeCpu) -> SpinGuard:
+    return SpinGuard(clock=cpu.clock, yield_cpu=cpu.yield_cpu)
+
+
+def test_returns_as_soon_as_poll_succeeds() -> None:
+    cpu = FakeCpu()
+    looks = iter([False, False, True])
+    assert guard(cpu).spin(1.0, lambda: next(looks))
+    assert cpu.yields == 3
+
+
+def test_gives_up_after_the_spin_time() -> None:
+    cpu = FakeCpu(step=10e-6)
+    assert not guard(cpu).spin(100e-6, lambda: False)
+    assert cpu.yields == 10
+
+
+def test_no_spin_time_means_no_spinning() -> None:
+    cpu = FakeCpu()
+    assert not guard(cpu).spin(0.0, lambda: True)
+    assert cpu.yields == 0
+
+
+def test_a_slow_yield_pauses_spinning_briefly() -> None:
+    cpu = FakeCpu()
+    g = guard(cpu)
+    cpu.slow = [SLOW_YIELD * 2]
+    assert not g.spin(1.0, lambda: True)  # the slow yield ends the spin before the look
+    assert g.paused()
+    polled = []
+    assert not g.spin(1.0, lambda: polled.append(1) or True)
+    assert not polled and cpu.yields == 1  # paused: not even a yield
+    cpu.now += FIRST_PAUSE
+    assert not g.paused()
+    assert g.spin(1.0, lambda: True)
+
+
+def test_pauses_double_while_contention_persists_and_reset_after_a_clean_spin() -> None:
+    cpu = FakeCpu()
+    g = guard(cpu)
+    pauses = []
+    for _ in range(12):
+        cpu.slow = [SLOW_YIELD * 2]
+        start = cpu.now
+        g.spin(1.0, lambda: False)
+        end = start + SLOW_YIELD * 2
+        while g.paused():
+            cpu.now += 1e-4
+        pauses.append(round(cpu.now - end, 3))
+    assert pauses[0] == FIRST_PAUSE
+    assert pauses[1] == 2 * FIRST_PAUSE
+    assert max(pauses) <= MAX_PAUSE + 1e-3 and pauses[-1] >= MAX_PAUSE - 1e-3
+    assert g.spin(1.0, lambda: True)  # a clean spin: the next slow yield pauses briefly again
+    cpu.slow = [SLOW_YIELD * 2]
+    g.spin(1.0, lambda: False)
+    paused_at = cpu.now
+    while g.paused():
+        cpu.now += 1e-4
+    assert round(cpu.now - paused_at, 3) == FIRST_PAUSE
