@@ -46,7 +46,8 @@ class Config:
     compression: str = "none"  # THUNDERBOLT_COMPRESSION (lossy, float all_reduce only)
     compression_block: int = 256  # THUNDERBOLT_COMPRESSION_BLOCK: int8 values per scale
     congestion_control: str = ""  # THUNDERBOLT_CC: per-socket TCP congestion control (Linux), e.g. cubic
-    spin_us: int = 50  # THUNDERBOLT_SPIN_US: busy-poll this long before sleeping (0 = never)
+    spin_us: int = 200  # THUNDERBOLT_SPIN_US: busy-poll this long before sleeping (0 = never); a 2-rank
+    # ping-pong over loopback TCP waits ~70 µs per round trip, so a shorter spin ends in a wake-up each time
     link_timeout_ms: int = 3000  # THUNDERBOLT_LINK_TIMEOUT_MS: data unacknowledged this long = link lost
     debug: bool = False  # THUNDERBOLT_DEBUG=1: full per-op signature checks and verbose logs
     extra: dict = field(default_factory=dict, compare=False)

@@ -1,7 +1,7 @@
 """SpinGuard: when a waiting rank busy-polls, and how it backs off from a contended core (fake clock)."""
 from __future__ import annotations
 
-from torch_thunderbolt.transport.spin import FIRST_PAUSE, MAX_PAUSE, SLOW_YIELD, SpinGuard
+from torch_thunderbolt.transport.spin import CONTENDED_SPINS, FIRST_PAUSE, MAX_PAUSE, SLOW_YIELD, SpinGuard
 
 
 class FakeCpu:
@@ -44,39 +44,56 @@ def test_no_spin_time_means_no_spinning() -> None:
     assert cpu.yields == 0
 
 
-def test_a_slow_yield_pauses_spinning_briefly() -> None:
-    cpu = FakeCpu()
-    g = guard(cpu)
+def contended_spin(g: SpinGuard, cpu: FakeCpu) -> None:
     cpu.slow = [SLOW_YIELD * 2]
     assert not g.spin(1.0, lambda: True)  # the slow yield ends the spin before the look
-    assert g.paused()
-    polled = []
-    assert not g.spin(1.0, lambda: polled.append(1) or True)
-    assert not polled and cpu.yields == 1  # paused: not even a yield
-    cpu.now += FIRST_PAUSE
+
+
+def wait_out_pause(g: SpinGuard, cpu: FakeCpu) -> float:
+    start = cpu.now
+    while g.paused():
+        cpu.now += 1e-4
+    return round(cpu.now - start, 3)
+
+
+def test_one_slow_yield_ends_that_spin_but_does_not_pause_the_next() -> None:
+    cpu = FakeCpu()
+    g = guard(cpu)
+    for _ in range(CONTENDED_SPINS - 1):
+        contended_spin(g, cpu)
+        assert not g.paused()
+    assert g.spin(1.0, lambda: True)
+    contended_spin(g, cpu)  # the clean spin in between reset the count
     assert not g.paused()
+
+
+def test_spins_contended_in_a_row_pause_spinning() -> None:
+    cpu = FakeCpu()
+    g = guard(cpu)
+    for _ in range(CONTENDED_SPINS):
+        contended_spin(g, cpu)
+    assert g.paused()
+    yields = cpu.yields
+    assert not g.spin(1.0, lambda: True)
+    assert cpu.yields == yields  # paused: not even a yield
+    assert wait_out_pause(g, cpu) == FIRST_PAUSE
     assert g.spin(1.0, lambda: True)
 
 
 def test_pauses_double_while_contention_persists_and_reset_after_a_clean_spin() -> None:
     cpu = FakeCpu()
     g = guard(cpu)
+    for _ in range(CONTENDED_SPINS - 1):
+        contended_spin(g, cpu)
     pauses = []
     for _ in range(12):
-        cpu.slow = [SLOW_YIELD * 2]
-        start = cpu.now
-        g.spin(1.0, lambda: False)
-        end = start + SLOW_YIELD * 2
-        while g.paused():
-            cpu.now += 1e-4
-        pauses.append(round(cpu.now - end, 3))
-    assert pauses[0] == FIRST_PAUSE
-    assert pauses[1] == 2 * FIRST_PAUSE
+        contended_spin(g, cpu)
+        pauses.append(wait_out_pause(g, cpu))
+    assert pauses[0] == FIRST_PAUSE and pauses[1] == 2 * FIRST_PAUSE
     assert max(pauses) <= MAX_PAUSE + 1e-3 and pauses[-1] >= MAX_PAUSE - 1e-3
-    assert g.spin(1.0, lambda: True)  # a clean spin: the next slow yield pauses briefly again
-    cpu.slow = [SLOW_YIELD * 2]
-    g.spin(1.0, lambda: False)
-    paused_at = cpu.now
-    while g.paused():
-        cpu.now += 1e-4
-    assert round(cpu.now - paused_at, 3) == FIRST_PAUSE
+    assert g.spin(1.0, lambda: True)  # a clean spin: contention has to build up again
+    contended_spin(g, cpu)
+    assert not g.paused()
+    for _ in range(CONTENDED_SPINS - 1):
+        contended_spin(g, cpu)
+    assert wait_out_pause(g, cpu) == FIRST_PAUSE
