@@ -76,7 +76,7 @@ def test_default_window_is_bigger_when_ranks_outnumber_cores(monkeypatch) -> Non
     from torch_thunderbolt.transport import shm_connect
     monkeypatch.setattr(shm_connect.os, "cpu_count", lambda: 2)
     assert shm_connect.default_window_bytes(2) == 1 << 20
-    assert shm_connect.default_window_bytes(4) == 2 << 20
+    assert shm_connect.default_window_bytes(4) == 4 << 20
 
 
 def test_segment_names_fit_macos_and_carry_the_pid() -> None:
