@@ -122,6 +122,18 @@ def sendrecv_big():
     elif r == 1:
         x = torch.empty(2_000_000, dtype=torch.float64); dist.recv(x, 0); return torch.equal(x, torch.arange(2_000_000, dtype=torch.float64))
 check("send_recv_large", sendrecv_big)
+def p2p_shapes():  # 2-D and non-contiguous tensors on both ends (staged through a copy)
+    if w == 1: return True
+    src = torch.arange(12.0).view(3, 4)
+    if r == 0:
+        dist.send(src, 1); dist.send(src.t(), 1); dist.send(torch.tensor(5.0), 1)
+    elif r == 1:
+        a = torch.empty(3, 4); dist.recv(a, 0)
+        b = torch.empty(3, 4).t(); dist.recv(b, 0)
+        c = torch.empty(()); dist.recv(c, 0)
+        return torch.equal(a, src) and torch.equal(b, src.t()) and c.item() == 5.0
+    return True
+check("send_recv_shapes", p2p_shapes)
 def anysource():
     if w == 1: return True
     if r == 0:
