@@ -1,0 +1,146 @@
+"""The data-moving collectives of the torch ProcessGroup (broadcast, all_gather, gather, scatter,
+all_to_all, barrier and their tensor forms): torch's arguments to flat buffers, then the Communicator on
+the worker."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..algorithms.collectives import Communicator
+from ..config import Config
+from .tensors import Staged, check_same_dtype, flat_cat, rows_to_elems, split_into
+from .work import Work
+
+
+class DataMovementOps:
+    # Mixed into ThunderboltProcessGroup, which provides these:
+    _rank: int
+    _size: int
+    _cfg: Config
+    _submit: Callable[..., Work]
+    _with_timeout: Callable[[Any], Communicator]
+    _check_list: Callable[[list[torch.Tensor], str], None]
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
+        root = opts.rootRank
+        staged = [Staged(t, read=self._rank == root) for t in tensors]
+
+        def run() -> None:
+            comm = self._with_timeout(opts)
+            for s in staged:
+                comm.broadcast(s.flat, root)
+                s.write_back()
+
+        return self._submit("broadcast", run, tensors, sum(t.numel() * t.element_size() for t in tensors))
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        def run() -> None:
+            comm = self._with_timeout(opts)
+            for outs, x in zip(outputs, inputs):
+                self._check_list(outs, "all_gather output list")
+                check_same_dtype(outs + [x], "all_gather", self._rank)
+                counts = [o.numel() for o in outs]
+                flat = torch.empty(sum(counts), dtype=x.dtype)
+                comm.all_gather(flat, flat_cat([x]), counts)
+                split_into(flat, outs)
+
+        return self._submit("all_gather", run, outputs)
+
+    def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> Work:
+        return self.allgather(outputs, inputs, opts)
+
+    def _allgather_base(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> Work:
+        return self.all_gather_single(output, x, opts)
+
+    def all_gather_single(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> Work:
+        out = Staged(output, read=False)
+
+        def run() -> None:
+            if output.numel() != x.numel() * self._size:
+                raise ValueError(f"rank {self._rank}: all_gather_into_tensor: output has {output.numel()} "
+                                 f"elements, expected {self._size} x {x.numel()}")
+            self._with_timeout(opts).all_gather(out.flat, flat_cat([x]))
+            out.write_back()
+
+        return self._submit("all_gather_into_tensor", run, [output], output.numel() * output.element_size())
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> Work:
+        def run() -> None:
+            comm = self._with_timeout(opts)
+            for o, x in zip(outputs, inputs):
+                out = Staged(o, read=False)
+                comm.all_gather(out.flat, flat_cat([x]))
+                out.write_back()
+
+        return self._submit("all_gather_into_tensor_coalesced", run, outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Work:
+        root = opts.rootRank
+
+        def run() -> None:
+            x = inputs[0]
+            n = x.numel()
+            if self._rank == root:
+                outs = outputs[0]
+                self._check_list(outs, "gather_list")
+                flat = torch.empty(n * self._size, dtype=x.dtype)
+                self._with_timeout(opts).gather(flat, flat_cat([x]), root, [n] * self._size)
+                split_into(flat, outs)
+            else:
+                self._with_timeout(opts).gather(None, flat_cat([x]), root, [n] * self._size)
+
+        return self._submit("gather", run, outputs)
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:
+        root = opts.rootRank
+
+        def run() -> None:
+            out = Staged(outputs[0], read=False)
+            n = out.flat.numel()
+            src = None
+            if self._rank == root:
+                self._check_list(inputs[0], "scatter_list")
+                src = flat_cat(inputs[0])
+            self._with_timeout(opts).scatter(out.flat, src, root, [n] * self._size)
+            out.write_back()
+
+        return self._submit("scatter", run, outputs)
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        def run() -> None:
+            self._check_list(outputs, "all_to_all output list")
+            self._check_list(inputs, "all_to_all input list")
+            flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=outputs[0].dtype)
+            self._with_timeout(opts).all_to_all(flat_out, flat_cat(inputs), [t.numel() for t in inputs],
+                                                [o.numel() for o in outputs])
+            split_into(flat_out, outputs)
+
+        return self._submit("all_to_all", run, outputs)
+
+    def all_to_all_single(self, output: torch.Tensor, x: torch.Tensor, out_splits: list[int],
+                          in_splits: list[int], opts: Any = None) -> Work:
+        def run() -> None:
+            r, w = self._rank, self._size
+            send = rows_to_elems(x, list(in_splits), w, "all_to_all_single input", r)
+            recv = rows_to_elems(output, list(out_splits), w, "all_to_all_single output", r)
+            out = Staged(output, read=False)
+            self._with_timeout(opts).all_to_all(out.flat, flat_cat([x]), send, recv)
+            out.write_back()
+
+        return self._submit("all_to_all_single", run, [output])
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts: Any = None) -> Work:
+        def run() -> None:
+            self._with_timeout(opts).barrier()
+
+        return self._submit("barrier", run, [], 0)
+
+    def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
+        self.barrier(opts).wait()
