@@ -24,13 +24,13 @@ from collections import deque
 from typing import Callable
 
 from ..errors import BackendClosedError, MismatchError, PeerLostError, ProtocolError, ThunderboltError
-from ..protocol.framing import Frame, Kind, Space, abort_body
+from ..protocol.framing import Frame, Kind, Space
 from ..protocol.signature import describe_sig
 from . import shm_ring as ring
 from .base import ANY_SOURCE, DrivenTransport, Request
 from .matching import Matcher
 from .shm_segment import Segment
-from .shm_control import ABORT, BELL, BYE, LEN, ControlWire
+from .shm_control import BELL, BYE, ControlWire
 from .shm_window import ShmWindow, area_bytes
 from .spin import SpinGuard
 
@@ -296,40 +296,7 @@ class ShmTransport(ControlWire, DrivenTransport):
                     pass  # full buffer: it has bells to read anyway; a dead peer shows up as EOF
         self._to_ring.clear()
 
-    # -- failure and shutdown ---------------------------------------------------------------------------------
-    def abort(self, error: BaseException) -> None:
-        """Fail this transport with `error` and tell every peer why, so they fail fast and clearly too."""
-        with self._cv:
-            if self.broken is None and self._list:
-                self._fail(self._list[0], error, wrap=False)
-            elif self.broken is None:
-                super().abort(error)
-
-    def _fail(self, pe: _Peer, exc: BaseException, wrap: bool = True, tell_peers: bool = True) -> None:
-        """Enter BROKEN: every pending and later request gets the error; peers learn the root cause."""
-        if self.broken is not None:
-            return
-        if wrap:
-            err: BaseException = PeerLostError(
-                f"rank {self.rank}: lost the connection to rank {pe.rank} (shared memory, pid {pe.pid}): {exc}",
-                rank=self.rank, peer=pe.rank, address=self.peer_address(pe.rank))
-            err.__cause__ = exc
-        else:
-            err = exc
-        if tell_peers:
-            body = abort_body(err)
-            self._send_all(ABORT + LEN.pack(len(body)) + body)
-        log.error("%s", err)
-        self.broken = err
-        for r in self.matcher.pending():
-            r.error = err
-        for other in self._list:
-            for item in other.sendq:
-                item[0].error = err
-            other.sendq.clear()
-        self._close_sockets()
-        self._cv.notify_all()
-
+    # -- shutdown -------------------------------------------------------------------------------------------
     def _shutdown(self) -> None:
         with self._cv:
             if self.broken is None:

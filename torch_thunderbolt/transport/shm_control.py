@@ -1,25 +1,29 @@
 """The shm transport's control wire: one Unix socket per pair of ranks, carrying doorbell bytes (wake a
 sleeping rank), BYE (an orderly close) and ABORT texts (why a group failed). EOF without BYE means the peer
-process died, kill -9 included. A mixin of ShmTransport, which owns the peers, the lock and `_fail`.
+process died, kill -9 included. Entering BROKEN lives here too: it
+sends the ABORT. A mixin of ShmTransport, which owns the peers and the lock.
 """
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 import struct
 from typing import Any
 
-from ..errors import ProtocolError
+from ..errors import PeerLostError, ProtocolError
+from ..protocol.framing import abort_body
 from . import shm_ring as ring
 from .base import remote_error
 
+log = logging.getLogger("torch_thunderbolt.shm")
 BELL, BYE, ABORT = b"\x00", b"B", b"A"
 LEN = struct.Struct("<I")  # length prefix of an ABORT text
 
 
 class ControlWire:
-    """Needs from its host class: `rank`, `broken`, `matcher`, `_list` (peers with sock, eof, bye, ctl,
-    flag, rank, pid), `_read(pe)` and `_fail(pe, exc, wrap=...)`."""
+    """Needs from its host class: `rank`, `broken`, `matcher`, `_cv`, `_list` (peers with sock, eof, bye,
+    ctl, flag, rank, pid, sendq), `peer_address(rank)` and `_read(pe)`."""
 
     def wake_sleepers(self) -> None:
         """After a window post: ring the bell of every peer asleep in poll() (it may wait for that post)."""
@@ -122,3 +126,37 @@ class ControlWire:
                 pass
             pe.sock.close()
             pe.eof = True
+
+    # -- failure -------------------------------------------------------------------------------------------
+    def abort(self, error: BaseException) -> None:
+        """Fail this transport with `error` and tell every peer why, so they fail fast and clearly too."""
+        with self._cv:
+            if self.broken is None and self._list:
+                self._fail(self._list[0], error, wrap=False)
+            elif self.broken is None:
+                super().abort(error)
+
+    def _fail(self, pe: Any, exc: BaseException, wrap: bool = True, tell_peers: bool = True) -> None:
+        """Enter BROKEN: every pending and later request gets the error; peers learn the root cause."""
+        if self.broken is not None:
+            return
+        if wrap:
+            err: BaseException = PeerLostError(
+                f"rank {self.rank}: lost the connection to rank {pe.rank} (shared memory, pid {pe.pid}): {exc}",
+                rank=self.rank, peer=pe.rank, address=self.peer_address(pe.rank))
+            err.__cause__ = exc
+        else:
+            err = exc
+        if tell_peers:
+            body = abort_body(err)
+            self._send_all(ABORT + LEN.pack(len(body)) + body)
+        log.error("%s", err)
+        self.broken = err
+        for r in self.matcher.pending():
+            r.error = err
+        for other in self._list:
+            for item in other.sendq:
+                item[0].error = err
+            other.sendq.clear()
+        self._close_sockets()
+        self._cv.notify_all()
