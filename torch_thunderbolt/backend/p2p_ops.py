@@ -46,7 +46,7 @@ class PointToPointOps:
         who = "any rank" if peer == ANY_SOURCE else f"rank {peer}"
         what = f"{verb} {who} (tag {tag}) on rank {self._rank}"
 
-        def wait_fn(seconds: float | None) -> None:
+        def wait_fn(work: Work, seconds: float | None) -> None:
             budget = seconds if seconds is not None else self._timeout
             self._transport.wait([req], time.monotonic() + budget, what)
             _ = keep  # the buffer must stay alive until the transfer is done
@@ -57,5 +57,5 @@ class PointToPointOps:
 
         work = Work(what, result, wait_fn)
         if req.done and req.error is None:
-            wait_fn(None)
+            wait_fn(work, None)
         return work
