@@ -3,25 +3,16 @@ all_to_all, barrier and their tensor forms): torch's arguments to flat buffers, 
 the worker."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from ..algorithms.collectives import Communicator
-from ..config import Config
 from .tensors import Staged, check_same_dtype, flat_cat, rows_to_elems, split_into
+from .host import GroupHost
 from .work import Work
 
 
-class DataMovementOps:
-    # Mixed into ThunderboltProcessGroup, which provides these:
-    _rank: int
-    _size: int
-    _cfg: Config
-    _submit: Callable[..., Work]
-    _with_timeout: Callable[[Any], Communicator]
-    _check_list: Callable[[list[torch.Tensor], str], None]
-
+class DataMovementOps(GroupHost):
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
         root = opts.rootRank
         staged = [Staged(t, read=self._rank == root) for t in tensors]

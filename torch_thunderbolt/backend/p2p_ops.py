@@ -9,17 +9,13 @@ from typing import Any, Callable
 import torch
 
 from ..algorithms.plan import tensor_bytes
-from ..transport.base import ANY_SOURCE, Transport
+from ..transport.base import ANY_SOURCE
 from .tensors import Staged, flat_cat, split_into
+from .host import GroupHost
 from .work import Work
 
 
-class PointToPointOps:
-    # Mixed into ThunderboltProcessGroup, which provides these:
-    _rank: int
-    _timeout: float
-    _transport: Transport
-
+class PointToPointOps(GroupHost):
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work:
         flat = flat_cat(tensors)
         req = self._transport.isend_p2p(dst, tag, tensor_bytes(flat))

@@ -2,27 +2,19 @@
 coalesced and tensor forms): torch's arguments to flat buffers, then the Communicator on the worker."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..algorithms.collectives import Communicator
 from ..compression.allreduce import compressed_all_reduce
-from ..config import Config
 from .tensors import Staged, flat_cat, reduce_op, split_into
+from .host import GroupHost
 from .work import Work
 
 
-class ReductionOps:
-    # Mixed into ThunderboltProcessGroup, which provides these:
-    _rank: int
-    _size: int
-    _cfg: Config
-    _submit: Callable[..., Work]
-    _with_timeout: Callable[[Any], Communicator]
-    _check_list: Callable[[list[torch.Tensor], str], None]
-
+class ReductionOps(GroupHost):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         staged = [Staged(t) for t in tensors]
