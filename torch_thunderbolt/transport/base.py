@@ -8,6 +8,7 @@ pending and later request gets the same error at once.
 from __future__ import annotations
 
 import abc
+import logging
 import re
 import socket
 import threading
@@ -20,6 +21,7 @@ from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, Peer
 from ..protocol.framing import Space
 from .window import Window
 
+log = logging.getLogger("torch_thunderbolt.transport")
 Key = tuple[int, int, int]  # (space, tag, seq)
 ANY_SOURCE = -1
 
@@ -159,6 +161,24 @@ class Transport(abc.ABC):
         self._shutdown()
 
     # -- helpers for subclasses -------------------------------------------------------------------
+    def _lost(self, peer: int, where: str, exc: BaseException, address: str = "") -> PeerLostError:
+        """What a broken connection to `peer` becomes, with the OS error as its cause: the one place the
+        engines turn a socket error into the error the user sees."""
+        err = PeerLostError(f"rank {self.rank}: lost the connection to rank {peer} {where}: {exc}",
+                            rank=self.rank, peer=peer, address=address)
+        err.__cause__ = exc
+        return err
+
+    def _enter_broken(self, err: BaseException, queued: Iterable[Request]) -> None:
+        """BROKEN for good: every posted receive and every queued send gets `err` at once; later operations
+        get it from `_check_usable`. (Caller holds the lock, closes its sockets and notifies.)"""
+        log.error("%s", err)
+        self.broken = err
+        for r in self.matcher.pending():
+            r.error = err
+        for r in queued:
+            r.error = err
+
     def _check_usable(self) -> None:
         if self.broken is not None:
             raise self.broken

@@ -74,9 +74,7 @@ class MemoryTransport(Transport):
 
     def _fail(self, exc: BaseException) -> None:
         if self.broken is None:
-            self.broken = exc
-            for r in self.matcher.pending():
-                r.error = exc
+            self._enter_broken(exc, ())  # sends are eager: none is ever queued
         self.hub.cv.notify_all()
 
     def _shutdown(self) -> None:

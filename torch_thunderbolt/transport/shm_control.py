@@ -11,7 +11,7 @@ import socket
 import struct
 from typing import Any
 
-from ..errors import PeerLostError, ProtocolError
+from ..errors import ProtocolError
 from ..protocol.framing import abort_body
 from . import shm_ring as ring
 from .base import remote_error
@@ -140,23 +140,12 @@ class ControlWire:
         """Enter BROKEN: every pending and later request gets the error; peers learn the root cause."""
         if self.broken is not None:
             return
-        if wrap:
-            err: BaseException = PeerLostError(
-                f"rank {self.rank}: lost the connection to rank {pe.rank} (shared memory, pid {pe.pid}): {exc}",
-                rank=self.rank, peer=pe.rank, address=self.peer_address(pe.rank))
-            err.__cause__ = exc
-        else:
-            err = exc
+        err = self._lost(pe.rank, f"(shared memory, pid {pe.pid})", exc, self.peer_address(pe.rank)) if wrap else exc
         if tell_peers:
             body = abort_body(err)
             self._send_all(ABORT + LEN.pack(len(body)) + body)
-        log.error("%s", err)
-        self.broken = err
-        for r in self.matcher.pending():
-            r.error = err
+        self._enter_broken(err, [item[0] for other in self._list for item in other.sendq])
         for other in self._list:
-            for item in other.sendq:
-                item[0].error = err
             other.sendq.clear()
         self._close_sockets()
         self._cv.notify_all()

@@ -8,7 +8,7 @@ import logging
 import socket
 import threading
 
-from ..errors import BackendClosedError, PeerLostError
+from ..errors import BackendClosedError
 from ..protocol.framing import Kind, Space, encode_abort, encode_frame_header
 from .base import remote_error
 from .tcp_conn import Stream
@@ -41,23 +41,11 @@ class StreamLifecycle:
         """Enter BROKEN: every pending and later request gets the error; peers learn the root cause."""
         if self.broken is not None:
             return
-        if wrap:
-            err: BaseException = PeerLostError(
-                f"rank {self.rank}: lost the connection to rank {c.peer} at {c.addr} (stream {c.stream}): "
-                f"{exc}", rank=self.rank, peer=c.peer, address=c.addr)
-            err.__cause__ = exc
-        else:
-            err = exc
+        err = self._lost(c.peer, f"at {c.addr} (stream {c.stream})", exc, c.addr) if wrap else exc
         if tell_peers:
             self._send_abort(err)
-        log.error("%s", err)
-        self.broken = err
-        for r in self.matcher.pending():
-            r.error = err
+        self._enter_broken(err, [out.req for o in self._all for out in o.sendq if out.req is not None])
         for other in self._all:
-            for out in other.sendq:
-                if out.req is not None:
-                    out.req.error = err
             other.sendq.clear()
         self._close_sockets()
         self._cv.notify_all()
