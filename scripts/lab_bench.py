@@ -42,6 +42,7 @@ class Scenario:
     rate: str
     cables: int = 1
     ifnames: dict[int, str] = field(default_factory=dict)  # host -> THUNDERBOLT_IFNAME override
+    nproc_per_host: int = 1  # >1: ranks on one emulated Mac share memory (the hybrid shm + TCP transport)
 
 
 SCENARIOS = {f"{t}{n}-{r}": Scenario(f"{t}{n}-{r}", n, t, r)
@@ -49,6 +50,7 @@ SCENARIOS = {f"{t}{n}-{r}": Scenario(f"{t}{n}-{r}", n, t, r)
 ONE_CABLE = Scenario("pair-1cable-1gbit", 2, "pair", "1gbit", 2, {0: "tb1_0", 1: "tb0_0"})
 TWO_CABLES = Scenario("pair-2cables-1gbit", 2, "pair", "1gbit", 2)
 COMPRESSION = Scenario("pair-compression-1gbit", 2, "pair", "1gbit")
+SCENARIOS["pair2x2-1gbit"] = Scenario("pair2x2-1gbit", 2, "pair", "1gbit", nproc_per_host=2)
 
 
 # ---- pure helpers ----------------------------------------------------------------------------------------
@@ -101,10 +103,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def launch(hostfile: Path, cmd: list[str], timeout: float) -> tuple[list[str], str]:
+def launch(hostfile: Path, cmd: list[str], timeout: float, nproc_per_host: int = 1) -> tuple[list[str], str]:
     """Run `cmd` on every host through the launcher; returns (argv used, stdout)."""
     argv = [sys.executable, "-m", "torch_thunderbolt", "launch", "--hostfile", str(hostfile), "--master-port",
-            str(MASTER_PORT), "--grace", "2", "--", *cmd]
+            str(MASTER_PORT), "--grace", "2", "--nproc-per-host", str(nproc_per_host), "--", *cmd]
     done = subprocess.run(argv, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{shlex.join(argv)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -126,7 +128,7 @@ def run_bench(scenario: Scenario, work: Path, ops: str, sizes: str, iters: int, 
            "-w", str(warmup), "--json", str(out_json), "--no-progress", "--timeout", "900"]
 
     def body(lab, hostfile):
-        argv, stdout = launch(hostfile, cmd, timeout=1200)
+        argv, stdout = launch(hostfile, cmd, timeout=1200, nproc_per_host=scenario.nproc_per_host)
         return {"argv": argv, "stdout": stdout, "doc": json.loads(out_json.read_text())}
 
     return with_lab(scenario, work, body)
@@ -135,11 +137,12 @@ def run_bench(scenario: Scenario, work: Path, ops: str, sizes: str, iters: int, 
 def lab_command(scenario: Scenario, cmd_tail: str) -> str:
     """The commands a reader types to repeat a scenario by hand."""
     extra = f" --cables {scenario.cables}" if scenario.cables > 1 else ""
+    nproc = f" --nproc-per-host {scenario.nproc_per_host}" if scenario.nproc_per_host > 1 else ""
     return (f"sudo torch-thunderbolt lab up --hosts {scenario.hosts} --topology {scenario.topology} "
             f"--rate {scenario.rate}{extra} --cc {CC}\n"
             f"torch-thunderbolt lab hostfile -o hosts.json"
             f"{'   # then set ifname to one cable per host' if scenario.ifnames else ''}\n"
-            f"sudo torch-thunderbolt launch --hostfile hosts.json -- {cmd_tail}\n"
+            f"sudo torch-thunderbolt launch --hostfile hosts.json{nproc} -- {cmd_tail}\n"
             f"sudo torch-thunderbolt lab down")
 
 
@@ -206,8 +209,9 @@ def run_compression(work: Path, size: int, iters: int) -> dict:
 
 def scenario_section(scenario: Scenario, run: dict, bench_tail: str) -> list[str]:
     meta = run["doc"].get("meta", {})
-    lines = [f"### {scenario.name}: {scenario.hosts} hosts, {scenario.topology}, {scenario.cables} cable(s) per "
-             f"cabled pair at {scenario.rate}", "",
+    per_host = f", {scenario.nproc_per_host} ranks per host" if scenario.nproc_per_host > 1 else ""
+    lines = [f"### {scenario.name}: {scenario.hosts} hosts{per_host}, {scenario.topology}, {scenario.cables} "
+             f"cable(s) per cabled pair at {scenario.rate}", "",
              "```", lab_command(scenario, bench_tail), "```", "",
              f"(ran: `python {shlex.join(run['argv'][1:])}`; congestion control {meta.get('congestion_control', CC)}; "
              f"{meta.get('iters', '?')} iterations after {meta.get('warmup', '?')} warm-up; time = median of the "

@@ -1,4 +1,4 @@
-"""Hierarchical all-reduce plans (reduce within a host, all-reduce among leaders, broadcast within a host):
+"""Hierarchical all-reduce and all-gather plans (within a host, among leaders, back within a host):
 pairwise message order, who talks to whom, and exact results over the in-memory transport."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from torch_thunderbolt.algorithms import reference as ref
 from torch_thunderbolt.algorithms import select
-from torch_thunderbolt.algorithms.hierarchy import hierarchical_allreduce
+from torch_thunderbolt.algorithms.hierarchy import hierarchical_all_gather, hierarchical_allreduce
 from torch_thunderbolt.algorithms.plan import RECV, SEND
 from torch_thunderbolt.algorithms.shape import Shape
 from torch_thunderbolt.config import Config
@@ -76,3 +76,69 @@ def test_results_are_exact_and_identical_on_every_rank(layout: str) -> None:
             else:
                 assert torch.allclose(got[r][seed], want, rtol=1e-5, atol=1e-4), (layout, n, r)
             assert torch.equal(got[r][seed], got[0][seed]), "results must be bit-identical on every rank"
+
+
+# -- all_gather ---------------------------------------------------------------------------------------------
+GATHER_LAYOUTS = {
+    "2x2": [[0, 1], [2, 3]],
+    "3x2": [[0, 1], [2, 3], [4, 5]],
+    "2+1+2, leader not the lowest": [[1, 0], [2], [4, 3]],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(GATHER_LAYOUTS))
+@pytest.mark.parametrize("counts_kind", ["even", "uneven with zeros"])
+def test_all_gather_plans_keep_pairwise_order_and_cross_hosts_only_between_leaders(layout: str,
+                                                                                      counts_kind: str) -> None:
+    groups = GATHER_LAYOUTS[layout]
+    world = sum(map(len, groups))
+    counts = [300] * world if counts_kind == "even" else [(7 * r + 3) % 5 * 100 for r in range(world)]
+    plans = [hierarchical_all_gather(r, groups, counts, 128) for r in range(world)]
+    check_pairwise_order(plans)
+    host = {r: i for i, g in enumerate(groups) for r in g}
+    leaders = {g[0] for g in groups}
+    for plan in plans:
+        for s in plan.steps:
+            if s.kind in (SEND, RECV) and host[s.peer] != host[plan.rank]:
+                assert plan.rank in leaders and s.peer in leaders, (layout, plan.rank, s)
+
+
+def test_all_gather_picks_the_hierarchy_only_for_large_messages_and_consecutive_hosts() -> None:
+    cfg = Config()
+    big = [1 << 18] * 4
+    shape = Shape("mesh", [0, 1, 2, 3], {}, [[0, 1], [2, 3]])
+    assert select.all_gather_plan(cfg, 0, 4, big, 4, shape).algo == "hier"
+    assert select.all_gather_plan(cfg, 0, 4, [10] * 4, 4, shape).algo != "hier"
+    interleaved = Shape("mesh", [0, 2, 1, 3], {}, [[0, 2], [1, 3]])  # a host's blocks are not one range
+    assert select.all_gather_plan(cfg, 0, 4, big, 4, interleaved).algo != "hier"
+    assert select.all_gather_plan(cfg, 0, 4, big, 4, Shape.full(4)).algo != "hier"
+    assert select.all_gather_plan(Config(algo="ring"), 0, 4, big, 4, shape).algo != "hier"
+
+
+@pytest.mark.parametrize("layout", sorted(GATHER_LAYOUTS))
+def test_all_gather_results_are_exact(layout: str) -> None:
+    groups = GATHER_LAYOUTS[layout]
+    world = sum(map(len, groups))
+    order = [r for g in groups for r in g]
+    cfg = Config(chunk_bytes=1024, small_bytes=0)
+    cases = [[n] * world for n in (1, 7, 3001)] + [[(5 * r + 1) % 4 * 333 for r in range(world)]]
+
+    def body(comm):
+        comm.shape = Shape("mesh", order, {}, groups)
+        out = []
+        for seed, counts in enumerate(cases):
+            for dt in (torch.float32, torch.int64):
+                x = make_input(comm.rank, counts[comm.rank], dt, seed)
+                y = torch.full((sum(counts),), -1, dtype=dt)
+                comm.all_gather(y, x, counts)
+                out.append(y)
+        return out
+
+    got = run_world(world, body, cfg)
+    k = 0
+    for seed, counts in enumerate(cases):
+        for dt in (torch.float32, torch.int64):
+            want = ref.all_gather([make_input(r, counts[r], dt, seed) for r in range(world)])[0]
+            for r in range(world):
+                assert torch.equal(got[r][k], want), (layout, counts, dt, r)
+            k += 1

@@ -1,16 +1,20 @@
-"""Hierarchical all-reduce for jobs whose hosts run several ranks: reduce within each host to its leader
-(shared memory), all-reduce among the leaders (the cables), broadcast within each host.
+"""Hierarchical collectives for jobs whose hosts run several ranks.
 
-Each byte crosses the cables 2(H-1)/H times for H hosts instead of 2(W-1)/W for W ranks, and the
-same-host phases never touch the network. The three phases run one after the other on each rank (a
+all_reduce: reduce within each host to its leader (shared memory), all-reduce among the leaders (the
+cables), broadcast within each host. Each byte crosses the cables 2(H-1)/H times for H hosts instead of
+2(W-1)/W for W ranks, and the same-host phases never touch the network.
+
+all_gather: gather within each host to its leader, all-gather of whole host blocks among the leaders,
+broadcast of the result within each host: a cable carries (H-1)/H of the output instead of (W-1)/W. The three phases run one after the other on each rank (a
 zero-length join step between them), so their scratch can be shared; a leader's cable phase starts as
 soon as its own host is reduced, without waiting for the other hosts. Pure plan builders.
 """
 from __future__ import annotations
 
 from . import chain, ring
-from .layout import split_even
+from .layout import offsets, split_even
 from .plan import COPY, RECV, SEND, Plan
+from .ring import Segments
 
 PHASE_MSG = 1 << 28  # message ids of phase k start at k * PHASE_MSG (a biring uses ids up to ~1 << 24 + n)
 
@@ -62,5 +66,35 @@ def hierarchical_allreduce(rank: int, groups: list[list[int]], count: int, chunk
     across = leaders_allreduce(rank, [g[0] for g in groups], count, chunk, line)
     local_bcast = chain.chain_broadcast(rank, mine, leader, count, chunk)
     plan = then(then(local_reduce, across, PHASE_MSG), local_bcast, 2 * PHASE_MSG)
+    plan.world, plan.algo = world, "hier"
+    return plan
+
+
+def contiguous_hosts(groups: list[list[int]]) -> bool:
+    """Each host's ranks are consecutive numbers, so its blocks of an all_gather form one range."""
+    return all(sorted(g) == list(range(min(g), min(g) + len(g))) for g in groups)
+
+
+def hierarchical_all_gather(rank: int, groups: list[list[int]], counts: list[int], chunk: int) -> Plan:
+    """"out" holds this rank's block in place (blocks of `counts`, rank order); fill in all the others.
+    Needs `contiguous_hosts(groups)`; the first rank of each group is its leader."""
+    mine = next(g for g in groups if rank in g)
+    leader = mine[0]
+    starts = offsets(counts)
+    world = sum(len(g) for g in groups)
+    local_gather = Plan(rank, world, "gather")
+    if rank != leader:
+        local_gather.send(leader, "out", starts[rank], counts[rank], 0)
+    else:
+        for p in mine[1:]:
+            local_gather.recv(p, "out", starts[p], counts[p], 0)
+    host_segs: Segments = [(starts[min(g)], sum(counts[p] for p in g)) for g in groups]
+    leaders = [g[0] for g in groups]
+    across = Plan(rank, len(leaders), "none")
+    if rank in leaders and len(leaders) > 1:
+        across = relabel(ring.ring_all_gather(leaders.index(rank), list(range(len(leaders))), host_segs, chunk),
+                         leaders)
+    local_bcast = chain.chain_broadcast(rank, mine, leader, sum(counts), chunk)
+    plan = then(then(local_gather, across, PHASE_MSG), local_bcast, 2 * PHASE_MSG)
     plan.world, plan.algo = world, "hier"
     return plan

@@ -65,6 +65,8 @@ def all_gather_plan(cfg: Config, rank: int, world: int, counts: list[int], elem:
     segs = list(zip(offsets(counts), counts))
     if world == 1 or _small(cfg, sum(counts) * elem):
         return direct.direct_all_gather(rank, world, segs)
+    if (cfg.algo == "auto" and 1 < len(shape.groups) < world and hierarchy.contiguous_hosts(shape.groups)):
+        return hierarchy.hierarchical_all_gather(rank, shape.groups, counts, _chunk_elems(cfg, elem))
     return ring.ring_all_gather(rank, shape.order, segs, _chunk_elems(cfg, elem))
 
 
