@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 MASTER_PORT = 29621  # inside the lab's namespaces only
 CC = "reno"  # every namespace, so gloo and thunderbolt run under the same congestion control
-BENCH_OPS = "all_reduce,broadcast,all_gather"
+BENCH_OPS = "all_reduce,broadcast,all_gather,reduce_scatter"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import torch
 
 from torch_thunderbolt.algorithms import reference as ref
 from torch_thunderbolt.algorithms import select
-from torch_thunderbolt.algorithms.hierarchy import hierarchical_all_gather, hierarchical_allreduce
+from torch_thunderbolt.algorithms.hierarchy import (hierarchical_all_gather, hierarchical_allreduce,
+                                                     hierarchical_reduce_scatter)
 from torch_thunderbolt.algorithms.plan import RECV, SEND
 from torch_thunderbolt.algorithms.shape import Shape
 from torch_thunderbolt.config import Config
@@ -141,4 +142,62 @@ def test_all_gather_results_are_exact(layout: str) -> None:
             want = ref.all_gather([make_input(r, counts[r], dt, seed) for r in range(world)])[0]
             for r in range(world):
                 assert torch.equal(got[r][k], want), (layout, counts, dt, r)
+            k += 1
+
+
+# -- reduce_scatter ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", sorted(GATHER_LAYOUTS))
+@pytest.mark.parametrize("counts_kind", ["even", "uneven with zeros"])
+def test_reduce_scatter_plans_keep_pairwise_order_and_cross_hosts_only_between_leaders(layout: str,
+                                                                                          counts_kind: str) -> None:
+    groups = GATHER_LAYOUTS[layout]
+    world = sum(map(len, groups))
+    counts = [300] * world if counts_kind == "even" else [(7 * r + 3) % 5 * 100 for r in range(world)]
+    plans = [hierarchical_reduce_scatter(r, groups, counts, 128) for r in range(world)]
+    check_pairwise_order(plans)
+    host = {r: i for i, g in enumerate(groups) for r in g}
+    leaders = {g[0] for g in groups}
+    for plan in plans:
+        for s in plan.steps:
+            if s.kind in (SEND, RECV) and host[s.peer] != host[plan.rank]:
+                assert plan.rank in leaders and s.peer in leaders, (layout, plan.rank, s)
+
+
+def test_reduce_scatter_picks_the_hierarchy_only_for_large_messages_and_consecutive_hosts() -> None:
+    cfg = Config()
+    big = [1 << 18] * 4
+    shape = Shape("mesh", [0, 1, 2, 3], {}, [[0, 1], [2, 3]])
+    assert select.reduce_scatter_plan(cfg, 0, 4, big, 4, shape)[0].algo == "hier"
+    assert select.reduce_scatter_plan(cfg, 0, 4, [10] * 4, 4, shape)[0].algo != "hier"
+    interleaved = Shape("mesh", [0, 2, 1, 3], {}, [[0, 2], [1, 3]])
+    assert select.reduce_scatter_plan(cfg, 0, 4, big, 4, interleaved)[0].algo != "hier"
+    assert select.reduce_scatter_plan(Config(algo="ring"), 0, 4, big, 4, shape)[0].algo != "hier"
+
+
+@pytest.mark.parametrize("layout", sorted(GATHER_LAYOUTS))
+def test_reduce_scatter_results_are_exact(layout: str) -> None:
+    groups = GATHER_LAYOUTS[layout]
+    world = sum(map(len, groups))
+    order = [r for g in groups for r in g]
+    cfg = Config(chunk_bytes=1024, small_bytes=0)
+    cases = [[n] * world for n in (1, 7, 3001)] + [[(5 * r + 1) % 4 * 333 for r in range(world)]]
+
+    def body(comm):
+        comm.shape = Shape("mesh", order, {}, groups)
+        out = []
+        for seed, counts in enumerate(cases):
+            for dt, op in ((torch.int64, "sum"), (torch.float64, "max")):
+                x = make_input(comm.rank, sum(counts), dt, seed)
+                y = torch.full((counts[comm.rank],), -1, dtype=dt)
+                comm.reduce_scatter(y, x, counts, op)
+                out.append(y)
+        return out
+
+    got = run_world(world, body, cfg)
+    k = 0
+    for seed, counts in enumerate(cases):
+        for dt, op in ((torch.int64, "sum"), (torch.float64, "max")):
+            want = ref.reduce_scatter([make_input(r, sum(counts), dt, seed) for r in range(world)], op, counts)
+            for r in range(world):
+                assert torch.equal(got[r][k], want[r]), (layout, counts, dt, op, r)
             k += 1

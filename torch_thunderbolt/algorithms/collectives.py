@@ -154,9 +154,9 @@ class Communicator:
         es = x.element_size()
         plan, in_place = self._plan(("rs", tuple(counts), es), lambda: select.reduce_scatter_plan(
             self.cfg, self.rank, self.world, counts, es, self.shape))
-        if in_place:  # ring: reduce a full working copy, then keep our block
+        if in_place:  # ring, hierarchy: reduce a full working copy ("in" and "out"), then keep our block
             work = self._tmp_full(x)
-            self._run(plan, "reduce_scatter", {"out": work}, op, x, count=sum(counts))
+            self._run(plan, "reduce_scatter", {"in": work, "out": work}, op, x, count=sum(counts))
             start = offsets(counts)[self.rank]
             out.copy_(work[start : start + counts[self.rank]])
         else:

@@ -5,7 +5,9 @@ cables), broadcast within each host. Each byte crosses the cables 2(H-1)/H times
 2(W-1)/W for W ranks, and the same-host phases never touch the network.
 
 all_gather: gather within each host to its leader, all-gather of whole host blocks among the leaders,
-broadcast of the result within each host: a cable carries (H-1)/H of the output instead of (W-1)/W. The three phases run one after the other on each rank (a
+broadcast of the result within each host: a cable carries (H-1)/H of the output instead of (W-1)/W.
+reduce_scatter: the mirror image: reduce within each host to its leader, reduce-scatter of host blocks
+among the leaders, each leader hands its ranks their blocks. The three phases run one after the other on each rank (a
 zero-length join step between them), so their scratch can be shared; a leader's cable phase starts as
 soon as its own host is reduced, without waiting for the other hosts. Pure plan builders.
 """
@@ -88,13 +90,41 @@ def hierarchical_all_gather(rank: int, groups: list[list[int]], counts: list[int
     else:
         for p in mine[1:]:
             local_gather.recv(p, "out", starts[p], counts[p], 0)
-    host_segs: Segments = [(starts[min(g)], sum(counts[p] for p in g)) for g in groups]
     leaders = [g[0] for g in groups]
     across = Plan(rank, len(leaders), "none")
     if rank in leaders and len(leaders) > 1:
-        across = relabel(ring.ring_all_gather(leaders.index(rank), list(range(len(leaders))), host_segs, chunk),
-                         leaders)
+        across = relabel(ring.ring_all_gather(leaders.index(rank), list(range(len(leaders))),
+                                              _host_blocks(groups, counts), chunk), leaders)
     local_bcast = chain.chain_broadcast(rank, mine, leader, sum(counts), chunk)
     plan = then(then(local_gather, across, PHASE_MSG), local_bcast, 2 * PHASE_MSG)
+    plan.world, plan.algo = world, "hier"
+    return plan
+
+
+def _host_blocks(groups: list[list[int]], counts: list[int]) -> Segments:
+    starts = offsets(counts)
+    return [(starts[min(g)], sum(counts[p] for p in g)) for g in groups]
+
+
+def hierarchical_reduce_scatter(rank: int, groups: list[list[int]], counts: list[int], chunk: int) -> Plan:
+    """Reduce "in" (aliasing "out": a full working copy) so that this rank's block of "out" holds the
+    reduction over every rank. Needs `contiguous_hosts(groups)`; the first rank of each group leads."""
+    mine = next(g for g in groups if rank in g)
+    leader = mine[0]
+    starts = offsets(counts)
+    world = sum(len(g) for g in groups)
+    local_reduce = chain.chain_reduce(rank, mine, leader, sum(counts), chunk)
+    leaders = [g[0] for g in groups]
+    across = Plan(rank, len(leaders), "none")
+    if rank in leaders and len(leaders) > 1:
+        across = relabel(ring.ring_reduce_scatter(leaders.index(rank), list(range(len(leaders))),
+                                                  _host_blocks(groups, counts), chunk), leaders)
+    local_scatter = Plan(rank, world, "scatter")
+    if rank == leader:
+        for p in mine[1:]:
+            local_scatter.send(p, "out", starts[p], counts[p], 0)
+    else:
+        local_scatter.recv(leader, "out", starts[rank], counts[rank], 0)
+    plan = then(then(local_reduce, across, PHASE_MSG), local_scatter, 2 * PHASE_MSG)
     plan.world, plan.algo = world, "hier"
     return plan

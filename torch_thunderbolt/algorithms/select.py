@@ -39,6 +39,11 @@ def _line_from(shape: Shape, root: int) -> list[int]:
     return shape.order[p:] + shape.order[:p]
 
 
+def _hierarchical(cfg: Config, world: int, shape: Shape) -> bool:
+    """Several ranks on some host, each host's ranks consecutive: its blocks form one range per host."""
+    return cfg.algo == "auto" and 1 < len(shape.groups) < world and hierarchy.contiguous_hosts(shape.groups)
+
+
 def allreduce_plan(cfg: Config, rank: int, world: int, count: int, elem: int, shape: Shape) -> Plan:
     if world == 1 or _small(cfg, count * elem) or count < world:
         return direct.direct_allreduce(rank, world, count)
@@ -58,6 +63,8 @@ def reduce_scatter_plan(cfg: Config, rank: int, world: int, counts: list[int], e
     segs = list(zip(offsets(counts), counts))
     if world == 1 or _small(cfg, sum(counts) * elem):
         return direct.direct_reduce_scatter(rank, world, segs), False
+    if _hierarchical(cfg, world, shape):
+        return hierarchy.hierarchical_reduce_scatter(rank, shape.groups, counts, _chunk_elems(cfg, elem)), True
     return ring.ring_reduce_scatter(rank, shape.order, segs, _chunk_elems(cfg, elem)), True
 
 
@@ -65,7 +72,7 @@ def all_gather_plan(cfg: Config, rank: int, world: int, counts: list[int], elem:
     segs = list(zip(offsets(counts), counts))
     if world == 1 or _small(cfg, sum(counts) * elem):
         return direct.direct_all_gather(rank, world, segs)
-    if (cfg.algo == "auto" and 1 < len(shape.groups) < world and hierarchy.contiguous_hosts(shape.groups)):
+    if _hierarchical(cfg, world, shape):
         return hierarchy.hierarchical_all_gather(rank, shape.groups, counts, _chunk_elems(cfg, elem))
     return ring.ring_all_gather(rank, shape.order, segs, _chunk_elems(cfg, elem))
 
