@@ -24,6 +24,15 @@ LAYOUTS = {
 }
 
 
+def assert_only_leaders_cross_hosts(plans, groups: list[list[int]]) -> None:
+    host = {r: i for i, g in enumerate(groups) for r in g}
+    leaders = {g[0] for g in groups}
+    for plan in plans:
+        for s in plan.steps:
+            if s.kind in (SEND, RECV) and host[s.peer] != host[plan.rank]:
+                assert plan.rank in leaders and s.peer in leaders, (groups, plan.rank, s)
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("line", [False, True])
 @pytest.mark.parametrize("count", [6, 1001, 4099])
@@ -33,12 +42,7 @@ def test_plans_keep_pairwise_order_and_cross_hosts_only_between_leaders(layout: 
     world = sum(map(len, groups))
     plans = [hierarchical_allreduce(r, groups, count, 100, line) for r in range(world)]
     check_pairwise_order(plans)
-    host = {r: i for i, g in enumerate(groups) for r in g}
-    leaders = {g[0] for g in groups}
-    for plan in plans:
-        for s in plan.steps:
-            if s.kind in (SEND, RECV) and host[s.peer] != host[plan.rank]:
-                assert plan.rank in leaders and s.peer in leaders, (layout, plan.rank, s)
+    assert_only_leaders_cross_hosts(plans, groups)
 
 
 def test_auto_picks_it_only_for_large_messages_with_host_groups() -> None:
@@ -79,125 +83,84 @@ def test_results_are_exact_and_identical_on_every_rank(layout: str) -> None:
             assert torch.equal(got[r][seed], got[0][seed]), "results must be bit-identical on every rank"
 
 
-# -- all_gather ---------------------------------------------------------------------------------------------
-GATHER_LAYOUTS = {
+# -- all_gather and reduce_scatter ---------------------------------------------------------------------------
+# Hierarchical only when each host's ranks are consecutive (its blocks form one range).
+BLOCK_LAYOUTS = {
     "2x2": [[0, 1], [2, 3]],
     "3x2": [[0, 1], [2, 3], [4, 5]],
     "2+1+2, leader not the lowest": [[1, 0], [2], [4, 3]],
 }
+BUILDERS = {"all_gather": hierarchical_all_gather, "reduce_scatter": hierarchical_reduce_scatter}
 
 
-@pytest.mark.parametrize("layout", sorted(GATHER_LAYOUTS))
+def plan_of(op: str, cfg: Config, world: int, counts: list[int], shape: Shape):
+    if op == "all_gather":
+        return select.all_gather_plan(cfg, 0, world, counts, 4, shape)
+    return select.reduce_scatter_plan(cfg, 0, world, counts, 4, shape)[0]
+
+
+@pytest.mark.parametrize("op", sorted(BUILDERS))
+@pytest.mark.parametrize("layout", sorted(BLOCK_LAYOUTS))
 @pytest.mark.parametrize("counts_kind", ["even", "uneven with zeros"])
-def test_all_gather_plans_keep_pairwise_order_and_cross_hosts_only_between_leaders(layout: str,
-                                                                                      counts_kind: str) -> None:
-    groups = GATHER_LAYOUTS[layout]
+def test_block_plans_keep_pairwise_order_and_cross_hosts_only_between_leaders(op: str, layout: str,
+                                                                                counts_kind: str) -> None:
+    groups = BLOCK_LAYOUTS[layout]
     world = sum(map(len, groups))
     counts = [300] * world if counts_kind == "even" else [(7 * r + 3) % 5 * 100 for r in range(world)]
-    plans = [hierarchical_all_gather(r, groups, counts, 128) for r in range(world)]
+    plans = [BUILDERS[op](r, groups, counts, 128) for r in range(world)]
     check_pairwise_order(plans)
-    host = {r: i for i, g in enumerate(groups) for r in g}
-    leaders = {g[0] for g in groups}
-    for plan in plans:
-        for s in plan.steps:
-            if s.kind in (SEND, RECV) and host[s.peer] != host[plan.rank]:
-                assert plan.rank in leaders and s.peer in leaders, (layout, plan.rank, s)
+    assert_only_leaders_cross_hosts(plans, groups)
 
 
-def test_all_gather_picks_the_hierarchy_only_for_large_messages_and_consecutive_hosts() -> None:
+@pytest.mark.parametrize("op", sorted(BUILDERS))
+def test_block_ops_pick_the_hierarchy_only_for_large_messages_and_consecutive_hosts(op: str) -> None:
     cfg = Config()
     big = [1 << 18] * 4
     shape = Shape("mesh", [0, 1, 2, 3], {}, [[0, 1], [2, 3]])
-    assert select.all_gather_plan(cfg, 0, 4, big, 4, shape).algo == "hier"
-    assert select.all_gather_plan(cfg, 0, 4, [10] * 4, 4, shape).algo != "hier"
+    assert plan_of(op, cfg, 4, big, shape).algo == "hier"
+    assert plan_of(op, cfg, 4, [10] * 4, shape).algo != "hier"
     interleaved = Shape("mesh", [0, 2, 1, 3], {}, [[0, 2], [1, 3]])  # a host's blocks are not one range
-    assert select.all_gather_plan(cfg, 0, 4, big, 4, interleaved).algo != "hier"
-    assert select.all_gather_plan(cfg, 0, 4, big, 4, Shape.full(4)).algo != "hier"
-    assert select.all_gather_plan(Config(algo="ring"), 0, 4, big, 4, shape).algo != "hier"
+    assert plan_of(op, cfg, 4, big, interleaved).algo != "hier"
+    assert plan_of(op, cfg, 4, big, Shape.full(4)).algo != "hier"
+    assert plan_of(op, Config(algo="ring"), 4, big, shape).algo != "hier"
 
 
-@pytest.mark.parametrize("layout", sorted(GATHER_LAYOUTS))
-def test_all_gather_results_are_exact(layout: str) -> None:
-    groups = GATHER_LAYOUTS[layout]
+CASES = [("all_gather", torch.float32, "sum"), ("all_gather", torch.int64, "sum"),
+         ("reduce_scatter", torch.int64, "sum"), ("reduce_scatter", torch.float64, "max")]
+
+
+@pytest.mark.parametrize("layout", sorted(BLOCK_LAYOUTS))
+def test_block_op_results_are_exact(layout: str) -> None:
+    groups = BLOCK_LAYOUTS[layout]
     world = sum(map(len, groups))
     order = [r for g in groups for r in g]
     cfg = Config(chunk_bytes=1024, small_bytes=0)
-    cases = [[n] * world for n in (1, 7, 3001)] + [[(5 * r + 1) % 4 * 333 for r in range(world)]]
+    sizes = [[n] * world for n in (1, 7, 3001)] + [[(5 * r + 1) % 4 * 333 for r in range(world)]]
 
     def body(comm):
         comm.shape = Shape("mesh", order, {}, groups)
         out = []
-        for seed, counts in enumerate(cases):
-            for dt in (torch.float32, torch.int64):
-                x = make_input(comm.rank, counts[comm.rank], dt, seed)
-                y = torch.full((sum(counts),), -1, dtype=dt)
-                comm.all_gather(y, x, counts)
+        for seed, counts in enumerate(sizes):
+            for op, dt, red in CASES:
+                if op == "all_gather":
+                    x = make_input(comm.rank, counts[comm.rank], dt, seed)
+                    y = torch.full((sum(counts),), -1, dtype=dt)
+                    comm.all_gather(y, x, counts)
+                else:
+                    x = make_input(comm.rank, sum(counts), dt, seed)
+                    y = torch.full((counts[comm.rank],), -1, dtype=dt)
+                    comm.reduce_scatter(y, x, counts, red)
                 out.append(y)
         return out
 
     got = run_world(world, body, cfg)
     k = 0
-    for seed, counts in enumerate(cases):
-        for dt in (torch.float32, torch.int64):
-            want = ref.all_gather([make_input(r, counts[r], dt, seed) for r in range(world)])[0]
+    for seed, counts in enumerate(sizes):
+        for op, dt, red in CASES:
+            if op == "all_gather":
+                want = ref.all_gather([make_input(r, counts[r], dt, seed) for r in range(world)])
+            else:
+                want = ref.reduce_scatter([make_input(r, sum(counts), dt, seed) for r in range(world)], red, counts)
             for r in range(world):
-                assert torch.equal(got[r][k], want), (layout, counts, dt, r)
-            k += 1
-
-
-# -- reduce_scatter ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("layout", sorted(GATHER_LAYOUTS))
-@pytest.mark.parametrize("counts_kind", ["even", "uneven with zeros"])
-def test_reduce_scatter_plans_keep_pairwise_order_and_cross_hosts_only_between_leaders(layout: str,
-                                                                                          counts_kind: str) -> None:
-    groups = GATHER_LAYOUTS[layout]
-    world = sum(map(len, groups))
-    counts = [300] * world if counts_kind == "even" else [(7 * r + 3) % 5 * 100 for r in range(world)]
-    plans = [hierarchical_reduce_scatter(r, groups, counts, 128) for r in range(world)]
-    check_pairwise_order(plans)
-    host = {r: i for i, g in enumerate(groups) for r in g}
-    leaders = {g[0] for g in groups}
-    for plan in plans:
-        for s in plan.steps:
-            if s.kind in (SEND, RECV) and host[s.peer] != host[plan.rank]:
-                assert plan.rank in leaders and s.peer in leaders, (layout, plan.rank, s)
-
-
-def test_reduce_scatter_picks_the_hierarchy_only_for_large_messages_and_consecutive_hosts() -> None:
-    cfg = Config()
-    big = [1 << 18] * 4
-    shape = Shape("mesh", [0, 1, 2, 3], {}, [[0, 1], [2, 3]])
-    assert select.reduce_scatter_plan(cfg, 0, 4, big, 4, shape)[0].algo == "hier"
-    assert select.reduce_scatter_plan(cfg, 0, 4, [10] * 4, 4, shape)[0].algo != "hier"
-    interleaved = Shape("mesh", [0, 2, 1, 3], {}, [[0, 2], [1, 3]])
-    assert select.reduce_scatter_plan(cfg, 0, 4, big, 4, interleaved)[0].algo != "hier"
-    assert select.reduce_scatter_plan(Config(algo="ring"), 0, 4, big, 4, shape)[0].algo != "hier"
-
-
-@pytest.mark.parametrize("layout", sorted(GATHER_LAYOUTS))
-def test_reduce_scatter_results_are_exact(layout: str) -> None:
-    groups = GATHER_LAYOUTS[layout]
-    world = sum(map(len, groups))
-    order = [r for g in groups for r in g]
-    cfg = Config(chunk_bytes=1024, small_bytes=0)
-    cases = [[n] * world for n in (1, 7, 3001)] + [[(5 * r + 1) % 4 * 333 for r in range(world)]]
-
-    def body(comm):
-        comm.shape = Shape("mesh", order, {}, groups)
-        out = []
-        for seed, counts in enumerate(cases):
-            for dt, op in ((torch.int64, "sum"), (torch.float64, "max")):
-                x = make_input(comm.rank, sum(counts), dt, seed)
-                y = torch.full((counts[comm.rank],), -1, dtype=dt)
-                comm.reduce_scatter(y, x, counts, op)
-                out.append(y)
-        return out
-
-    got = run_world(world, body, cfg)
-    k = 0
-    for seed, counts in enumerate(cases):
-        for dt, op in ((torch.int64, "sum"), (torch.float64, "max")):
-            want = ref.reduce_scatter([make_input(r, sum(counts), dt, seed) for r in range(world)], op, counts)
-            for r in range(world):
-                assert torch.equal(got[r][k], want[r]), (layout, counts, dt, op, r)
+                assert torch.equal(got[r][k], want[r]), (layout, op, counts, dt, red, r)
             k += 1
