@@ -30,7 +30,8 @@ class Work(dist._Work):
         self._source = -1
         # p2p works make progress themselves when waited on. The work is passed in rather than captured, so
         # a finished work is freed by reference counting: a cycle (work -> closure -> work) would keep its
-        # buffers alive until the garbage collector runs, and make it run (a ~50 µs pause) every few ops.
+        # buffers alive until the garbage collector runs, and make it run every few dozen ops (a 4 KB
+        # ping-pong's p90 was 89-102 µs with the cycle, 62 µs with the collector off).
         self._wait_fn = wait_fn
         # Futures are made on demand: most works are only waited on, and a Future costs tens of µs.
         self._raw: torch.futures.Future | None = None
