@@ -1,6 +1,7 @@
 """The hybrid transport (shm within a host, TCP across) over real processes on one machine, with two
-emulated hosts of two ranks each (see hybrid_harness): every collective exact, same-host traffic never on
-TCP, kill -9 of a rank fails every survivor with PeerLostError."""
+emulated hosts of two ranks each (see hybrid_harness): every collective exact (the large all_reduce,
+all_gather and reduce_scatter hierarchical), same-host traffic never on TCP, kill -9 of a rank fails every
+survivor with PeerLostError."""
 from __future__ import annotations
 
 import pytest
@@ -77,8 +78,11 @@ elif RANK in (1, 2):
     dist.send(data(10, RANK), dst=0, tag=9)
 
 check_barrier(0.3)
+plans = [(key[0], p[0] if isinstance(p, tuple) else p) for key, p in pg._comm._plans.items()]
+hier = sorted({op for op, p in plans if p.algo == "hier"})
 result({"kind": type(t).__name__, "order": pg._comm.shape.order, "bad": bad, "same_host": same_host,
-        "tcp": [t.tcp.bytes_sent, t.tcp.bytes_received], "shm": [t.shm.bytes_sent, t.shm.bytes_received]})
+        "tcp": [t.tcp.bytes_sent, t.tcp.bytes_received], "shm": [t.shm.bytes_sent, t.shm.bytes_received],
+        "hier": hier})
 dist.destroy_process_group()
 """
 
@@ -95,6 +99,8 @@ def test_every_collective_is_exact_and_same_host_bytes_stay_off_tcp(tmp_path) ->
         assert got["same_host"]["shm"] == [one_each, one_each], (run.rank, got)
         assert min(got["tcp"]) > 0 and min(got["shm"]) > 0, (run.rank, got)
         assert got["order"] in ([0, 1, 2, 3], [2, 3, 0, 1], [1, 0, 3, 2], [3, 2, 1, 0]), got["order"]
+        # the large all_reduce, all_gather and reduce_scatter above ran hierarchically (and were exact)
+        assert got["hier"] == ["ag", "ar", "rs"], (run.rank, got["hier"])
 
 
 KILL = """
