@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-measure what BENCHMARKS.md reports (this VM: ~15 min). Results land in docs/bench/.
+# Re-measure what BENCHMARKS.md reports (this VM: ~16 min). Results land in docs/bench/.
 # Run on a quiet machine: every figure is thunderbolt vs gloo, interleaved in the same run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,3 +24,9 @@ $B --nproc 4 --transport auto --ops all_reduce,broadcast,all_gather --sizes 4K,1
    --json $OUT/auto4.json | tee $OUT/auto4.txt
 $B --nproc 3 --transport tcp --ops all_reduce,all_gather --sizes 4K,1M,64M --iters 10 --warmup 2 \
    --json $OUT/tcp3.json | tee $OUT/tcp3.txt
+# 5. point-to-point latency per round trip (TCP, then the default transport), gloo in the same processes
+THUNDERBOLT_TRANSPORT=tcp $PY -m torch.distributed.run --nproc-per-node 2 scripts/p2p_latency.py --interleave \
+   | tee $OUT/p2p-latency-tcp.txt
+$PY -m torch.distributed.run --nproc-per-node 2 scripts/p2p_latency.py --interleave | tee $OUT/p2p-latency-auto.txt
+# 6. the CPU floor of the 2-rank shared-memory all_reduce (is 5x gloo reachable?), next to one memcpy
+$PY scripts/shm_allreduce_floor.py | tee $OUT/shm-allreduce-floor.txt
