@@ -55,16 +55,25 @@ def test_auto_picks_it_only_for_large_messages_with_host_groups() -> None:
     assert select.allreduce_plan(Config(algo="ring"), 0, 4, 1 << 20, 4, shape).algo == "ring"
 
 
+def run_on_hosts(groups: list[list[int]], body) -> list:
+    """`body(comm)` on every rank of an in-memory world whose shape groups the ranks into `groups` (hosts),
+    with small pipeline pieces and no one-shot path, so every op takes the pipelined plans."""
+    order = [r for g in groups for r in g]
+
+    def on_host(comm):
+        comm.shape = Shape("mesh", order, {}, groups)
+        return body(comm)
+
+    return run_world(len(order), on_host, Config(chunk_bytes=1024, small_bytes=0))
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_results_are_exact_and_identical_on_every_rank(layout: str) -> None:
     groups = LAYOUTS[layout]
     world = sum(map(len, groups))
-    order = [r for g in groups for r in g]
-    cfg = Config(chunk_bytes=1024, small_bytes=0)
     cases = [(n, dt) for n in (world, 7, 3001) for dt in (torch.float32, torch.int64)]
 
     def body(comm):
-        comm.shape = Shape("mesh", order, {}, groups)
         out = []
         for seed, (n, dt) in enumerate(cases):
             x = make_input(comm.rank, n, dt, seed)
@@ -72,7 +81,7 @@ def test_results_are_exact_and_identical_on_every_rank(layout: str) -> None:
             out.append(x)
         return out
 
-    got = run_world(world, body, cfg)
+    got = run_on_hosts(groups, body)
     for seed, (n, dt) in enumerate(cases):
         want = ref.reduce_all([make_input(r, n, dt, seed) for r in range(world)], "sum")
         for r in range(world):
@@ -133,12 +142,9 @@ CASES = [("all_gather", torch.float32, "sum"), ("all_gather", torch.int64, "sum"
 def test_block_op_results_are_exact(layout: str) -> None:
     groups = BLOCK_LAYOUTS[layout]
     world = sum(map(len, groups))
-    order = [r for g in groups for r in g]
-    cfg = Config(chunk_bytes=1024, small_bytes=0)
     sizes = [[n] * world for n in (1, 7, 3001)] + [[(5 * r + 1) % 4 * 333 for r in range(world)]]
 
     def body(comm):
-        comm.shape = Shape("mesh", order, {}, groups)
         out = []
         for seed, counts in enumerate(sizes):
             for op, dt, red in CASES:
@@ -153,7 +159,7 @@ def test_block_op_results_are_exact(layout: str) -> None:
                 out.append(y)
         return out
 
-    got = run_world(world, body, cfg)
+    got = run_on_hosts(groups, body)
     k = 0
     for seed, counts in enumerate(sizes):
         for op, dt, red in CASES:

@@ -7,11 +7,15 @@ cables), broadcast within each host. Each byte crosses the cables 2(H-1)/H times
 all_gather: gather within each host to its leader, all-gather of whole host blocks among the leaders,
 broadcast of the result within each host: a cable carries (H-1)/H of the output instead of (W-1)/W.
 reduce_scatter: the mirror image: reduce within each host to its leader, reduce-scatter of host blocks
-among the leaders, each leader hands its ranks their blocks. The three phases run one after the other on each rank (a
-zero-length join step between them), so their scratch can be shared; a leader's cable phase starts as
-soon as its own host is reduced, without waiting for the other hosts. Pure plan builders.
+among the leaders, each leader hands its ranks their blocks.
+
+The three phases run one after the other on each rank (a zero-length join step between them), so their
+scratch can be shared; a leader's cable phase starts as soon as its own host is done, without waiting
+for the other hosts. Pure plan builders.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 from . import chain, ring
 from .layout import offsets, split_even
@@ -90,20 +94,21 @@ def hierarchical_all_gather(rank: int, groups: list[list[int]], counts: list[int
     else:
         for p in mine[1:]:
             local_gather.recv(p, "out", starts[p], counts[p], 0)
-    leaders = [g[0] for g in groups]
-    across = Plan(rank, len(leaders), "none")
-    if rank in leaders and len(leaders) > 1:
-        across = relabel(ring.ring_all_gather(leaders.index(rank), list(range(len(leaders))),
-                                              _host_blocks(groups, counts), chunk), leaders)
+    across = _leaders_ring(ring.ring_all_gather, rank, groups, starts, counts, chunk)
     local_bcast = chain.chain_broadcast(rank, mine, leader, sum(counts), chunk)
     plan = then(then(local_gather, across, PHASE_MSG), local_bcast, 2 * PHASE_MSG)
     plan.world, plan.algo = world, "hier"
     return plan
 
 
-def _host_blocks(groups: list[list[int]], counts: list[int]) -> Segments:
-    starts = offsets(counts)
-    return [(starts[min(g)], sum(counts[p] for p in g)) for g in groups]
+def _leaders_ring(build: Callable[[int, list[int], Segments, int], Plan], rank: int, groups: list[list[int]],
+                  starts: list[int], counts: list[int], chunk: int) -> Plan:
+    """A ring all-gather or reduce-scatter (`build`) among the leaders, each host's blocks as one segment."""
+    leaders = [g[0] for g in groups]
+    if rank not in leaders or len(leaders) == 1:
+        return Plan(rank, len(leaders), "none")
+    host_blocks = [(starts[min(g)], sum(counts[p] for p in g)) for g in groups]
+    return relabel(build(leaders.index(rank), list(range(len(leaders))), host_blocks, chunk), leaders)
 
 
 def hierarchical_reduce_scatter(rank: int, groups: list[list[int]], counts: list[int], chunk: int) -> Plan:
@@ -114,11 +119,7 @@ def hierarchical_reduce_scatter(rank: int, groups: list[list[int]], counts: list
     starts = offsets(counts)
     world = sum(len(g) for g in groups)
     local_reduce = chain.chain_reduce(rank, mine, leader, sum(counts), chunk)
-    leaders = [g[0] for g in groups]
-    across = Plan(rank, len(leaders), "none")
-    if rank in leaders and len(leaders) > 1:
-        across = relabel(ring.ring_reduce_scatter(leaders.index(rank), list(range(len(leaders))),
-                                                  _host_blocks(groups, counts), chunk), leaders)
+    across = _leaders_ring(ring.ring_reduce_scatter, rank, groups, starts, counts, chunk)
     local_scatter = Plan(rank, world, "scatter")
     if rank == leader:
         for p in mine[1:]:

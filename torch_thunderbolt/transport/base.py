@@ -21,7 +21,6 @@ from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, Peer
 from ..protocol.framing import Space
 from .window import Window
 
-log = logging.getLogger("torch_thunderbolt.transport")
 Key = tuple[int, int, int]  # (space, tag, seq)
 ANY_SOURCE = -1
 
@@ -53,6 +52,8 @@ class Request:
 
 class Transport(abc.ABC):
     """Base class: request bookkeeping, p2p sequence numbers, the BROKEN state and `wait`."""
+
+    _log: "logging.Logger | None" = None  # where entering BROKEN is reported (the in-memory one stays quiet)
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank = rank
@@ -172,7 +173,8 @@ class Transport(abc.ABC):
     def _enter_broken(self, err: BaseException, queued: Iterable[Request]) -> None:
         """BROKEN for good: every posted receive and every queued send gets `err` at once; later operations
         get it from `_check_usable`. (Caller holds the lock, closes its sockets and notifies.)"""
-        log.error("%s", err)
+        if self._log is not None:
+            self._log.error("%s", err)
         self.broken = err
         for r in self.matcher.pending():
             r.error = err

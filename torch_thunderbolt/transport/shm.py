@@ -64,6 +64,7 @@ class _Peer:
 
 
 class ShmTransport(ControlWire, DrivenTransport):
+    _log = log
     def __init__(self, rank: int, world: int, own: Segment, peers: dict[int, tuple[socket.socket, int, Segment]],
                  *, slots: int, slot_bytes: int, spin: float | None = None, window_bytes: int = 0) -> None:
         super().__init__(rank, world)

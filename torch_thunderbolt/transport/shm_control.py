@@ -1,12 +1,11 @@
 """The shm transport's control wire: one Unix socket per pair of ranks, carrying doorbell bytes (wake a
 sleeping rank), BYE (an orderly close) and ABORT texts (why a group failed). EOF without BYE means the peer
-process died, kill -9 included. Entering BROKEN lives here too: it
-sends the ABORT. A mixin of ShmTransport, which owns the peers and the lock.
+process died, kill -9 included. Entering BROKEN lives here too, since it sends the ABORT. A mixin of
+ShmTransport, which owns the peers and the lock.
 """
 from __future__ import annotations
 
 import errno
-import logging
 import socket
 import struct
 from typing import Any
@@ -16,7 +15,6 @@ from ..protocol.framing import abort_body
 from . import shm_ring as ring
 from .base import remote_error
 
-log = logging.getLogger("torch_thunderbolt.shm")
 BELL, BYE, ABORT = b"\x00", b"B", b"A"
 LEN = struct.Struct("<I")  # length prefix of an ABORT text
 
@@ -140,7 +138,9 @@ class ControlWire:
         """Enter BROKEN: every pending and later request gets the error; peers learn the root cause."""
         if self.broken is not None:
             return
-        err = self._lost(pe.rank, f"(shared memory, pid {pe.pid})", exc, self.peer_address(pe.rank)) if wrap else exc
+        err = exc
+        if wrap:
+            err = self._lost(pe.rank, f"(shared memory, pid {pe.pid})", exc, self.peer_address(pe.rank))
         if tell_peers:
             body = abort_body(err)
             self._send_all(ABORT + LEN.pack(len(body)) + body)

@@ -32,6 +32,7 @@ log = logging.getLogger("torch_thunderbolt.tcp")
 
 
 class TcpTransport(StreamLifecycle, StreamFailover, DrivenTransport):
+    _log = log
     def __init__(self, rank: int, world: int, conns: dict[int, list[socket.socket]], *,
                  stripe_bytes: int = 256 << 10, max_message: int = 1 << 40, spin_us: int = 0,
                  probe_after: float = 1.5) -> None:

@@ -4,7 +4,6 @@ every stream). Mixed into TcpTransport."""
 from __future__ import annotations
 
 import errno
-import logging
 import socket
 import threading
 
@@ -12,8 +11,6 @@ from ..errors import BackendClosedError
 from ..protocol.framing import Kind, Space, encode_abort, encode_frame_header
 from .base import remote_error
 from .tcp_conn import Stream
-
-log = logging.getLogger("torch_thunderbolt.tcp")
 
 
 class StreamLifecycle:
