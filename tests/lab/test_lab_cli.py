@@ -1,5 +1,8 @@
 """`torch-thunderbolt lab ...` through the real CLI dispatcher, without root (dry runs and saved state)."""
 import json
+import sys
+
+import pytest
 
 from torch_thunderbolt.cli.main import main
 from torch_thunderbolt.lab.plan import plan_lab
@@ -51,3 +54,23 @@ def test_without_root_the_error_says_so(capsys, tmp_path, monkeypatch):
     assert "`lab up` needs root" in capsys.readouterr().err
     assert not (tmp_path / "lab-c5.json").exists()
     assert "needs root" in lab_skip_reason()
+
+
+def test_require_linux_refuses_other_platforms():
+    from torch_thunderbolt.errors import ConfigError
+    from torch_thunderbolt.lab.executor import require_linux
+
+    require_linux("linux")
+    for platform in ("darwin", "win32", "freebsd14"):
+        with pytest.raises(ConfigError, match="needs Linux network namespaces"):
+            require_linux(platform)
+
+
+def test_lab_on_a_mac_is_one_clear_error_at_once(capsys, monkeypatch, tmp_path):
+    """Every action, even a dry run or one for a lab that does not exist, stops first on a non-Linux host."""
+    monkeypatch.setattr(sys, "platform", "darwin")
+    for argv in (["up", "--hosts", "2", "--topology", "pair", "--dry-run"], ["down"], ["status"],
+                 ["exec", "--state-dir", str(tmp_path), "mac0", "--", "true"]):
+        assert main(["lab", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "needs Linux network namespaces" in err[0] and "'darwin'" in err[0], err

@@ -39,10 +39,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ex.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and arguments")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, platform: str | None = None) -> int:
+    from ..lab.executor import require_linux
+
     action = getattr(args, "lab_command", None)
     if action is None:
         raise ConfigError("expected an action: up, down, exec, status or hostfile")
+    # Before anything else: off Linux every action would fail later, one command at a time, less clearly.
+    require_linux(sys.platform if platform is None else platform)
     return {"up": _up, "down": _down, "status": _status, "hostfile": _hostfile, "exec": _exec}[action](args)
 
 

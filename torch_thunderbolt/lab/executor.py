@@ -43,6 +43,16 @@ def running_as_root() -> bool:
     return os.geteuid() == 0
 
 
+def require_linux(platform: str) -> None:
+    """Refuse at once off Linux: every lab action needs network namespaces, iproute2 and tc.
+
+    `platform` is `sys.platform` ("linux", "darwin", ...), passed in so the check is testable anywhere.
+    """
+    if not platform.startswith("linux"):
+        raise ConfigError(f"`lab` needs Linux network namespaces (ip netns, tc), and this host is {platform!r}; "
+                          "run the lab on a Linux machine or VM, or use `launch --hostfile` with real Macs")
+
+
 def require_root(is_root: Callable[[], bool], what: str) -> None:
     if not is_root():
         raise ConfigError(f"`lab {what}` needs root (it creates network namespaces); run it with sudo")
