@@ -5,15 +5,19 @@ variable and what was expected.
 """
 from __future__ import annotations
 
+import math
+import mmap
 import os
+import tempfile
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .errors import ConfigError
 
 ALGOS = ("auto", "ring", "biring", "direct", "chain")
 TRANSPORTS = ("auto", "tcp", "shm")
 COMPRESSIONS = ("none", "int8", "fp16", "bf16")
+DEFAULT_COMPRESSION_BLOCK = 256
 
 
 def parse_size(text: str, name: str = "size") -> int:
@@ -22,11 +26,48 @@ def parse_size(text: str, name: str = "size") -> int:
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
     digits = t[:-1] if mult != 1 else t
     try:
-        value = int(float(digits) * mult)
+        number = float(digits) * mult
     except ValueError:
         raise ConfigError(f"{name}: expected a size like 4096, 64K, 1M or 2G, got {text!r}") from None
+    if not math.isfinite(number):  # 'inf', 'nan', '1e400': int() of these raises OverflowError/ValueError
+        raise ConfigError(f"{name}: expected a finite size like 4096, 64K, 1M or 2G, got {text!r}")
+    value = int(number)
     if value < 0:
         raise ConfigError(f"{name}: must not be negative, got {text!r}")
+    return value
+
+
+# The accepted range of every size variable (bytes, inclusive), checked when the Config is parsed so a value
+# that parses but cannot work fails before any traffic.
+SIZE_RANGES: dict[str, tuple[int, int]] = {
+    # Pipeline pieces are buffers: below 1K per-piece overhead dominates, above 1G no pipelining is left.
+    "THUNDERBOLT_CHUNK": (1 << 10, 1 << 30),
+    # Thresholds only (0 = never small / always striped; a huge value = always small / never striped).
+    "THUNDERBOLT_SMALL": (0, 1 << 40),
+    "THUNDERBOLT_STRIPE": (0, 1 << 40),
+    # SO_SNDBUF/SO_RCVBUF of 0 or 1 byte (the kernel rounds them up to a few KB) made a 1.2 MB all_reduce
+    # hang until the timeout; 64K is the smallest tested to work. setsockopt takes a C int: at most 2**31-1.
+    "THUNDERBOLT_SOCKET_BUFFER": (64 << 10, (1 << 31) - 1),
+    # Shared-memory sizes are mapped pages: multiples of 4K (SHM_WINDOW also 0 = no window), see _pages.
+    "THUNDERBOLT_SHM_SLOT": (4 << 10, 1 << 30),
+    "THUNDERBOLT_SHM_WINDOW": (4 << 10, 1 << 30),
+}
+
+
+def _human(n: int) -> str:
+    for suffix, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{suffix}"
+    return str(n)
+
+
+def _size(text: str, name: str) -> int:
+    """A size variable within its SIZE_RANGES entry."""
+    lo, hi = SIZE_RANGES[name]
+    value = parse_size(text, name)
+    if not lo <= value <= hi:
+        raise ConfigError(f"{name}: expected a size of at least {_human(lo)} and at most {_human(hi)} bytes, "
+                          f"got {text!r}")
     return value
 
 
@@ -44,12 +85,21 @@ class Config:
     port: int = 0  # THUNDERBOLT_PORT: first listening port (0 = any free one)
     connect_timeout: float = 120.0  # THUNDERBOLT_CONNECT_TIMEOUT seconds
     compression: str = "none"  # THUNDERBOLT_COMPRESSION (lossy, float all_reduce only)
-    compression_block: int = 256  # THUNDERBOLT_COMPRESSION_BLOCK: int8 values per scale
+    compression_block: int = DEFAULT_COMPRESSION_BLOCK  # THUNDERBOLT_COMPRESSION_BLOCK: int8 values per scale
     congestion_control: str = ""  # THUNDERBOLT_CC: per-socket TCP congestion control (Linux), e.g. cubic
     spin_us: int = 200  # THUNDERBOLT_SPIN_US: busy-poll this long before sleeping (0 = never); a 2-rank
     # ping-pong over loopback TCP waits ~70 µs per round trip, so a shorter spin ends in a wake-up each time
     link_timeout_ms: int = 3000  # THUNDERBOLT_LINK_TIMEOUT_MS: data unacknowledged this long = link lost
     debug: bool = False  # THUNDERBOLT_DEBUG=1: full per-op signature checks and verbose logs
+    # Shared-memory transport (read by transport/shm_connect.py from the Config it is given):
+    shm_slot_bytes: int = 1 << 20  # THUNDERBOLT_SHM_SLOT: payload bytes per ring slot (multiple of 4K, 4K-1G)
+    shm_slots: int = 8  # THUNDERBOLT_SHM_SLOTS: slots per directed pair (2-1024)
+    shm_spin_us: int | None = None  # THUNDERBOLT_SHM_SPIN_US: spin before blocking; None = automatic (100 µs,
+    # or 0 when ranks outnumber cores: see shm.default_spin), so it depends on the rank count, known later
+    shm_window_bytes: int | None = None  # THUNDERBOLT_SHM_WINDOW: bytes per shared-window buffer; None =
+    # automatic by rank count (shm_connect.default_window_bytes), 0 = no window (collectives use the rings)
+    shm_dir: str = ""  # THUNDERBOLT_SHM_DIR: existing writable directory for file-backed segments ("" = POSIX shm)
+    autoload: bool = True  # THUNDERBOLT_AUTOLOAD=0: `import torch` does not register the backend
     extra: dict = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -63,17 +113,13 @@ class Config:
             kw["streams"] = _int(get("THUNDERBOLT_STREAMS"), "THUNDERBOLT_STREAMS", 1, 64)
         kw["transport"] = _choice(get("THUNDERBOLT_TRANSPORT") or "auto", "THUNDERBOLT_TRANSPORT", TRANSPORTS)
         kw["algo"] = _choice(get("THUNDERBOLT_ALGO") or "auto", "THUNDERBOLT_ALGO", ALGOS)
-        kw["compression"] = _choice(get("THUNDERBOLT_COMPRESSION") or "none", "THUNDERBOLT_COMPRESSION",
-                                    COMPRESSIONS)
+        kw["compression"], kw["compression_block"] = parse_compression(env)
         for var, key in (("THUNDERBOLT_CHUNK", "chunk_bytes"), ("THUNDERBOLT_SMALL", "small_bytes"),
                          ("THUNDERBOLT_STRIPE", "stripe_bytes"), ("THUNDERBOLT_SOCKET_BUFFER", "socket_buffer")):
             if get(var):
-                kw[key] = parse_size(get(var), var)
-        if kw.get("chunk_bytes", 1 << 20) < 1024:
-            raise ConfigError("THUNDERBOLT_CHUNK: expected at least 1K")
-        if get("THUNDERBOLT_COMPRESSION_BLOCK"):
-            kw["compression_block"] = _int(get("THUNDERBOLT_COMPRESSION_BLOCK"), "THUNDERBOLT_COMPRESSION_BLOCK", 1,
-                                           1 << 20)
+                kw[key] = _size(get(var), var)
+        kw.update(_shm_fields(get))
+        kw["autoload"] = parse_autoload(env)
         if get("THUNDERBOLT_SPIN_US"):
             kw["spin_us"] = _int(get("THUNDERBOLT_SPIN_US"), "THUNDERBOLT_SPIN_US", 0, 1_000_000)
         if get("THUNDERBOLT_LINK_TIMEOUT_MS"):
@@ -89,6 +135,68 @@ class Config:
             "TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
         kw["congestion_control"] = get("THUNDERBOLT_CC")
         return cls(**kw)
+
+
+def parse_compression(env: Mapping[str, str]) -> tuple[str, int]:
+    """(mode, int8 block size) from THUNDERBOLT_COMPRESSION / THUNDERBOLT_COMPRESSION_BLOCK; unset: none, 256.
+    One parser for the Config and compression.mode_from_env."""
+    get = lambda k: env.get(k, "").strip()  # noqa: E731
+    mode = _choice(get("THUNDERBOLT_COMPRESSION") or "none", "THUNDERBOLT_COMPRESSION", COMPRESSIONS)
+    block = get("THUNDERBOLT_COMPRESSION_BLOCK")
+    return mode, _int(block, "THUNDERBOLT_COMPRESSION_BLOCK", 1, 1 << 20) if block else DEFAULT_COMPRESSION_BLOCK
+
+
+def parse_autoload(env: Mapping[str, str]) -> bool:
+    """THUNDERBOLT_AUTOLOAD (default on). torch_thunderbolt_autoload.py answers "0" without importing us."""
+    return _flag(env.get("THUNDERBOLT_AUTOLOAD", "").strip() or "1", "THUNDERBOLT_AUTOLOAD")
+
+
+def _shm_fields(get: "Callable[[str], str]") -> dict:
+    """The shm_* fields that are set; unset ones keep their (possibly automatic) defaults."""
+    kw: dict = {}
+    if get("THUNDERBOLT_SHM_SLOT"):
+        kw["shm_slot_bytes"] = _pages(get("THUNDERBOLT_SHM_SLOT"), "THUNDERBOLT_SHM_SLOT", zero_ok=False)
+    if get("THUNDERBOLT_SHM_WINDOW"):
+        kw["shm_window_bytes"] = _pages(get("THUNDERBOLT_SHM_WINDOW"), "THUNDERBOLT_SHM_WINDOW", zero_ok=True)
+    if get("THUNDERBOLT_SHM_SLOTS"):
+        kw["shm_slots"] = _int(get("THUNDERBOLT_SHM_SLOTS"), "THUNDERBOLT_SHM_SLOTS", 2, 1024)
+    if get("THUNDERBOLT_SHM_SPIN_US"):
+        kw["shm_spin_us"] = _int(get("THUNDERBOLT_SHM_SPIN_US"), "THUNDERBOLT_SHM_SPIN_US", 0, 10_000_000)
+    if get("THUNDERBOLT_SHM_DIR"):
+        kw["shm_dir"] = _shm_dir(get("THUNDERBOLT_SHM_DIR"), "THUNDERBOLT_SHM_DIR")
+    return kw
+
+
+def _pages(text: str, name: str, zero_ok: bool) -> int:
+    """A size that must be a multiple of 4K within SIZE_RANGES (or 0, where that means "none")."""
+    value = parse_size(text, name)
+    lo, hi = SIZE_RANGES[name]
+    if (value or not zero_ok) and (not lo <= value <= hi or value % 4096):
+        raise ConfigError(f"{name}: expected {'0 or ' if zero_ok else ''}a multiple of 4K from {_human(lo)} to "
+                          f"{_human(hi)}, got {text!r}")
+    return value
+
+
+def _shm_dir(text: str, name: str) -> str:
+    """An existing directory where this process can create, size and map a file: what every shm segment
+    does there. Probed rather than checked with os.access, which says yes to root even for /proc."""
+    if not os.path.isdir(text):
+        what = "is not a directory" if os.path.exists(text) else "does not exist"
+        raise ConfigError(f"{name}={text}: expected an existing writable directory, but it {what}; create it "
+                          f"(mkdir -p) or unset {name} to use POSIX shared memory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tbt-probe-", dir=text)
+        try:
+            os.ftruncate(fd, 4096)
+            mmap.mmap(fd, 4096).close()
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"{name}={text}: expected a directory where shared-memory files can be created and "
+                          f"mapped ({exc.strerror or exc}); choose another directory (e.g. /dev/shm or /tmp) "
+                          f"or unset {name}") from None
+    return text
 
 
 def _int(text: str, name: str, lo: int, hi: int) -> int:

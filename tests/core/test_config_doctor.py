@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -34,6 +35,91 @@ def test_defaults_and_values() -> None:
 def test_bad_values_name_the_variable(env: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         Config.from_env(env)
+
+
+SIZE_VARS = ["THUNDERBOLT_CHUNK", "THUNDERBOLT_SMALL", "THUNDERBOLT_STRIPE", "THUNDERBOLT_SOCKET_BUFFER",
+             "THUNDERBOLT_SHM_SLOT", "THUNDERBOLT_SHM_WINDOW"]
+# Values that slipped through (accepted, or an OverflowError/TypeError instead of a ConfigError).
+BAD_VALUES = [(var, text) for var in SIZE_VARS for text in ("inf", "-inf", "1e400", "nan", "99999999999999G")] + [
+    ("THUNDERBOLT_SOCKET_BUFFER", "0"), ("THUNDERBOLT_SOCKET_BUFFER", "1"), ("THUNDERBOLT_SOCKET_BUFFER", "3G"),
+    ("THUNDERBOLT_SOCKET_BUFFER", "2G"), ("THUNDERBOLT_CHUNK", "2G"),
+    ("THUNDERBOLT_SHM_DIR", "/proc"), ("THUNDERBOLT_SHM_DIR", "/nonexistent-thunderbolt-dir"),
+    ("THUNDERBOLT_SHM_DIR", str(REPO / "pyproject.toml")),  # a file, not a directory
+    ("THUNDERBOLT_SHM_SLOTS", "1"), ("THUNDERBOLT_SHM_SLOTS", "many"), ("THUNDERBOLT_SHM_SLOT", "1000"),
+    ("THUNDERBOLT_SHM_SPIN_US", "-1"), ("THUNDERBOLT_SHM_WINDOW", "2G"),
+    ("THUNDERBOLT_AUTOLOAD", "garbage"),
+    ("THUNDERBOLT_COMPRESSION", "int9"), ("THUNDERBOLT_COMPRESSION_BLOCK", "0"),
+    ("THUNDERBOLT_COMPRESSION_BLOCK", "2000000"),
+]
+
+
+@pytest.mark.parametrize("var, text", BAD_VALUES)
+def test_every_bad_value_is_a_config_error_naming_the_variable(var: str, text: str) -> None:
+    with pytest.raises(ConfigError, match=var):
+        Config.from_env({var: text})
+
+
+@pytest.mark.parametrize("var, text", BAD_VALUES)
+def test_doctor_reports_what_the_job_would_reject(var: str, text: str) -> None:
+    found = by_check(run_checks(facts(env={var: text})))["configuration"]
+    assert found.status == FAIL and var in found.detail
+
+
+def test_doctor_reports_one_shm_slot_as_an_error() -> None:
+    """The job fails mid-rendezvous with THUNDERBOLT_SHM_SLOTS=1; doctor used to say [ok]."""
+    found = by_check(run_checks(facts(env={"THUNDERBOLT_SHM_SLOTS": "1"})))["configuration"]
+    assert found.status == FAIL and "THUNDERBOLT_SHM_SLOTS: expected an integer from 2 to 1024" in found.detail
+
+
+def test_size_ranges_and_shm_fields_accept_good_values(tmp_path) -> None:
+    cfg = Config.from_env({"THUNDERBOLT_SOCKET_BUFFER": "64K", "THUNDERBOLT_CHUNK": "1G", "THUNDERBOLT_SMALL": "0",
+                           "THUNDERBOLT_SHM_SLOT": "256K", "THUNDERBOLT_SHM_SLOTS": "4",
+                           "THUNDERBOLT_SHM_SPIN_US": "0", "THUNDERBOLT_SHM_WINDOW": "0",
+                           "THUNDERBOLT_SHM_DIR": str(tmp_path), "THUNDERBOLT_AUTOLOAD": "0"})
+    assert (cfg.socket_buffer, cfg.chunk_bytes, cfg.small_bytes) == (64 << 10, 1 << 30, 0)
+    assert (cfg.shm_slot_bytes, cfg.shm_slots, cfg.shm_spin_us, cfg.shm_window_bytes) == (256 << 10, 4, 0, 0)
+    assert cfg.shm_dir == str(tmp_path) and not cfg.autoload
+    assert list(tmp_path.iterdir()) == []  # the writability probe leaves nothing behind
+    assert Config.from_env({"THUNDERBOLT_SOCKET_BUFFER": str((1 << 31) - 1)}).socket_buffer == (1 << 31) - 1
+    default = Config.from_env({})  # unset = automatic (by rank count, decided by the transport)
+    assert (default.shm_spin_us, default.shm_window_bytes, default.shm_dir, default.autoload) == (None, None, "",
+                                                                                                   True)
+
+
+def test_a_missing_shm_dir_is_not_created(tmp_path) -> None:
+    missing = tmp_path / "typo"
+    with pytest.raises(ConfigError, match="THUNDERBOLT_SHM_DIR=.*does not exist"):
+        Config.from_env({"THUNDERBOLT_SHM_DIR": str(missing)})
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize("env", [{}, {"THUNDERBOLT_COMPRESSION": "INT8"},
+                                 {"THUNDERBOLT_COMPRESSION": "bf16", "THUNDERBOLT_COMPRESSION_BLOCK": "64"},
+                                 {"THUNDERBOLT_COMPRESSION_BLOCK": "2000000"}, {"THUNDERBOLT_COMPRESSION": "x"}])
+def test_compression_settings_have_one_parser(env: dict) -> None:
+    """compression.mode_from_env and the backend's Config agree, errors included."""
+    from torch_thunderbolt.compression import mode_from_env
+
+    def outcome(f):
+        try:
+            return f()
+        except ConfigError as exc:
+            return str(exc)
+
+    cfg = outcome(lambda: Config.from_env(env))
+    expected = cfg if isinstance(cfg, str) else (cfg.compression, cfg.compression_block)
+    assert outcome(lambda: mode_from_env(env)) == expected
+
+
+def test_a_taken_port_names_thunderbolt_port_and_suggests_0() -> None:
+    from torch_thunderbolt.transport import bootstrap
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"rank 3: THUNDERBOLT_PORT={port}: .*THUNDERBOLT_PORT=0"):
+            bootstrap._listen("127.0.0.1", Config(port=port), rank=3)
 
 
 def facts(**kw) -> Facts:
@@ -84,6 +170,14 @@ def test_autoload_registers_and_can_be_disabled() -> None:
     explicit = _python(code.replace("torch.distributed as d;", "torch.distributed as d, torch_thunderbolt;"),
                        THUNDERBOLT_AUTOLOAD="0")
     assert explicit.stdout.split()[0] == "True"
+
+
+@pytest.mark.timeout(120)
+def test_autoload_with_a_bad_value_warns_and_does_not_break_import_torch() -> None:
+    code = "import torch, torch.distributed as d; print('thunderbolt' in d.Backend.backend_list)"
+    out = _python(code, THUNDERBOLT_AUTOLOAD="garbage")
+    assert out.returncode == 0 and out.stdout.split() == ["False"], out.stderr[-2000:]
+    assert "THUNDERBOLT_AUTOLOAD: expected 0 or 1, got 'garbage'" in out.stderr and "NOT registered" in out.stderr
 
 
 @pytest.mark.multiprocess

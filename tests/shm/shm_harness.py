@@ -18,7 +18,7 @@ r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"pid_{r}"), "w") as _f:
     _f.write(str(os.getpid()))  # before anything is created: run_shm checks leftovers of these pids only
 store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), w, r == 0, timeout=timedelta(seconds=60))
-t = connect_shm(store, r, w, Config(), 60)
+t = connect_shm(store, r, w, Config.from_env(), 60)  # THUNDERBOLT_SHM_* of the run, as a job would
 """
 
 # Small rings by default, so multi-slot messages and full rings are exercised.

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import ConfigError
 from torch_thunderbolt.transport import shm_ring as ring
 from torch_thunderbolt.transport import shm_segment as segs
@@ -70,6 +71,27 @@ def test_options_parse() -> None:
     assert ShmOptions.from_env({}) == ShmOptions()
     assert ShmOptions.from_env({"THUNDERBOLT_SHM_WINDOW": "0"}).window_bytes == 0
     assert ShmOptions.from_env({"THUNDERBOLT_SHM_WINDOW": "4M"}).window_bytes == 4 << 20
+
+
+def test_options_come_from_the_config() -> None:
+    """The shm settings are Config fields (one parser, also the doctor's); the transport reads its Config."""
+    cfg = Config.from_env({"THUNDERBOLT_SHM_SLOT": "64K", "THUNDERBOLT_SHM_SLOTS": "3",
+                           "THUNDERBOLT_SHM_SPIN_US": "7", "THUNDERBOLT_SHM_WINDOW": "8K"})
+    assert ShmOptions.from_config(cfg) == ShmOptions(slot_bytes=64 << 10, slots=3, spin_us=7, window_bytes=8 << 10)
+    assert ShmOptions.from_config(Config()) == ShmOptions()  # same defaults, automatic ones still None
+
+
+def test_segments_go_to_the_configured_dir_which_is_never_created(tmp_path) -> None:
+    seg = segs.create(1 << 16, str(tmp_path))
+    try:
+        assert seg.path is not None and seg.path.parent == tmp_path and seg.path.exists()
+    finally:
+        seg.unlink()
+        seg.close()
+    assert not seg.path.exists()
+    with pytest.raises(FileNotFoundError):  # Config rejects a missing THUNDERBOLT_SHM_DIR before this
+        segs.create(1 << 16, str(tmp_path / "missing"))
+    assert not (tmp_path / "missing").exists()
 
 
 def test_default_window_is_bigger_when_ranks_outnumber_cores(monkeypatch) -> None:

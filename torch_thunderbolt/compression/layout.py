@@ -14,10 +14,11 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
+from ..config import COMPRESSIONS, DEFAULT_COMPRESSION_BLOCK, parse_compression
 from ..errors import ConfigError
 
-MODES = ("none", "int8", "fp16", "bf16")
-DEFAULT_BLOCK_SIZE = 256
+MODES = COMPRESSIONS
+DEFAULT_BLOCK_SIZE = DEFAULT_COMPRESSION_BLOCK
 SCALE_BYTES = 4  # int8 blocks carry one fp32 scale each
 ENV_VAR = "THUNDERBOLT_COMPRESSION"
 ENV_BLOCK_VAR = "THUNDERBOLT_COMPRESSION_BLOCK"
@@ -44,16 +45,9 @@ def check_block_size(block_size: int) -> int:
 
 
 def mode_from_env(environ: Mapping[str, str]) -> tuple[str, int]:
-    """(mode, block_size) from THUNDERBOLT_COMPRESSION / THUNDERBOLT_COMPRESSION_BLOCK; unset means none/256."""
-    mode = check_mode(environ.get(ENV_VAR, "none") or "none")
-    raw = environ.get(ENV_BLOCK_VAR, "").strip()
-    if not raw:
-        return mode, DEFAULT_BLOCK_SIZE
-    try:
-        block = int(raw)
-    except ValueError:
-        raise ConfigError(f"{ENV_BLOCK_VAR} must be a positive integer; got {raw!r}") from None
-    return mode, check_block_size(block)
+    """(mode, block_size) from THUNDERBOLT_COMPRESSION / THUNDERBOLT_COMPRESSION_BLOCK; unset means none/256.
+    Parsed by config.py, like every setting (the block size is 1 to 1M, as for the backend's Config)."""
+    return parse_compression(environ)
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,7 @@ class _Acceptor:
                 self.done.set()
 
 
-def _listen(address: str, cfg: Config) -> socket.socket:
+def _listen(address: str, cfg: Config, rank: int | None = None) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     tune_socket(sock, cfg)
@@ -179,7 +179,13 @@ def _listen(address: str, cfg: Config) -> socket.socket:
         sock.bind((bind_to, cfg.port))
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot listen on {bind_to}:{cfg.port}: {exc}") from exc
+        who = "" if rank is None else f"rank {rank}: "
+        if cfg.port:  # chosen by the user: name the variable, and the way out (two ranks of a host clash too)
+            raise ConfigError(f"{who}THUNDERBOLT_PORT={cfg.port}: cannot listen on {bind_to}:{cfg.port} ({exc}); "
+                              f"is another job or another rank on this host using it? Set THUNDERBOLT_PORT=0 "
+                              f"(any free port) or pick a free port") from exc
+        raise ConfigError(f"{who}cannot listen on {bind_to} (any free port): {exc}; check that {bind_to} is an "
+                          f"address of this host (THUNDERBOLT_IFNAME)") from exc
     sock.listen(128)
     return sock
 
@@ -231,7 +237,7 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float,
     members = sorted(set(range(world) if peers is None else peers) - {rank})
     deadline = time.monotonic() + min(timeout, cfg.connect_timeout)
     addrs = choose_addresses(cfg.ifnames, store_host(store))
-    listeners = [_listen(a, cfg) for a in (addrs[:1] if cfg.listen_all else addrs)]
+    listeners = [_listen(a, cfg, rank) for a in (addrs[:1] if cfg.listen_all else addrs)]
     acceptor: _Acceptor | None = None
     conns: dict[int, list[socket.socket]] = {}
     try:

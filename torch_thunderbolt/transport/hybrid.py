@@ -180,7 +180,7 @@ def connect_hybrid(store: Any, rank: int, world: int, cfg: Any, timeout: float,
     from .shm_connect import ShmOptions, connect_shm
 
     local = [p for p in range(world) if p != rank and hosts[p] == hosts[rank]]
-    opts = ShmOptions.from_env()
+    opts = ShmOptions.from_config(cfg)
     # TCP first: every rank takes part in it, so the shm set-up below cannot wait on a rank stuck in TCP's.
     remote = [p for p in range(world) if p != rank and p not in local]
     tcp = connect_tcp(store, rank, world, cfg, timeout, peers=remote)

@@ -4,11 +4,11 @@ Every rank creates its inbound segment and a Unix-socket listener, publishes bot
 under `tbshm/<rank>`, connects a doorbell socket to every lower rank (authenticated with a per-group token
 from the store) and accepts one from every higher rank, maps every peer's segment, and waits until all
 ranks have mapped theirs. Then each unlinks its segment and listener path: from here on a crash, even
-kill -9, leaves nothing behind. Options come from THUNDERBOLT_SHM_SLOT (slot payload bytes, default 1M),
-THUNDERBOLT_SHM_SLOTS (slots per directed pair, default 8), THUNDERBOLT_SHM_SPIN_US (spin before
-blocking; default 100, or 0 when ranks outnumber cores) and THUNDERBOLT_SHM_WINDOW (bytes per buffer of
-the shared window the shared-memory collectives use: default 1M, or 4M when ranks outnumber cores; 0 =
-none, the collectives then run over the rings).
+kill -9, leaves nothing behind. Options come from the Config (THUNDERBOLT_SHM_SLOT, _SLOTS, _SPIN_US,
+_WINDOW and _DIR, parsed and checked in config.py): slot payload bytes (default 1M), slots per directed pair
+(default 8), spin before blocking (default 100 µs, or 0 when ranks outnumber cores), bytes per buffer of the
+shared window the shared-memory collectives use (default 1M, or 4M when ranks outnumber cores; 0 = none, the
+collectives then run over the rings) and where file-backed segments live.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..config import parse_size
+from ..config import Config
 from ..errors import ConfigError, HandshakeError, PeerLostError
 from . import shm_ring as ring
 from . import shm_segment as segs
@@ -34,39 +34,22 @@ _HELLO = struct.Struct("<I16s")
 
 @dataclass(frozen=True)
 class ShmOptions:
+    """The ring and window sizes of one shm transport; `from_config` takes them from the job's Config."""
+
     slot_bytes: int = 1 << 20
     slots: int = 8
     spin_us: float | None = None  # None: automatic (see shm.default_spin)
     window_bytes: int | None = None  # None: automatic (see default_window_bytes)
 
     @classmethod
+    def from_config(cls, cfg: Config) -> "ShmOptions":
+        return cls(slot_bytes=cfg.shm_slot_bytes, slots=cfg.shm_slots, spin_us=cfg.shm_spin_us,
+                   window_bytes=cfg.shm_window_bytes)
+
+    @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "ShmOptions":
-        env = os.environ if env is None else env
-        kw: dict = {}
-        for var, key, zero_ok in (("THUNDERBOLT_SHM_SLOT", "slot_bytes", False),
-                                  ("THUNDERBOLT_SHM_WINDOW", "window_bytes", True)):
-            if env.get(var, "").strip():
-                kw[key] = _pages(env[var], var, zero_ok)
-        for var, key, lo, hi in (("THUNDERBOLT_SHM_SLOTS", "slots", 2, 1024),
-                                 ("THUNDERBOLT_SHM_SPIN_US", "spin_us", 0, 10_000_000)):
-            text = env.get(var, "").strip()
-            if text:
-                try:
-                    value = int(text)
-                except ValueError:
-                    raise ConfigError(f"{var}: expected an integer from {lo} to {hi}, got {text!r}") from None
-                if not lo <= value <= hi:
-                    raise ConfigError(f"{var}: expected an integer from {lo} to {hi}, got {value}")
-                kw[key] = value
-        return cls(**kw)
-
-
-def _pages(text: str, var: str, zero_ok: bool) -> int:
-    """A size option that must be a multiple of 4K from 4K to 1G (or 0, where that means "none")."""
-    value = parse_size(text, var)
-    if (value or not zero_ok) and (not 4096 <= value <= 1 << 30 or value % 4096):
-        raise ConfigError(f"{var}: expected {'0 or ' if zero_ok else ''}a multiple of 4K from 4K to 1G")
-    return value
+        """The options a job would use under `env` (the whole Config is parsed: one parser for everything)."""
+        return cls.from_config(Config.from_env(env))
 
 
 def default_window_bytes(local_ranks: int) -> int:
@@ -172,13 +155,14 @@ def _accept(lst: socket.socket, rank: int, higher: set[int], token: bytes, deadl
     return got
 
 
-def connect_shm(store: Any, rank: int, world: int, cfg: Any, timeout: float,
+def connect_shm(store: Any, rank: int, world: int, cfg: Config, timeout: float,
                 opts: ShmOptions | None = None, peers: "Sequence[int] | None" = None) -> ShmTransport:
     """The shm transport of this group; every rank must be on this host (see `host_map`). `peers`: only
-    these ranks (all on this host; default every other rank), e.g. a host's share of a multi-host job."""
-    opts = opts or ShmOptions.from_env()
+    these ranks (all on this host; default every other rank), e.g. a host's share of a multi-host job.
+    `opts`: sizes overriding the Config's (benchmarks, tests)."""
+    opts = opts or ShmOptions.from_config(cfg)
     members = sorted(set(range(world) if peers is None else peers) - {rank})
-    deadline = time.monotonic() + min(timeout, getattr(cfg, "connect_timeout", timeout))
+    deadline = time.monotonic() + min(timeout, cfg.connect_timeout)
     try:
         segs.cleanup_stale_segments()  # a janitor pass: leftovers of crashed jobs on this host
     except OSError:
@@ -192,7 +176,7 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Any, timeout: float,
     window = window if len(members) == world - 1 else 0  # only a group all on this host has one
     area = area_bytes(window)
     size = ring.segment_bytes(world, opts.slots, opts.slot_bytes, area)
-    own = segs.create(size)
+    own = segs.create(size, cfg.shm_dir)
     lst, path = _listen()
     socks: dict[int, socket.socket] = {}
     attached: list[segs.Segment] = []

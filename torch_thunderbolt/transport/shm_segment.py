@@ -37,11 +37,11 @@ def marker_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"torch-thunderbolt-shm-{uid}"
 
 
-def file_dir() -> Path | None:
-    """Directory for file-backed segments (THUNDERBOLT_SHM_DIR), or None to use POSIX shm."""
-    d = os.environ.get("THUNDERBOLT_SHM_DIR", "").strip()
-    if d:
-        return Path(d)
+def file_dir(configured: str = "") -> Path | None:
+    """Directory for file-backed segments: THUNDERBOLT_SHM_DIR (Config.shm_dir, checked by config.py to exist
+    and take files), else None to use POSIX shm, or our own directory where POSIX shm is missing."""
+    if configured:
+        return Path(configured)
     return None if _posixshmem is not None else marker_dir() / "files"
 
 
@@ -122,15 +122,17 @@ def _write_marker(name: str, path: Path | None) -> None:
     (d / name).write_text(json.dumps(info))
 
 
-def create(size: int) -> Segment:
-    """A new zero-filled segment of `size` bytes, owned (and later unlinked) by this process."""
+def create(size: int, shm_dir: str = "") -> Segment:
+    """A new zero-filled segment of `size` bytes, owned (and later unlinked) by this process; file-backed
+    in `shm_dir` (Config.shm_dir) when given."""
     name = new_name()
-    fdir = file_dir()
+    fdir = file_dir(shm_dir)
     path = fdir / name if fdir is not None else None
     _write_marker(name, path)  # before the segment exists: a crash in between leaves nothing unaccounted
     try:
         if path is not None:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not shm_dir:  # our own fallback directory; a configured one must exist (a typo is an error)
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         else:
             fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
