@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from torch_thunderbolt.compression import compressed_all_reduce, wire_bytes
 from torch_thunderbolt.hooks import CompressionState, bf16_hook, fp16_hook, int8_hook
+from torch_thunderbolt.transport.netif import loopback_ifname
 
 TRAIN_MODES = {
     "fp32": (None, False),
@@ -100,7 +101,7 @@ def train(rank: int, mode: str, args: argparse.Namespace) -> tuple[float, float,
 
 def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_ifname())  # "lo" on Linux, "lo0" on macOS
     if args.backend == "thunderbolt":
         import torch_thunderbolt  # noqa: F401  (registers the backend)
     dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)

@@ -70,7 +70,8 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("fork")
+    # spawn, not fork: each rank imports torch itself, as it must on macOS (fork + torch/Metal crashes)
+    ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, q)) for r in range(args.world)]
     for p in procs:

@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import torch
 
+from torch_thunderbolt.transport.netif import loopback_ifname
+
 
 class ThreadExchange:
     """W threads in one process play W ranks; each thread owns one ThreadExchange."""
@@ -65,7 +67,7 @@ def _to_bytes(value: Any) -> bytes:
 
 
 def _rank_main(fn, rank, world_size, init_file, backend, args, results) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo's traffic on loopback
+    os.environ["GLOO_SOCKET_IFNAME"] = loopback_ifname()  # keep gloo's traffic on loopback (lo0 on macOS)
     torch.set_num_threads(1)
     import torch.distributed as dist
 

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from torch_thunderbolt.cli.main import main
+from torch_thunderbolt.transport.netif import loopback_ifname
 
 SHOW_ENV = """
 import os, sys
@@ -84,14 +85,15 @@ def test_ssh_mode_env_cwd_and_remote_stop(tmp_path, script, fake_ssh_env, capsys
     for key in ("PATH", "FAKE_SSH_LOG"):
         monkeypatch.setenv(key, fake_ssh_env[key])
     hf = tmp_path / "hosts.json"
-    hf.write_text(json.dumps([{"name": "a", "ssh": "me@host-a", "addresses": ["127.0.0.1"], "ifname": "lo"},
-                              {"name": "b", "ssh": "me@host-b", "ifname": "lo"}]))
+    lo = loopback_ifname()
+    hf.write_text(json.dumps([{"name": "a", "ssh": "me@host-a", "addresses": ["127.0.0.1"], "ifname": lo},
+                              {"name": "b", "ssh": "me@host-b", "ifname": lo}]))
     job = script("show.py", SHOW_ENV)
     code, out, err = _in_process(["--hostfile", str(hf), "--", sys.executable, job], capsys)
     assert code == 0, err
     assert sorted(out.splitlines())[1] == \
         f"[rank 1] RANK=1 WORLD_SIZE=2 LOCAL_RANK=0 GROUP_RANK=1 MASTER_ADDR=127.0.0.1 " \
-        f"THUNDERBOLT_IFNAME=lo EXTRA=None cwd={tmp_path}"
+        f"THUNDERBOLT_IFNAME={lo} EXTRA=None cwd={tmp_path}"
     assert sorted((tmp_path / "ssh.log").read_text().split()) == ["me@host-a", "me@host-b"]
     # A failing remote rank: the launcher kills its ssh to rank 0, and rank 0 (in its own session on the
     # "remote" side, out of reach of our signals) must still be stopped via the closed channel.

@@ -7,6 +7,7 @@ from torch_thunderbolt.errors import ConfigError
 from torch_thunderbolt.launch.hostfile import Host, parse_hostfile
 from torch_thunderbolt.launch.ranks import (
     build_rank_specs, master_address, parse_env_assignments, rank_env, remote_script, ssh_argv)
+from torch_thunderbolt.transport.netif import loopback_ifname
 
 TWO_MACS = parse_hostfile([
     {"name": "a", "ssh": "me@a.local", "addresses": ["169.254.1.1", "169.254.2.1"], "ifname": "en2,en3"},
@@ -33,9 +34,9 @@ def test_omp_threads_left_alone_when_set_or_single_rank():
 
 
 def test_host_env_then_cli_env_override():
-    host = Host(name="h", exec="local", env={"GLOO_SOCKET_IFNAME": "lo", "A": "host"}, ifname="en2")
+    host = Host(name="h", exec="local", env={"GLOO_SOCKET_IFNAME": loopback_ifname(), "A": "host"}, ifname="en2")
     env = rank_env([host], 0, 0, 1, "127.0.0.1", 1, extra_env={"A": "cli"})
-    assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["A"] == "cli" and env["THUNDERBOLT_IFNAME"] == "en2"
+    assert env["GLOO_SOCKET_IFNAME"] == loopback_ifname() and env["A"] == "cli" and env["THUNDERBOLT_IFNAME"] == "en2"
 
 
 def test_master_address_prefers_a_thunderbolt_address_on_a_cable_to_everyone():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import sys
 
 from ..errors import ConfigError
 
@@ -22,6 +23,16 @@ def local_interfaces() -> Interfaces:
         if v4:
             out[name] = v4
     return out
+
+
+def loopback_ifname(platform: str | None = None) -> str:
+    """The loopback interface's name, for GLOO_SOCKET_IFNAME / THUNDERBOLT_IFNAME in local runs.
+
+    Linux calls it `lo`; macOS and the BSDs `lo0`, and gloo fails to start when given a name that does not
+    exist. `platform` is a `sys.platform` value (default: this machine's), so both cases are testable.
+    """
+    platform = sys.platform if platform is None else platform
+    return "lo" if platform.startswith("linux") else "lo0"
 
 
 def _is_ip(text: str) -> bool:
