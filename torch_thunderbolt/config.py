@@ -100,6 +100,9 @@ class Config:
     # automatic by rank count (shm_connect.default_window_bytes), 0 = no window (collectives use the rings)
     shm_dir: str = ""  # THUNDERBOLT_SHM_DIR: existing writable directory for file-backed segments ("" = POSIX shm)
     autoload: bool = True  # THUNDERBOLT_AUTOLOAD=0: `import torch` does not register the backend
+    # THUNDERBOLT_SECRET (or @file): the job's private key for the stream handshake; b"" = derive it from
+    # the rendezvous store, which anyone who reaches MASTER_PORT can read. repr=False: never printed.
+    secret: bytes = field(default=b"", repr=False)
     extra: dict = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -134,7 +137,37 @@ class Config:
         kw["debug"] = _flag(get("THUNDERBOLT_DEBUG"), "THUNDERBOLT_DEBUG") or env.get(
             "TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
         kw["congestion_control"] = get("THUNDERBOLT_CC")
+        if get("THUNDERBOLT_SECRET"):
+            kw["secret"] = parse_secret(get("THUNDERBOLT_SECRET"))
         return cls(**kw)
+
+
+SECRET_MIN_CHARS = 32  # 32 hex digits = 128 bits: out of reach of an offline guess of the handshake MAC
+SECRET_MAX_BYTES = 4096  # a longer "secret" file is almost surely the wrong file
+
+
+def parse_secret(text: str, name: str = "THUNDERBOLT_SECRET") -> bytes:
+    """The value itself, or `@/path` to a file holding it (read here, once). Used as bytes as written, so
+    every rank only needs the same string; errors never quote the value."""
+    where = name
+    if text.startswith("@"):
+        path = os.path.expanduser(text[1:].strip())
+        where = f"{name}=@{path}"
+        try:
+            with open(path, "rb") as fh:
+                raw = fh.read(SECRET_MAX_BYTES + 1)
+        except OSError as exc:
+            raise ConfigError(f"{where}: cannot read the secret file ({exc.strerror or exc})") from None
+        value = raw.strip()
+    else:
+        value = text.strip().encode()
+    hint = "generate one with `python -c 'import secrets; print(secrets.token_hex(32))'`"
+    if len(value) > SECRET_MAX_BYTES:
+        raise ConfigError(f"{where}: expected a secret of at most {SECRET_MAX_BYTES} bytes; is this the right file?")
+    if len(value) < SECRET_MIN_CHARS or len(set(value)) < 8:
+        raise ConfigError(f"{where}: expected a random secret of at least {SECRET_MIN_CHARS} characters "
+                          f"(got {len(value)}, not shown); {hint}")
+    return value
 
 
 def parse_compression(env: Mapping[str, str]) -> tuple[str, int]:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch_thunderbolt.algorithms.collectives import Communicator
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.protocol import handshake as hs
-from torch_thunderbolt.transport.bootstrap import connect_tcp
+from torch_thunderbolt.transport.bootstrap import connect_tcp, group_key
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,8 +49,7 @@ def test_hostile_connections_are_refused_and_the_job_runs(caplog) -> None:
     view = dist.PrefixStore("job/", server)
     view.wait(["tb/ep/0"])
     ep = tuple(json.loads(view.get("tb/ep/0"))["endpoints"][0])
-    shared = json.loads(view.get("tb/secret"))
-    secret, group = bytes.fromhex(shared["secret"]), shared["group"]
+    secret, group = group_key(view, 1, b"")  # no THUNDERBOLT_SECRET here: the store's nonce is the key
 
     def attempt(action) -> None:
         with socket.create_connection(ep, timeout=5) as s:

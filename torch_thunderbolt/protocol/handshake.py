@@ -6,8 +6,11 @@
     server -> client  ACCEPT     status, HMAC(secret, "accept" | client nonce | server nonce | ...)
                    or REJECT     status, reason (fixed-size, so a client always knows how much to read)
 
-The secret never travels. Every message has a fixed size, so no length field from an unauthenticated peer
-is ever trusted. A rejected connection is closed by the server; the caller logs `HandshakeError`.
+The key never travels on these streams. With a private THUNDERBOLT_SECRET it is derived from that secret
+and a per-group nonce (`derive_key`) and never travels at all; without one it is a random value the set-up
+publishes in the rendezvous store, which anyone who reaches the store can read. Every message has a fixed
+size, so no length field from an unauthenticated peer is ever trusted. A rejected connection is closed by
+the server; the caller logs `HandshakeError`.
 """
 from __future__ import annotations
 
@@ -30,6 +33,13 @@ CHALLENGE_SIZE, HELLO_SIZE, REPLY_SIZE = _CHALLENGE.size, _HELLO.size, _REPLY.si
 
 def group_hash(group_id: str) -> bytes:
     return hashlib.sha256(group_id.encode()).digest()[:8]
+
+
+def derive_key(private: bytes, nonce: bytes, group_id: str) -> bytes:
+    """The handshake key of one group when the job has a private secret (THUNDERBOLT_SECRET): the group's
+    nonce and id travel through the unauthenticated rendezvous store, so a stranger who reads them still
+    lacks `private`; a fresh nonce per group keeps the keys of different groups and jobs apart."""
+    return _mac(private, b"torch-thunderbolt group key v1", nonce, group_id.encode())
 
 
 def _mac(secret: bytes, *parts: bytes) -> bytes:
@@ -75,7 +85,7 @@ class ServerHandshake:
             self._reject(f"protocol version {version}, this rank speaks {VERSION}")
         want = _mac(self._secret, b"hello", self._nonce, cnonce, _ranks(rank, self._rank, stream), self._group)
         if not hmac.compare_digest(mac, want):
-            self._reject("wrong job secret or wrong group (authentication failed)")
+            self._reject("wrong secret or group (bad MAC)")  # the reply carries 32 bytes of reason
         if group != self._group:
             self._reject("connection belongs to another process group")
         if stream >= self._streams:

@@ -1,9 +1,12 @@
-"""Building a TCP transport for one group: addresses and secret through the rendezvous store, listeners on
-the chosen addresses only, authenticated streams to every peer.
+"""Building a TCP transport for one group: addresses and a group nonce through the rendezvous store,
+listeners on the chosen addresses only, authenticated streams to every peer.
 
 Rank r connects to every lower rank and accepts from every higher one; each stream is authenticated with
-the per-group secret (protocol.handshake). Anything else that connects is refused and logged. Listeners are
-closed once the group is connected, so stray connections later get "connection refused".
+the group's key (protocol.handshake). With THUNDERBOLT_SECRET the key is derived from that private secret and
+the group nonce, so what the store holds is useless to a stranger; without it the nonce itself is the key,
+and anyone who can reach the store (MASTER_PORT, no authentication) can join, so each rank warns. Anything
+else that connects is refused and logged. Listeners are closed once the group is connected, so stray
+connections later get "connection refused".
 """
 from __future__ import annotations
 
@@ -24,6 +27,17 @@ from .netif import choose_addresses, network_of
 from .tcp import TcpTransport
 
 log = logging.getLogger("torch_thunderbolt.bootstrap")
+# The no-secret warning goes on the package's top logger: it is about the whole job, not a set-up detail.
+security_log = logging.getLogger("torch_thunderbolt")
+
+NO_SECRET_WARNING = (
+    "rank %d: THUNDERBOLT_SECRET is not set, so this job's TCP streams are authenticated with a key kept in "
+    "the rendezvous store (MASTER_ADDR:MASTER_PORT), which has no authentication: anyone who can reach "
+    "MASTER_PORT can read it, join the job in a rank's place and receive its tensors. Set the same random "
+    "THUNDERBOLT_SECRET on every rank (python -c 'import secrets; print(secrets.token_hex(32))'), or start "
+    "the job with `torch-thunderbolt launch`, which does this for you.")
+SECRET_HINT = ("every rank of the job needs the same THUNDERBOLT_SECRET (`torch-thunderbolt launch` gives all "
+               "ranks of a job the same one)")
 
 
 def store_host(store: Any) -> str | None:
@@ -107,6 +121,7 @@ class _Acceptor:
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._loop, name=f"tb-accept-{rank}", daemon=True)
         self.rejected = 0
+        self.last_refusal = ""  # why the last stranger (or misconfigured rank) was refused, for the timeout
 
     def stop(self) -> None:
         self.done.set()
@@ -155,6 +170,7 @@ class _Acceptor:
             sock.sendall(server.reply)
         except (HandshakeError, OSError) as exc:
             self.rejected += 1
+            self.last_refusal = f"{addr[0]}: {exc}"
             log.warning("rank %d: refused a connection from %s:%s: %s", self.rank, addr[0], addr[1], exc)
             if server.reply:
                 try:
@@ -192,6 +208,7 @@ def _listen(address: str, cfg: Config, rank: int | None = None) -> socket.socket
 
 def _connect(rank: int, peer: int, stream: int, target: tuple[str, int], source: str, secret: bytes,
              group_id: str, cfg: Config, deadline: float) -> socket.socket:
+    """One authenticated stream to `peer` (retrying refused connections until `deadline`)."""
     last: Exception | None = None
     while time.monotonic() < deadline:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -206,9 +223,10 @@ def _connect(rank: int, peer: int, stream: int, target: tuple[str, int], source:
             client.receive_reply(_recv_exact(sock, hs.REPLY_SIZE))
             _nodelay(sock)
             return sock
-        except HandshakeError:
+        except HandshakeError as exc:
             sock.close()
-            raise
+            raise HandshakeError(f"rank {rank}: the handshake with rank {peer} at {target[0]}:{target[1]} "
+                                 f"failed: {exc}; {SECRET_HINT}") from exc
         except OSError as exc:
             sock.close()
             last = exc
@@ -230,6 +248,26 @@ def stream_routes(my_addrs: list[str], my_nets: list[str], peer_eps: list, peer_
     return [direct[s % len(direct)] for s in range(streams)]
 
 
+def group_key(store: Any, rank: int, private: bytes) -> tuple[bytes, str]:
+    """(handshake key, group id) of this group. Rank 0 publishes a fresh group id and nonce; the key is
+    derived from `private` (THUNDERBOLT_SECRET) when there is one, else it is the published nonce itself."""
+    if rank == 0:
+        store.set("tb/group", json.dumps({"nonce": os.urandom(32).hex(), "group": uuid.uuid4().hex}))
+    shared = json.loads(store.get("tb/group"))
+    nonce, group_id = bytes.fromhex(shared["nonce"]), shared["group"]
+    return (hs.derive_key(private, nonce, group_id) if private else nonce), group_id
+
+
+def check_same_auth(rank: int, auth: str, peer: int, info: dict) -> None:
+    """A ConfigError when `peer` published a different kind of key (one rank with THUNDERBOLT_SECRET, one
+    without): clearer than the handshake failure it would otherwise get."""
+    theirs = info.get("auth", "store")
+    if theirs != auth:
+        kinds = {"private": "has THUNDERBOLT_SECRET set", "store": "has no THUNDERBOLT_SECRET"}
+        raise ConfigError(f"rank {rank}: rank {peer} {kinds.get(theirs, f'uses an unknown key kind {theirs!r}')} "
+                          f"but this rank {kinds[auth]}; {SECRET_HINT}")
+
+
 def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float,
                 peers: "list[int] | None" = None) -> TcpTransport:
     """`peers`: connect only to these ranks (default every other one), e.g. the other hosts' ranks of a
@@ -241,13 +279,14 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float,
     acceptor: _Acceptor | None = None
     conns: dict[int, list[socket.socket]] = {}
     try:
-        if rank == 0:
-            store.set("tb/secret", json.dumps({"secret": os.urandom(32).hex(), "group": uuid.uuid4().hex}))
-        shared = json.loads(store.get("tb/secret"))
-        secret, group_id = bytes.fromhex(shared["secret"]), shared["group"]
+        secret, group_id = group_key(store, rank, cfg.secret)
+        auth = "private" if cfg.secret else "store"
+        if not cfg.secret and members:
+            security_log.warning(NO_SECRET_WARNING, rank)
         endpoints = [[a, lst.getsockname()[1]] for a, lst in zip(addrs, listeners)]
         nets = [network_of(a) for a in addrs]
-        store.set(f"tb/ep/{rank}", json.dumps({"endpoints": endpoints, "nets": nets, "host": socket.gethostname()}))
+        store.set(f"tb/ep/{rank}", json.dumps({"endpoints": endpoints, "nets": nets, "host": socket.gethostname(),
+                                               "auth": auth}))
         # Accept before waiting for anyone: peers may connect as soon as we published our endpoint.
         acceptor = _Acceptor(listeners, rank, world, cfg.streams, secret, group_id,
                              lambda p: {a for a, _ in json.loads(store.get(f"tb/ep/{p}"))["endpoints"]},
@@ -256,6 +295,7 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float,
         lower = [p for p in members if p < rank]
         infos = {p: json.loads(store.get(f"tb/ep/{p}")) for p in lower}
         for p in lower:
+            check_same_auth(rank, auth, p, infos[p])
             routes = stream_routes(addrs, nets, infos[p]["endpoints"], infos[p].get("nets", []), cfg.streams)
             conns[p] = []
             for s, (source, target) in enumerate(routes):
@@ -263,8 +303,14 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float,
         if not acceptor.done.wait(max(0.0, deadline - time.monotonic())):
             missing = sorted({p for p in members if p > rank
                               for s in range(cfg.streams) if acceptor.conns.get((p, s)) is None})
+            for p in missing:  # a rank that published its endpoint with another kind of key: say so
+                if store.check([f"tb/ep/{p}"]):
+                    check_same_auth(rank, auth, p, json.loads(store.get(f"tb/ep/{p}")))
+            refused = (f"; {acceptor.rejected} connection(s) were refused, the last from {acceptor.last_refusal} "
+                       f"({SECRET_HINT})" if acceptor.rejected else "")
             raise PeerLostError(f"rank {rank}: timed out waiting for ranks {missing} to connect "
-                                f"(listening on {endpoints})", rank=rank, peer=missing[0] if missing else -1)
+                                f"(listening on {endpoints}){refused}", rank=rank,
+                                peer=missing[0] if missing else -1)
         for (p, s), sock in sorted(acceptor.conns.items()):
             conns.setdefault(p, []).append(sock)
         every = [None if p == rank else infos.get(p) or json.loads(store.get(f"tb/ep/{p}")) for p in range(world)]
