@@ -3,8 +3,10 @@
 
 Like a real ssh session, the remote side lives in its own session (our signals do not reach it) and
 its stdin is a relay of ours: when this process dies, the remote command sees EOF on stdin.
-Each call appends the target host to $FAKE_SSH_LOG.
+Each call appends the target host to $FAKE_SSH_LOG, and when $FAKE_SSH_ARGV_LOG is set, its whole argv
+(what `ps` shows of the local ssh, the remote command included) as a JSON line.
 """
+import json
 import os
 import signal
 import subprocess
@@ -19,11 +21,15 @@ def main() -> int:
     host, remote = args[1], " ".join(args[2:])
     with open(os.environ["FAKE_SSH_LOG"], "a") as log:
         log.write(host + "\n")
+    if os.environ.get("FAKE_SSH_ARGV_LOG"):
+        with open(os.environ["FAKE_SSH_ARGV_LOG"], "a") as log:
+            log.write(json.dumps(sys.argv) + "\n")
     child = subprocess.Popen(["sh", "-c", remote], stdin=subprocess.PIPE, start_new_session=True)
 
     def relay() -> None:
         for chunk in iter(lambda: os.read(0, 4096), b""):
             child.stdin.write(chunk)
+            child.stdin.flush()  # as ssh forwards at once: the remote side may wait for a line (the secret)
         child.stdin.close()
 
     threading.Thread(target=relay, daemon=True).start()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shlex
 import socket
 
@@ -61,12 +62,16 @@ def run(args: argparse.Namespace) -> int:
     if port is None:
         local_only = all(h.exec == "local" for h in hosts)
         port = _free_port() if local_only else DEFAULT_MASTER_PORT
+    # One fresh secret per job authenticates its TCP streams (the rendezvous store cannot keep one: anyone
+    # who reaches MASTER_PORT reads it). The user's own THUNDERBOLT_SECRET, if set, is used instead.
+    secret = os.environ.get("THUNDERBOLT_SECRET", "").strip() or secrets.token_hex(32)
     specs = build_rank_specs(hosts, args.nproc_per_host, cmd, cwd=os.getcwd(), master_addr=args.master_addr,
                              master_port=port, extra_env=parse_env_assignments(args.env),
-                             ssh_options=args.ssh_option, inherited=os.environ)
+                             ssh_options=args.ssh_option, inherited=os.environ, secret=secret)
     if args.dry_run:
         for spec in specs:
-            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in spec.env.items())
+            env = " ".join([f"{k}={shlex.quote(v)}" for k, v in spec.env.items()] +
+                           [f"{k}=(hidden)" for k in spec.private_env])
             print(f"# {spec.label} on {spec.host.name} ({spec.host.exec}): {env}")
             print(shlex.join(spec.argv))
         return 0

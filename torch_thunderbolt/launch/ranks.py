@@ -2,7 +2,9 @@
 
 The environment matches what torchrun gives a worker (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 GROUP_RANK, MASTER_ADDR, MASTER_PORT, ...), plus THUNDERBOLT_IFNAME/GLOO_SOCKET_IFNAME from the hostfile
-so both our backend and gloo use the Thunderbolt interfaces rather than Wi-Fi or LAN.
+so both our backend and gloo use the Thunderbolt interfaces rather than Wi-Fi or LAN, plus the job's
+THUNDERBOLT_SECRET. That one is kept apart (`RankSpec.private_env`): it never goes on a command line, where
+`ps` would show it to every user of the launching and the remote host; ssh ranks read it from stdin.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from ..errors import ConfigError
 from .hostfile import Host
 
 DEFAULT_MASTER_PORT = 29500
+# Environment variables that must not appear in any argv (see the module docstring).
+PRIVATE_VARS = ("THUNDERBOLT_SECRET",)
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,13 @@ class RankSpec:
     cwd: str | None = None  # for local/lab ranks (ssh ranks `cd` inside argv)
     env_in_argv: bool = False  # ssh: env travels inside the remote command, not the local process
     label: str = field(default="")
+    # Never in argv: the local process env for local/lab ranks, one line each on the ssh channel's stdin
+    # for ssh ranks (the remote script reads them in this order). repr=False: not in logs or tracebacks.
+    private_env: dict[str, str] = field(default_factory=dict, repr=False)
+
+    def stdin_preamble(self) -> bytes:
+        """What the launcher writes to an ssh rank's stdin before anything else."""
+        return "".join(f"{v}\n" for v in self.private_env.values()).encode() if self.env_in_argv else b""
 
 
 def master_address(hosts: Sequence[Host]) -> str:
@@ -77,24 +88,27 @@ def rank_env(hosts: Sequence[Host], host_index: int, local_rank: int, nproc_per_
     return env
 
 
-def remote_script(env: Mapping[str, str], cmd: Sequence[str], cwd: str) -> str:
+def remote_script(env: Mapping[str, str], cmd: Sequence[str], cwd: str, private: Sequence[str] = ()) -> str:
     """POSIX sh script run on the remote host: same cwd, env exported, stopped when ssh goes away.
 
     Without a tty, killing the local ssh does not signal the remote process. So the job runs in the
     background while `cat` waits on the ssh channel's stdin; when the channel closes (launcher killed
     ssh, or the connection dropped) cat sees EOF and the job gets SIGTERM. `wait` returns its status.
+    The `private` variables come first on stdin, one line each (`read` takes one line off a pipe, no
+    more), so their values are in no argv on either host; exit 125 if the channel closes before that.
     """
+    reads = "".join(f"IFS= read -r {k} || exit 125; export {k}; " for k in private)
     assigns = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
     job = f"cd {shlex.quote(cwd)} && exec env {assigns} {shlex.join(cmd)}"
-    return ("exec 3<&0; (" + job + ") </dev/null & p=$!; "
+    return (reads + "exec 3<&0; (" + job + ") </dev/null & p=$!; "
             "(cat <&3 >/dev/null; kill -TERM $p 2>/dev/null) >/dev/null 2>&1 & "
             "wait $p")
 
 
 def ssh_argv(host: Host, env: Mapping[str, str], cmd: Sequence[str], cwd: str,
-             ssh_options: Sequence[str] = ()) -> list[str]:
+             ssh_options: Sequence[str] = (), private: Sequence[str] = ()) -> list[str]:
     # The remote login shell may be zsh (macOS default): hand the script to sh explicitly.
-    remote = "sh -c " + shlex.quote(remote_script(env, cmd, cwd))
+    remote = "sh -c " + shlex.quote(remote_script(env, cmd, cwd, private))
     return ["ssh", "-o", "BatchMode=yes", *ssh_options, "--", str(host.ssh), remote]
 
 
@@ -103,10 +117,11 @@ def lab_namespace(host: Host) -> str:
 
 
 def rank_argv(host: Host, env: Mapping[str, str], cmd: Sequence[str], cwd: str,
-              ssh_options: Sequence[str] = ()) -> tuple[list[str], bool]:
-    """(argv to start locally, whether the env is already inside argv)."""
+              ssh_options: Sequence[str] = (), private: Sequence[str] = ()) -> tuple[list[str], bool]:
+    """(argv to start locally, whether the env is already inside argv). `private`: names of variables
+    an ssh rank reads from stdin instead."""
     if host.exec == "ssh":
-        return ssh_argv(host, env, cmd, cwd, ssh_options), True
+        return ssh_argv(host, env, cmd, cwd, ssh_options, private), True
     if host.exec == "lab":
         return ["ip", "netns", "exec", lab_namespace(host), *cmd], False
     return list(cmd), False
@@ -115,8 +130,9 @@ def rank_argv(host: Host, env: Mapping[str, str], cmd: Sequence[str], cwd: str,
 def build_rank_specs(hosts: Sequence[Host], nproc_per_host: int, cmd: Sequence[str], *, cwd: str,
                      master_addr: str | None = None, master_port: int = DEFAULT_MASTER_PORT,
                      extra_env: Mapping[str, str] | None = None, ssh_options: Sequence[str] = (),
-                     inherited: Mapping[str, str] | None = None) -> list[RankSpec]:
-    """Every rank of the job, in rank order (host 0's ranks first)."""
+                     inherited: Mapping[str, str] | None = None, secret: str | None = None) -> list[RankSpec]:
+    """Every rank of the job, in rank order (host 0's ranks first). `secret`: the job's THUNDERBOLT_SECRET
+    (one given in the hostfile's env or --env wins); it and any other PRIVATE_VARS go to `private_env`."""
     if not cmd:
         raise ConfigError("expected a command to launch: launch [OPTIONS] -- python train.py ...")
     if not isinstance(nproc_per_host, int) or nproc_per_host < 1:
@@ -128,11 +144,25 @@ def build_rank_specs(hosts: Sequence[Host], nproc_per_host: int, cmd: Sequence[s
     for h, host in enumerate(hosts):
         for local in range(nproc_per_host):
             env = rank_env(hosts, h, local, nproc_per_host, addr, master_port, extra_env, inherited)
-            argv, inside = rank_argv(host, env, cmd, cwd, ssh_options)
+            private = private_env(env, secret)
+            argv, inside = rank_argv(host, env, cmd, cwd, ssh_options, list(private))
             rank = h * nproc_per_host + local
             specs.append(RankSpec(rank=rank, host=host, local_rank=local, env=env, argv=argv,
-                                  cwd=None if inside else cwd, env_in_argv=inside, label=f"rank {rank}"))
+                                  cwd=None if inside else cwd, env_in_argv=inside, label=f"rank {rank}",
+                                  private_env=private))
     return specs
+
+
+def private_env(env: dict[str, str], secret: str | None) -> dict[str, str]:
+    """Moves PRIVATE_VARS out of `env` (in place) into the returned dict, adding THUNDERBOLT_SECRET =
+    `secret` unless `env` had one. Values are sent as lines, so none may hold a line break."""
+    private = {k: env.pop(k) for k in PRIVATE_VARS if k in env}
+    if secret is not None:
+        private.setdefault("THUNDERBOLT_SECRET", secret)
+    for k, v in private.items():
+        if "\n" in v or "\r" in v:
+            raise ConfigError(f"{k}: must be a single line (its value is not shown)")
+    return private
 
 
 def parse_env_assignments(items: Sequence[str]) -> dict[str, str]:

@@ -39,11 +39,12 @@ def start_rank(spec: RankSpec, base_env: Mapping[str, str]) -> subprocess.Popen:
     env = dict(base_env)
     if not spec.env_in_argv:
         env.update(spec.env)
+        env.update(spec.private_env)
     try:
         # Own session per rank: the terminal's Ctrl-C reaches only us, and we can kill the rank's whole
         # process group (its children too). ssh ranks get a stdin pipe we never close until the end:
         # the remote side treats EOF on it as "launcher gone".
-        return subprocess.Popen(spec.argv, env=env, cwd=spec.cwd, start_new_session=True,
+        proc = subprocess.Popen(spec.argv, env=env, cwd=spec.cwd, start_new_session=True,
                                 stdin=subprocess.PIPE if spec.env_in_argv else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except FileNotFoundError:
@@ -51,6 +52,14 @@ def start_rank(spec: RankSpec, base_env: Mapping[str, str]) -> subprocess.Popen:
     except PermissionError:
         raise ConfigError(f"cannot start {spec.label} on {spec.host.name}: `{spec.argv[0]}` is not "
                           "executable (or `ip netns exec` needs root)") from None
+    preamble = spec.stdin_preamble()  # the private env of an ssh rank: its remote script reads it first
+    if preamble:
+        try:
+            proc.stdin.write(preamble)
+            proc.stdin.flush()  # a few bytes: never blocks on the pipe
+        except BrokenPipeError:
+            pass  # ssh already gave up; its exit code tells the supervisor why
+    return proc
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
