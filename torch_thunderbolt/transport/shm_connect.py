@@ -168,6 +168,9 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Config, timeout: float,
     except OSError:
         pass
     # One token per set of ranks sharing memory, made by its lowest rank (several hosts may do this at once).
+    # It sits in the unauthenticated store, yet a stranger on another host who reads it gains nothing: it only
+    # opens the doorbell, a Unix socket on this host, and the segments are this host's memory. (A local
+    # attacker is out of scope, as for gloo; no THUNDERBOLT_SECRET is needed here, so shm-only groups don't warn.)
     token_key = "tbshm/token" if peers is None else f"tbshm/token/{min(members + [rank])}"
     if rank < min(members, default=rank + 1):
         store.set(token_key, secrets.token_hex(16))
