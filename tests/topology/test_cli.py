@@ -1,10 +1,12 @@
 import json
+import shlex
+import sys
 
 import pytest
 
 from torch_thunderbolt.cli import topo
 from torch_thunderbolt.cli.main import build_parser, main
-from torch_thunderbolt.errors import ThunderboltError
+from torch_thunderbolt.errors import ConfigError, ThunderboltError
 from torch_thunderbolt.topology.discover import CommandResult
 from torch_thunderbolt.topology.macos import MACOS_COMMANDS
 from torch_thunderbolt.topology.model import load_host_dump
@@ -110,17 +112,46 @@ def test_failing_system_profiler_is_a_clean_error(capsys):
         topo.run(_args(), runner=run, system="Darwin", hostname="m")
 
 
-def ssh_runner(scenario, log):
+# A Mac as a non-login ssh command sees it: this PATH, Apple's python3 (3.9, no torch), the system tools,
+# and our interpreter only where this machine has it (the same install path on every Mac).
+REMOTE_PATH = ("/usr/bin", "/bin", "/usr/sbin", "/sbin")
+STOCK_MAC = {"/usr/bin/sudo", "/usr/bin/python3", "/usr/sbin/networksetup", "/sbin/ifconfig",
+             "/usr/sbin/system_profiler"}
+DUMP_ARGS = ["-m", "torch_thunderbolt", "topo", "--dump", "-"]
+
+
+def remote_program(word, installed):
+    """The file a Mac's ssh shell runs for `word` (a path or a name looked up in REMOTE_PATH), or None."""
+    if "/" in word:
+        return word if word in installed else None
+    return next((f"{d}/{word}" for d in REMOTE_PATH if f"{d}/{word}" in installed), None)
+
+
+def ssh_runner(scenario, log, installed=STOCK_MAC | {sys.executable}):
+    """A fake `run` for `ssh HOST COMMAND`: resolves COMMAND's program (and sudo's) like a stock Mac would."""
     dumps = {f"admin@{h.name}": json.dumps(h.to_json()) for h in scenario_hosts(scenario)}
 
     def run(argv):
         log.append(list(argv))
         assert argv[0] == "ssh"
-        target = argv[-2]
-        if argv[-1] == "torch-thunderbolt topo --dump -":
-            return CommandResult(0, dumps[target]) if target in dumps else CommandResult(255, "", "no route")
+        target, words = argv[-2], shlex.split(argv[-1])
+        if target not in dumps:
+            return CommandResult(255, "", f"ssh: connect to host {target}: no route to host")
+        if words[:2] == ["sudo", "-n"] and remote_program("sudo", installed):
+            words = words[2:]
+        program = remote_program(words[0], installed)
+        if program is None:
+            return CommandResult(127, "", f"zsh:1: command not found: {words[0]}")
+        if words[1:] == DUMP_ARGS:
+            if program != sys.executable:  # Apple's python3: no torch, no torch_thunderbolt
+                return CommandResult(1, "", f"{program}: No module named torch_thunderbolt")
+            return CommandResult(0, dumps[target])
         return CommandResult(0, "")
     return run
+
+
+def _is_dump(argv):
+    return shlex.split(argv[-1])[1:] == DUMP_ARGS
 
 
 def test_ssh_gather_and_hostfile(tmp_path, capsys):
@@ -129,6 +160,7 @@ def test_ssh_gather_and_hostfile(tmp_path, capsys):
     assert topo.run(args, runner=ssh_runner("chain3", log), hostname="laptop") == 0
     assert [a[-2] for a in log] == ["admin@mac-a", "admin@mac-b", "admin@mac-c"]
     assert all("BatchMode=yes" in a for a in log)
+    assert all(shlex.split(a[-1]) == [sys.executable, *DUMP_ARGS] for a in log)  # this interpreter, by path
     assert [h["ssh"] for h in json.loads(hf.read_text())] == ["admin@mac-a", "admin@mac-b", "admin@mac-c"]
 
 
@@ -139,13 +171,29 @@ def test_ssh_unreachable_host_is_a_clean_error(capsys):
     assert "ssh admin@ghost" in str(info.value) and "no route" in str(info.value)
 
 
+def test_ssh_python_option_and_clear_errors_when_the_interpreter_is_missing(capsys):
+    log = []
+    args = _args("--ssh", "admin@mac-a,admin@mac-b", "--python", "/opt/homebrew/bin/python3.12")
+    with pytest.raises(ThunderboltError) as info:
+        topo.run(args, runner=ssh_runner("pair", log), hostname="x")
+    message = str(info.value)
+    assert shlex.split(log[0][-1])[0] == "/opt/homebrew/bin/python3.12"
+    assert "ssh admin@mac-a" in message and "no Python at /opt/homebrew/bin/python3.12 on admin@mac-a" in message
+    assert "--python" in message
+    with pytest.raises(ConfigError, match="must be an absolute path"):
+        topo.run(_args("--ssh", "admin@mac-a", "--python", "python3.12"), runner=ssh_runner("pair", []), hostname="x")
+    with pytest.raises(ThunderboltError, match="/usr/bin/python3 on admin@mac-a has no torch_thunderbolt"):
+        topo.run(_args("--ssh", "admin@mac-a", "--python", "/usr/bin/python3"), runner=ssh_runner("pair", []),
+                 hostname="x")
+
+
 def test_apply_over_ssh_runs_only_unsatisfied_commands(capsys):
     log = []
     args = _args("--ssh", "admin@mac-a,admin@mac-b,admin@mac-c,admin@mac-d", "--apply")
     assert topo.run(args, runner=ssh_runner("mesh4", log), hostname="laptop") == 0
-    applied = [a[-1] for a in log if a[-1] != "torch-thunderbolt topo --dump -"]
-    assert len(applied) == 24 and all(cmd.startswith("sudo -n networksetup") for cmd in applied)
-    assert "sudo -n networksetup -setmanual 'Thunderbolt 1' 10.77.0.1 255.255.255.252" in applied
+    applied = [a[-1] for a in log if not _is_dump(a)]
+    assert len(applied) == 24 and all(cmd.startswith("sudo -n /usr/sbin/networksetup ") for cmd in applied)
+    assert "sudo -n /usr/sbin/networksetup -setmanual 'Thunderbolt 1' 10.77.0.1 255.255.255.252" in applied
     assert "Applied 24 commands, 4 already satisfied" in capsys.readouterr().err
 
 
@@ -153,7 +201,7 @@ def test_apply_already_configured_cluster_runs_nothing(capsys):
     log = []
     assert topo.run(_args("--ssh", "admin@mac-a,admin@mac-b,admin@mac-c", "--apply"),
                     runner=ssh_runner("ring3", log), hostname="laptop") == 0
-    assert all(a[-1] == "torch-thunderbolt topo --dump -" for a in log)
+    assert all(_is_dump(a) for a in log)
 
 
 def test_apply_from_dumps_runs_locally_and_reports_unreachable_hosts(tmp_path, capsys):
@@ -163,7 +211,7 @@ def test_apply_from_dumps_runs_locally_and_reports_unreachable_hosts(tmp_path, c
                   system="Darwin", hostname="mac-a")
     assert rc == 1  # mac-b's commands could not be run from here
     assert [a[-4:] for a in log][-1] == ["-setmanual", "Thunderbolt 1", "10.77.0.1", "255.255.255.252"]
-    assert len(log) == 4 and all(a[0] in ("sudo", "networksetup", "ifconfig") for a in log)
+    assert len(log) == 4 and all(a[a[0] == "sudo"] in ("/usr/sbin/networksetup", "/sbin/ifconfig") for a in log)
     assert "on mac-b:" in capsys.readouterr().err
 
 

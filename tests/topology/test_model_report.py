@@ -54,7 +54,7 @@ def test_cluster_report_and_json():
     a = analyse(scenario_hosts("bridge_loop"))
     text = cluster_report(a)
     assert "shape: ring; ring order: mac-a -> mac-b -> mac-c -> mac-a" in text
-    assert "Thunderbolt Bridge loops: 1 FOUND" in text and "sudo networksetup -setmanual" in text
+    assert "Thunderbolt Bridge loops: 1 FOUND" in text and "sudo /usr/sbin/networksetup -setmanual" in text
     data = json.loads(json.dumps(analysis_json(a)))
     assert data["shape"] == "ring" and data["order"] == {"kind": "ring", "hosts": ["mac-a", "mac-b", "mac-c"]}
     assert len(data["bridge_loops"]) == 1 and len(data["plan"]["assignments"]) == 3

@@ -5,7 +5,7 @@ from torch_thunderbolt.topology import link_speed_gbps
 from torch_thunderbolt.topology.macos import (build_macos_host, parse_hardware_ports, parse_ifconfig,
                                                parse_network_services, parse_system_profiler)
 
-from topo_fixtures import FIXTURES, mac_host, mac_outputs
+from topo_fixtures import FIXTURES, mac_host, mac_outputs, scenario_hosts
 
 
 @pytest.mark.parametrize("text, gbps", [
@@ -111,3 +111,89 @@ def test_services_are_optional():
     del outputs["services"]
     host = build_macos_host("mac-a", outputs)
     assert host.services is None and host.bridge.service_enabled is None
+
+
+# --- Localized Macs, TB5 on macOS 26, real-length UIDs -------------------------------------------------
+
+def test_german_mac_finds_bridge_and_ports_by_device_not_by_english_name():
+    host = mac_host("pair_de_fr", "mac-a")
+    assert host.bridge is not None, "bridge0 must be found on a German Mac (service 'Thunderbolt-Brücke')"
+    assert host.bridge.ifname == "bridge0" and host.bridge.service == "Thunderbolt-Brücke"
+    assert host.bridge.service_enabled is True and host.bridge.members == ["en2", "en3", "en4", "en5"]
+    assert [(p.name, p.ifname) for p in host.ports] == [(f"Thunderbolt {i}", f"en{i + 1}") for i in range(1, 5)]
+    assert host.ports[1].has_computer and host.ports[1].link_up
+    assert host.other_addresses == ["192.168.1.20/24"]  # not the bridge's 169.254 address, whatever its name
+
+
+def test_french_mac_bridge_service_name():
+    host = mac_host("pair_de_fr", "mac-b")
+    assert host.bridge.service == "Pont Thunderbolt" and host.bridge.service_enabled is True
+    assert host.services["Pont Thunderbolt"] is True and "Thunderbolt Bridge" not in host.services
+
+
+def test_plan_turns_off_the_bridge_by_its_localized_service_name():
+    from torch_thunderbolt.topology.report import analyse
+
+    a = analyse(scenario_hosts("pair_de_fr"))
+    off = {c.host: c.argv for c in a.commands if "-setnetworkserviceenabled" in c.argv}
+    assert off == {"mac-a": ["/usr/sbin/networksetup", "-setnetworkserviceenabled", "Thunderbolt-Brücke", "off"],
+                   "mac-b": ["/usr/sbin/networksetup", "-setnetworkserviceenabled", "Pont Thunderbolt", "off"]}
+    deletem = [c.argv for c in a.commands if "deletem" in c.argv]
+    assert deletem == [["/sbin/ifconfig", "bridge0", "deletem", "en3"], ["/sbin/ifconfig", "bridge0", "deletem", "en4"]]
+
+
+def test_bridge_loop_is_found_on_german_macs():
+    from torch_thunderbolt.topology.report import analyse
+
+    a = analyse(scenario_hosts("bridge_loop_de"))
+    assert a.shape == "ring" and len(a.loops) == 1
+
+
+def test_tb5_macos26_pair():
+    a, b = mac_host("tb5_pair", "mac-a"), mac_host("tb5_pair", "mac-b")
+    assert a.ports[0].speed_text == "80 Gb/s" and a.ports[0].speed_gbps == 80.0
+    assert a.ports[0].peer_uuid == b.ports[1].uuid and b.ports[1].peer_uuid == a.ports[0].uuid
+    assert a.ports[0].addresses == ["10.77.0.1/30"] and b.ports[1].ifname == "en3"
+    assert a.bridge.service == "Pont Thunderbolt" and a.bridge.service_enabled is False and not a.bridge.members
+    from torch_thunderbolt.topology.report import analyse
+
+    analysis = analyse([a, b])
+    assert [(c.a_port, c.b_port, c.speed_gbps) for c in analysis.graph.cables] == [("en2", "en3", 80.0)]
+    assert analysis.commands and all(c.satisfied for c in analysis.commands)
+
+
+def test_fixture_uids_have_real_lengths():
+    """Switch UIDs are 0x + 16 hex digits and bus UUIDs 36 characters, and a peer entry names its Mac's own."""
+    import json
+    import re
+
+    def walk(node):
+        if isinstance(node, dict):
+            yield node
+            for child in node.get("_items", []):
+                yield from walk(child)
+
+    buses = {}
+    for path in sorted(FIXTURES.glob("*/mac-*/system_profiler.json")):
+        for bus in json.loads(path.read_text())["SPThunderboltDataType"]:
+            buses[bus["domain_uuid_key"]] = bus["switch_uid_key"]
+            for node in walk(bus):
+                assert re.fullmatch(r"0x[0-9A-F]{16}", node["switch_uid_key"]), (path, node["switch_uid_key"])
+                assert "domain_uuid_key" not in node or len(node["domain_uuid_key"]) == 36
+    for path in sorted(FIXTURES.glob("*/mac-*/system_profiler.json")):
+        for bus in json.loads(path.read_text())["SPThunderboltDataType"]:
+            for item in bus.get("_items", []):
+                if item.get("domain_uuid_key"):
+                    assert item["switch_uid_key"] == buses[item["domain_uuid_key"]]
+
+
+def test_port_devices_by_name_or_bridge_membership():
+    from torch_thunderbolt.topology.macos import Interface, thunderbolt_bridge, thunderbolt_port_devices
+
+    hw = {"Ethernet": "en0", "Thunderbolt Ethernet Slot 1": "en9", "Ponte Thunderbolt": "bridge0",
+          "Porta 2": "en3", "THUNDERBOLT 1": "en2", "Porta 7": "en7"}
+    ifaces = {"bridge0": Interface("bridge0", members=["en2", "en3"]), "bridge100": Interface("bridge100")}
+    assert thunderbolt_bridge(hw, ifaces) == ("Ponte Thunderbolt", "bridge0")
+    # en9 is an adapter, not port 1; en7 is named like a port but is not a bridge member.
+    assert thunderbolt_port_devices(hw, ifaces) == {"1": ("THUNDERBOLT 1", "en2"), "2": ("Porta 2", "en3")}
+    assert thunderbolt_bridge({"Ethernet": "en0"}, {}) is None

@@ -81,20 +81,21 @@ def test_commands_for_a_fresh_pair():
     graph = _graph("pair")
     cmds = [c for c in plan_commands(graph, plan_addresses(graph)) if c.host == "mac-a"]
     assert [c.argv for c in cmds] == [
-        ["networksetup", "-setnetworkserviceenabled", "Thunderbolt Bridge", "off"],
-        ["ifconfig", "bridge0", "deletem", "en2"],
-        ["networksetup", "-createnetworkservice", "Thunderbolt 1", "Thunderbolt 1"],
-        ["networksetup", "-setmanual", "Thunderbolt 1", "10.77.0.1", "255.255.255.252"],
+        # By absolute path: sudo over ssh and a user's PATH both may not find (or find other) tools.
+        ["/usr/sbin/networksetup", "-setnetworkserviceenabled", "Thunderbolt Bridge", "off"],
+        ["/sbin/ifconfig", "bridge0", "deletem", "en2"],
+        ["/usr/sbin/networksetup", "-createnetworkservice", "Thunderbolt 1", "Thunderbolt 1"],
+        ["/usr/sbin/networksetup", "-setmanual", "Thunderbolt 1", "10.77.0.1", "255.255.255.252"],
     ]
     assert not any(c.satisfied for c in cmds)
-    assert cmds[3].shell() == "sudo networksetup -setmanual 'Thunderbolt 1' 10.77.0.1 255.255.255.252"
+    assert cmds[3].shell() == "sudo /usr/sbin/networksetup -setmanual 'Thunderbolt 1' 10.77.0.1 255.255.255.252"
 
 
 def test_commands_already_applied_are_all_satisfied():
     graph = _graph("ring3")
     cmds = plan_commands(graph, plan_addresses(graph))
     assert cmds and all(c.satisfied for c in cmds)
-    assert not any(c.argv[:2] == ["ifconfig", "bridge0"] for c in cmds)  # nothing left in the bridge
+    assert not any(c.argv[:2] == ["/sbin/ifconfig", "bridge0"] for c in cmds)  # nothing left in the bridge
 
 
 def test_mtu_command_only_when_asked_and_unsatisfied():
@@ -110,7 +111,7 @@ def test_disabled_port_service_is_enabled():
     hosts[0].services["Thunderbolt 1"] = False
     graph = build_graph(hosts)
     cmds = [c.argv for c in plan_commands(graph, plan_addresses(graph)) if not c.satisfied]
-    assert cmds == [["networksetup", "-setnetworkserviceenabled", "Thunderbolt 1", "on"]]
+    assert cmds == [["/usr/sbin/networksetup", "-setnetworkserviceenabled", "Thunderbolt 1", "on"]]
 
 
 def test_linux_commands():

@@ -21,6 +21,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from", dest="from_files", nargs="+", metavar="DUMP",
                         help="build the cluster graph from these hosts' --dump files")
     parser.add_argument("--ssh", metavar="HOST,HOST", help="gather dumps over ssh (runs `topo --dump -` there)")
+    parser.add_argument("--python", metavar="PATH", default=sys.executable,
+                        help="Python with torch-thunderbolt on the --ssh hosts, by absolute path (default: "
+                             "this one's; a Mac's ssh PATH only finds Apple's python3 3.9)")
     parser.add_argument("--base", default=DEFAULT_BASE, help=f"network to carve /30s from (default {DEFAULT_BASE})")
     parser.add_argument("--mtu", type=int, help="also set this MTU on every cabled port (e.g. 9000)")
     parser.add_argument("--hostfile", metavar="OUT", help="write the launcher hostfile (JSON)")
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace, *, runner: RunCommand = subprocess_runner, sys
 
 def _cluster(args, runner: RunCommand, local, local_name: str) -> int:
     hosts = [load_host_dump(_read(path), path) for path in args.from_files or []]
-    hosts += gather_over_ssh(parse_ssh_list(args.ssh), runner) if args.ssh else []
+    hosts += gather_over_ssh(parse_ssh_list(args.ssh), runner, args.python) if args.ssh else []
     if args.apply:  # plan against this host's state now, not a possibly stale dump
         hosts = [local() if h.name == local_name and not h.ssh else h for h in hosts]
     a = analyse(hosts, base=args.base, mtu=args.mtu)

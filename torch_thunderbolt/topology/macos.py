@@ -4,6 +4,12 @@ Pure functions over text so they run (and are tested) on Linux against recorded-
 Commands read (see `MACOS_COMMANDS`): `system_profiler SPThunderboltDataType -json` (ports, speeds,
 the bus UUID of the Mac at the other end), `networksetup -listallhardwareports` (port -> enX),
 `networksetup -listallnetworkservices` (which services exist / are disabled) and `ifconfig`.
+
+Hardware port and service names are localized ("Thunderbolt-Brücke" on a German Mac, "Pont Thunderbolt"
+on a French one), so the bridge is found by its device (`bridgeN`) and the Thunderbolt ports by their
+number and `ifconfig` bridge membership, never by an English name; the names found are what the
+commands of the address plan use. Commands are run by absolute path: over ssh a Mac's PATH is only
+/usr/bin:/bin:/usr/sbin:/sbin, and a user's PATH may put other tools of the same name first.
 """
 from __future__ import annotations
 
@@ -16,13 +22,20 @@ from ..errors import ConfigError
 from .model import Bridge, Host, Port
 from .speed import link_speed_gbps
 
+SYSTEM_PROFILER = "/usr/sbin/system_profiler"
+NETWORKSETUP = "/usr/sbin/networksetup"
+IFCONFIG = "/sbin/ifconfig"
 MACOS_COMMANDS: dict[str, list[str]] = {
-    "system_profiler": ["system_profiler", "SPThunderboltDataType", "-json"],
-    "hardware_ports": ["networksetup", "-listallhardwareports"],
-    "services": ["networksetup", "-listallnetworkservices"],
-    "ifconfig": ["ifconfig"],
+    "system_profiler": [SYSTEM_PROFILER, "SPThunderboltDataType", "-json"],
+    "hardware_ports": [NETWORKSETUP, "-listallhardwareports"],
+    "services": [NETWORKSETUP, "-listallnetworkservices"],
+    "ifconfig": [IFCONFIG],
 }
-BRIDGE_SERVICE = "Thunderbolt Bridge"
+BRIDGE_SERVICE = "Thunderbolt Bridge"  # the English default name; only a fallback for old dumps
+_BRIDGE_DEVICE = re.compile(r"^bridge\d+$")
+_EN_DEVICE = re.compile(r"^en\d+$")
+_TRAILING_NUMBER = re.compile(r"(\d+)\s*$")
+_THUNDERBOLT_N = re.compile(r"^thunderbolt\W*(\d+)$", re.IGNORECASE)  # not "Thunderbolt Ethernet Slot 1"
 _RECEPTACLE = re.compile(r"^receptacle_\d+_tag$")
 _STATUS = {"receptacle_connected": "connected", "receptacle_no_devices_connected": "empty"}
 
@@ -181,6 +194,43 @@ def _prefix_len(mask: str) -> int:
     return bin(value).count("1")
 
 
+def thunderbolt_bridge(hw: dict[str, str], ifaces: dict[str, Interface]) -> tuple[str, str] | None:
+    """(hardware port name, device) of the Thunderbolt Bridge, found by its `bridgeN` device.
+
+    A Mac normally lists one bridge; with several, the one whose members are `enN` ports wins, then the
+    one whose name says Thunderbolt, then the lowest number.
+    """
+    bridges = [(name, dev) for name, dev in hw.items() if _BRIDGE_DEVICE.match(dev)]
+    if not bridges:
+        return None
+
+    def rank(item: tuple[str, str]) -> tuple[bool, bool, int]:
+        name, dev = item
+        members = ifaces.get(dev, Interface(dev)).members
+        return (not any(_EN_DEVICE.match(m) for m in members), "thunderbolt" not in name.lower(),
+                int(dev[len("bridge"):]))
+
+    return min(bridges, key=rank)
+
+
+def thunderbolt_port_devices(hw: dict[str, str], ifaces: dict[str, Interface]) -> dict[str, tuple[str, str]]:
+    """{receptacle number: (hardware port name, enN)} for the Thunderbolt ports of `hw`.
+
+    A Thunderbolt port is an `enN` hardware port named "Thunderbolt N" (the brand is not translated),
+    or one whose name ends in a number and that is a member of the Thunderbolt Bridge.
+    """
+    bridge = thunderbolt_bridge(hw, ifaces)
+    members = set(ifaces.get(bridge[1], Interface(bridge[1])).members) if bridge else set()
+    out: dict[str, tuple[str, str]] = {}
+    for name, dev in hw.items():
+        if not _EN_DEVICE.match(dev):
+            continue
+        number = _THUNDERBOLT_N.match(name.strip()) or (_TRAILING_NUMBER.search(name) if dev in members else None)
+        if number is not None:
+            out.setdefault(str(int(number.group(1))), (name, dev))
+    return out
+
+
 def build_macos_host(name: str, outputs: dict[str, str]) -> Host:
     """A Host from the raw outputs of `MACOS_COMMANDS` (keyed the same way)."""
     missing = [key for key in ("system_profiler", "hardware_ports", "ifconfig") if key not in outputs]
@@ -190,12 +240,14 @@ def build_macos_host(name: str, outputs: dict[str, str]) -> Host:
     hw = parse_hardware_ports(outputs["hardware_ports"])
     ifaces = parse_ifconfig(outputs["ifconfig"])
     services = parse_network_services(outputs["services"]) if "services" in outputs else None
+    by_receptacle = thunderbolt_port_devices(hw, ifaces)
     for port in ports:
-        port.ifname = hw.get(port.name, "")
+        # The localized hardware port name is what networksetup's service commands take.
+        port.name, port.ifname = by_receptacle.get(port.receptacle, (port.name, ""))
         info = ifaces.get(port.ifname)
         if info is not None:
             port.addresses, port.mtu, port.link_up = list(info.addresses), info.mtu, info.up and info.active
-    bridge = _bridge(hw, ifaces, services)
+    bridge = _bridge(thunderbolt_bridge(hw, ifaces), ifaces, services)
     used = {p.ifname for p in ports} | ({bridge.ifname} if bridge else set())
     other = [a for i in ifaces.values() if i.name not in used and not i.name.startswith("lo")
              for a in i.addresses]
@@ -204,11 +256,12 @@ def build_macos_host(name: str, outputs: dict[str, str]) -> Host:
                 checked=[" ".join(cmd) for cmd in MACOS_COMMANDS.values()])
 
 
-def _bridge(hw: dict[str, str], ifaces: dict[str, Interface], services: dict[str, bool] | None) -> Bridge | None:
-    ifname = hw.get(BRIDGE_SERVICE)
-    if not ifname:
+def _bridge(found: tuple[str, str] | None, ifaces: dict[str, Interface],
+            services: dict[str, bool] | None) -> Bridge | None:
+    if found is None:
         return None
+    service, ifname = found
     info = ifaces.get(ifname, Interface(ifname))
-    enabled = None if services is None else services.get(BRIDGE_SERVICE, False)
+    enabled = None if services is None else services.get(service, False)
     return Bridge(ifname=ifname, members=list(info.members), active=info.up and info.active,
-                  service_enabled=enabled, addresses=list(info.addresses))
+                  service_enabled=enabled, addresses=list(info.addresses), service=service)

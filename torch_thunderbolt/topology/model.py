@@ -54,6 +54,7 @@ class Bridge:
     active: bool = False
     service_enabled: bool | None = None  # None: not known (e.g. Linux, or services not listed)
     addresses: list[str] = field(default_factory=list)
+    service: str = ""  # macOS network service name, localized ("Thunderbolt-Brücke"); "" on Linux
 
 
 @dataclass

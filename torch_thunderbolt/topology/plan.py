@@ -10,7 +10,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from .macos import BRIDGE_SERVICE
+from .macos import BRIDGE_SERVICE, IFCONFIG, NETWORKSETUP
 from .model import Cable, ClusterGraph, Host, Port
 
 # 10.77.0.0/16: private, and away from the ranges home routers (192.168.x), Docker (172.17+), VPNs
@@ -142,24 +142,24 @@ def _macos_commands(host: Host, wanted: list[tuple[str, str]], mtu: int | None) 
     bridge = host.bridge
     if bridge is not None:
         off = bridge.service_enabled is False or (bridge.service_enabled is None and not bridge.members)
-        add(["networksetup", "-setnetworkserviceenabled", BRIDGE_SERVICE, "off"],
+        add([NETWORKSETUP, "-setnetworkserviceenabled", bridge.service or BRIDGE_SERVICE, "off"],
             "stop bridging the Thunderbolt ports together (loops cause broadcast storms)", off)
         for ifname, _ in wanted:
             if ifname in bridge.members:  # deletem on a non-member fails, so only list real members
-                add(["ifconfig", bridge.ifname, "deletem", ifname], f"take {ifname} out of {bridge.ifname} now",
+                add([IFCONFIG, bridge.ifname, "deletem", ifname], f"take {ifname} out of {bridge.ifname} now",
                     False)
     services = host.services
     for ifname, address in wanted:
         port = host.port(ifname)
         if services is not None:
-            add(["networksetup", "-createnetworkservice", port.name, port.name],
+            add([NETWORKSETUP, "-createnetworkservice", port.name, port.name],
                 f"a network service of its own for {port.name} ({ifname})", port.name in services)
             if services.get(port.name) is False:
-                add(["networksetup", "-setnetworkserviceenabled", port.name, "on"], f"enable {port.name}", False)
-        add(["networksetup", "-setmanual", port.name, address, NETMASK],
+                add([NETWORKSETUP, "-setnetworkserviceenabled", port.name, "on"], f"enable {port.name}", False)
+        add([NETWORKSETUP, "-setmanual", port.name, address, NETMASK],
             f"{ifname} gets {address}/{PREFIX}", _has(port, address))
         if mtu:
-            add(["networksetup", "-setMTU", ifname, str(mtu)], f"MTU {mtu} on {ifname}", port.mtu == mtu)
+            add([NETWORKSETUP, "-setMTU", ifname, str(mtu)], f"MTU {mtu} on {ifname}", port.mtu == mtu)
     return out
 
 

@@ -5,6 +5,7 @@ Both go through the same `run` seam as local discovery, so tests use a fake runn
 from __future__ import annotations
 
 import shlex
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,7 +15,17 @@ from .model import Host, load_host_dump
 from .plan import Command
 
 SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
-REMOTE_DUMP = ["torch-thunderbolt", "topo", "--dump", "-"]
+NOT_FOUND = 127  # what a shell exits with when the program does not exist
+
+
+def remote_dump_argv(python: str) -> list[str]:
+    """The dump command for an ssh host, run by the interpreter's absolute path.
+
+    A non-login ssh shell on a Mac has PATH=/usr/bin:/bin:/usr/sbin:/sbin: no `torch-thunderbolt`
+    script there, and its `python3` is Apple's 3.9 without torch. So the remote runs the same
+    interpreter path as here (the usual case: the same install on every Mac), or `--python`.
+    """
+    return [python, "-m", "torch_thunderbolt", "topo", "--dump", "-"]
 
 
 def parse_ssh_list(text: str) -> list[str]:
@@ -30,19 +41,35 @@ def ssh_argv(target: str, remote: list[str]) -> list[str]:
     return ["ssh", *SSH_OPTIONS, target, shlex.join(remote)]
 
 
-def gather_over_ssh(targets: list[str], run: RunCommand) -> list[Host]:
+def gather_over_ssh(targets: list[str], run: RunCommand, python: str = sys.executable) -> list[Host]:
     """Each target's `topo --dump -`, with `ssh` set to the target so the hostfile can reuse it."""
+    if not python.startswith("/"):
+        raise ConfigError(f"--python {python!r} must be an absolute path: over ssh a Mac's PATH is only "
+                          "/usr/bin:/bin:/usr/sbin:/sbin, where `python3` is Apple's 3.9 without torch")
     hosts = []
+    remote = remote_dump_argv(python)
     for target in targets:
-        result = run(ssh_argv(target, REMOTE_DUMP))
+        result = run(ssh_argv(target, remote))
         if result.returncode != 0:
             detail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise ThunderboltError(f"ssh {target}: `{' '.join(REMOTE_DUMP)}` failed "
-                                   f"(exit {result.returncode}): {detail[0]}")
+            raise ThunderboltError(f"ssh {target}: `{shlex.join(remote)}` failed "
+                                   f"(exit {result.returncode}): {detail[0]}{_dump_hint(target, python, result)}")
         host = load_host_dump(result.stdout, f"dump from {target}")
         host.ssh = target
         hosts.append(host)
     return hosts
+
+
+def _dump_hint(target: str, python: str, result) -> str:
+    """The next step when the remote interpreter is missing or lacks the package."""
+    text = result.stderr + result.stdout
+    if result.returncode == NOT_FOUND:
+        return (f". There is no Python at {python} on {target}: install torch-thunderbolt there at the same "
+                "path, or pass --python with the path of the interpreter that has it on the --ssh hosts")
+    if "No module named" in text:
+        return (f". {python} on {target} has no torch_thunderbolt: install it into that interpreter, or pass "
+                "--python with the path of one that has it")
+    return ""
 
 
 @dataclass
