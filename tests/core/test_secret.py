@@ -186,28 +186,34 @@ def test_a_secret_on_one_rank_only_is_a_config_error_naming_the_peer(world, secr
 
 
 WARN_SCRIPT = PRELUDE + """
+if os.environ.get("TEST_FAKE_HOSTS") == "1":  # two ranks per pretend host: auto picks shm + TCP (hybrid)
+    from torch_thunderbolt.transport import shm_connect
+    shm_connect.host_identity = lambda: "test-host-" + str(int(os.environ["RANK"]) // 2)
 dist.init_process_group("thunderbolt")
+w = dist.get_world_size()
 x = torch.arange(1000, dtype=torch.float32) * (dist.get_rank() + 1)
 dist.all_reduce(x)
-result({"ok": torch.equal(x, torch.arange(1000, dtype=torch.float32) * 3)})
+result({"ok": torch.equal(x, torch.arange(1000, dtype=torch.float32) * (w * (w + 1) // 2))})
 dist.destroy_process_group()
 """
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("transport", ["tcp", "shm", "hybrid"])
 @pytest.mark.parametrize("secret", [None, SECRET.decode()])
 def test_warning_once_per_process_only_when_strangers_can_join(transport: str, secret: str | None,
                                                                 tmp_path) -> None:
-    """Through torch's API: without a secret each TCP rank warns once; with one, or over shared memory
-    (Unix sockets and segments on this host: nothing a stranger elsewhere could connect to), none does."""
-    env = {"THUNDERBOLT_TRANSPORT": transport}
+    """Through torch's API: without a secret each rank with TCP peers warns once; with one, or over shared
+    memory only (Unix sockets and segments on this host: nothing a stranger elsewhere could connect to),
+    none does. The hybrid: 2 pretend hosts x 2 ranks, TCP between the hosts authenticated by the secret."""
+    env = {"THUNDERBOLT_TRANSPORT": transport} if transport != "hybrid" else {"TEST_FAKE_HOSTS": "1"}
     if secret:
         env["THUNDERBOLT_SECRET"] = secret
-    for res in run_ranks(WARN_SCRIPT, 2, tmp_path, timeout=90, env=env):
+    world = 4 if transport == "hybrid" else 2
+    for res in run_ranks(WARN_SCRIPT, world, tmp_path, timeout=90, env=env):
         assert res.json() == {"ok": True}
-        want = 1 if transport == "tcp" and secret is None else 0
+        want = 1 if transport != "shm" and secret is None else 0
         assert res.stderr.count(WARNING) == want, res.stderr[-3000:]
         if secret:
             assert secret not in res.stderr and secret not in res.stdout
