@@ -15,7 +15,7 @@ from torch_thunderbolt.launch.hostfile import parse_hostfile
 from torch_thunderbolt.launch.ranks import build_rank_specs
 
 HERE = Path(__file__).parent
-SECRET = "5ec2e7" * 8
+SECRET = "5ec2e7a1b9d0" * 4
 HOSTS = parse_hostfile([{"name": "a", "ssh": "me@a.local", "addresses": ["169.254.1.1"], "ifname": "en2"},
                         {"name": "b", "exec": "local"}])
 
@@ -70,6 +70,9 @@ def test_dry_run_hides_the_secret(capsys, tmp_path, monkeypatch):
     assert main(["launch", "--hostfile", str(hf), "--dry-run", "--", "python", "t.py"]) == 0
     out = capsys.readouterr().out
     assert "THUNDERBOLT_SECRET=(hidden)" in out and SECRET not in out
+    monkeypatch.setenv("THUNDERBOLT_SECRET", "short")  # the user's own, checked before anything starts
+    assert main(["launch", "--hostfile", str(hf), "--dry-run", "--", "python", "t.py"]) == 2
+    assert "THUNDERBOLT_SECRET: expected a random secret" in capsys.readouterr().err
 
 
 def _secrets(out: str) -> dict[int, str]:
@@ -85,7 +88,7 @@ def _secrets(out: str) -> dict[int, str]:
 @pytest.mark.timeout(60)
 def test_launch_gives_every_rank_one_fresh_secret_per_job(tmp_path, script, fake_ssh_env, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("THUNDERBOLT_SECRET", raising=False)  # the fake ssh passes our env on; real ssh doesn't
+    monkeypatch.delenv("THUNDERBOLT_SECRET", raising=False)  # so that only the ssh channel can bring it
     argv_log = tmp_path / "argv.log"
     for key in ("PATH", "FAKE_SSH_LOG"):
         monkeypatch.setenv(key, fake_ssh_env[key])
@@ -120,14 +123,14 @@ def test_a_thunderbolt_job_under_launch_is_authenticated_and_does_not_warn(tmp_p
                                                                            monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("THUNDERBOLT_SECRET", raising=False)
-    for key in ("PATH", "FAKE_SSH_LOG", "PYTHONPATH"):
+    for key in ("PATH", "FAKE_SSH_LOG"):
         monkeypatch.setenv(key, fake_ssh_env[key])
     hf = tmp_path / "hosts.json"
     hf.write_text(json.dumps([{"name": "a", "ssh": "me@host-a", "addresses": ["127.0.0.1"]},
                               {"name": "b", "ssh": "me@host-b"}]))
     code = main(["launch", "--hostfile", str(hf), "--master-port", str(_free_port()), "--env",
-                 "THUNDERBOLT_TRANSPORT=tcp", "--", sys.executable, str(HERE / "scripts" / "allreduce.py"),
-                 "--backend", "thunderbolt"])
+                 "THUNDERBOLT_TRANSPORT=tcp", "--env", f"PYTHONPATH={fake_ssh_env['PYTHONPATH']}", "--",
+                 sys.executable, str(HERE / "scripts" / "allreduce.py"), "--backend", "thunderbolt"])
     out, err = capsys.readouterr()
     assert code == 0, err[-3000:]
     assert sorted(line.split(" ifname")[0] for line in out.splitlines() if "allreduce" in line) == [

@@ -52,6 +52,7 @@ def _hosts(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from ..launch.ranks import DEFAULT_MASTER_PORT, build_rank_specs, parse_env_assignments
+    from ..config import parse_secret
     from ..launch.supervise import supervise
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -65,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     # One fresh secret per job authenticates its TCP streams (the rendezvous store cannot keep one: anyone
     # who reaches MASTER_PORT reads it). The user's own THUNDERBOLT_SECRET, if set, is used instead.
     secret = os.environ.get("THUNDERBOLT_SECRET", "").strip() or secrets.token_hex(32)
+    if not secret.startswith("@"):  # a bad one of the user's fails here, not on every rank (an @file may
+        parse_secret(secret)  # exist only on the hosts, so it is left to them)
     specs = build_rank_specs(hosts, args.nproc_per_host, cmd, cwd=os.getcwd(), master_addr=args.master_addr,
                              master_port=port, extra_env=parse_env_assignments(args.env),
                              ssh_options=args.ssh_option, inherited=os.environ, secret=secret)
