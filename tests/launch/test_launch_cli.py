@@ -104,6 +104,35 @@ def test_ssh_mode_env_cwd_and_remote_stop(tmp_path, script, fake_ssh_env, capsys
     assert _gone(int((tmp_path / "pid.0").read_text()))
 
 
+SHOW_PYTHON = """
+import os, sys
+print("python=" + sys.executable, flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_ssh_ranks_run_this_interpreter_under_a_macs_ssh_path(tmp_path, script, fake_ssh_env, capsys, monkeypatch):
+    """`launch -- python job.py` over ssh: the remote PATH (/usr/bin:/bin:/usr/sbin:/sbin, no venv) has no
+    `python` with torch, so the ranks must run the launcher's interpreter by path; a host whose
+    interpreter is missing fails with one message naming the host and the path."""
+    monkeypatch.chdir(tmp_path)
+    for key in ("PATH", "FAKE_SSH_LOG"):
+        monkeypatch.setenv(key, fake_ssh_env[key])
+    hosts = [{"name": "a", "ssh": "me@host-a", "addresses": ["127.0.0.1"]}, {"name": "b", "ssh": "me@host-b"}]
+    hf = tmp_path / "hosts.json"
+    hf.write_text(json.dumps(hosts))
+    job = script("which.py", SHOW_PYTHON)
+    code, out, err = _in_process(["--hostfile", str(hf), "--", "python", job], capsys)
+    assert code == 0, err
+    assert sorted(out.splitlines()) == [f"[rank 0] python={sys.executable}", f"[rank 1] python={sys.executable}"]
+    hosts[1]["python"] = str(tmp_path / "no-venv" / "bin" / "python3")
+    hf.write_text(json.dumps(hosts))
+    code, out, err = _in_process(["--hostfile", str(hf), "--", "python3", job], capsys)
+    assert code == 127
+    assert f"host b: no program at {tmp_path / 'no-venv' / 'bin' / 'python3'} there" in err
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_ctrl_c_stops_every_rank(tmp_path, script, cli_env):

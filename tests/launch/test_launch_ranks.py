@@ -119,3 +119,32 @@ def test_env_assignments():
     for bad in ("A", "=1", "1A=2", "A-B=1"):
         with pytest.raises(ConfigError, match="expected NAME=value"):
             parse_env_assignments([bad])
+
+
+def test_bare_python_becomes_the_interpreter_by_path_on_ssh_hosts():
+    from torch_thunderbolt.launch.ranks import host_command
+
+    ssh, own = TWO_MACS[0], Host(name="c", exec="ssh", ssh="c", python="/opt/homebrew/bin/python3.12")
+    for bare in ("python", "python3", "python3.12"):
+        assert host_command(ssh, [bare, "t.py", "python"], "/venv/bin/python") == ["/venv/bin/python", "t.py", "python"]
+    assert host_command(own, ["python3", "t.py"], "/venv/bin/python") == ["/opt/homebrew/bin/python3.12", "t.py"]
+    assert host_command(ssh, ["/usr/local/bin/python3", "t.py"], "/v") == ["/usr/local/bin/python3", "t.py"]
+    assert host_command(ssh, ["torchrun", "t.py"], "/v") == ["torchrun", "t.py"]
+    assert host_command(Host(name="l"), ["python", "t.py"], "/v") == ["python", "t.py"]  # local: our PATH
+
+
+def test_ssh_rank_checks_the_interpreter_and_runs_it_by_path():
+    specs = build_rank_specs(TWO_MACS, 1, ["python3", "train.py"], cwd="/w", inherited={},
+                             python="/Users/me/venv/bin/python")
+    remote = specs[1].argv[-1]
+    assert "[ -x /Users/me/venv/bin/python ] || { echo" in remote and "host b: no program at" in remote
+    assert "/Users/me/venv/bin/python train.py" in remote and " python3 " not in remote
+    with pytest.raises(ConfigError, match="--python 'python3' must be an absolute path"):
+        build_rank_specs(TWO_MACS, 1, ["python3", "t.py"], cwd="/w", python="python3")
+
+
+def test_hostfile_python_must_be_absolute():
+    hosts = parse_hostfile([{"ssh": "a", "python": "/opt/homebrew/bin/python3.12"}, "b"])
+    assert hosts[0].python == "/opt/homebrew/bin/python3.12" and hosts[1].python is None
+    with pytest.raises(ConfigError, match="host #0: 'python' must be an absolute path"):
+        parse_hostfile([{"ssh": "a", "python": "python3.12"}])

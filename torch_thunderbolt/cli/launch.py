@@ -6,6 +6,7 @@ import os
 import secrets
 import shlex
 import socket
+import sys
 
 from ..errors import ConfigError
 
@@ -26,6 +27,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="extra environment for every rank (repeatable)")
     parser.add_argument("--ssh-option", action="append", default=[], metavar="OPT",
                         help="extra ssh option, e.g. --ssh-option=-p2222 (repeatable)")
+    parser.add_argument("--python", metavar="PATH", default=sys.executable,
+                        help="interpreter on ssh hosts, by absolute path, for a command starting with python/"
+                             "python3 (default: this one's; a hostfile host's \"python\" wins)")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
     parser.add_argument("--dry-run", action="store_true", help="print each rank's env and command, run nothing")
@@ -70,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         parse_secret(secret)  # exist only on the hosts, so it is left to them)
     specs = build_rank_specs(hosts, args.nproc_per_host, cmd, cwd=os.getcwd(), master_addr=args.master_addr,
                              master_port=port, extra_env=parse_env_assignments(args.env),
-                             ssh_options=args.ssh_option, inherited=os.environ, secret=secret)
+                             ssh_options=args.ssh_option, inherited=os.environ, secret=secret,
+                             python=args.python)
     if args.dry_run:
         for spec in specs:
             env = " ".join([f"{k}={shlex.quote(v)}" for k, v in spec.env.items()] +

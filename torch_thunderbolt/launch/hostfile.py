@@ -9,7 +9,8 @@ Accepted shapes (the reader is tolerant, the topology tool writes the full form)
 Per host: `name` (default: the ssh host), `ssh` (user@host for ssh), `addresses` (Thunderbolt
 addresses, first one used for MASTER_ADDR when this is host 0), `ifname` (string "en2,en3" or a list;
 becomes THUNDERBOLT_IFNAME), `exec` ("ssh", "lab" or "local"; default ssh when `ssh` is given, else
-local), `lab` (lab name for exec "lab"), `env` (extra environment for ranks on this host), and
+local), `lab` (lab name for exec "lab"), `env` (extra environment for ranks on this host), `python`
+(absolute path of the interpreter with torch on this ssh host, when it differs from the launcher's), and
 optionally `cables` as `topo` writes them ([{"address": my end, "peer": host name, ...}]), which lets
 the launcher tell whether host 0's Thunderbolt address is on a cable to every other host.
 """
@@ -37,6 +38,7 @@ class Host:
     namespace: str | None = None  # exec "lab": the host's network namespace (default <lab>-<name>)
     links: tuple[tuple[str, str], ...] = ()  # (my address, peer name) per cable, when the hostfile says
     env: dict[str, str] = field(default_factory=dict)
+    python: str | None = None  # ssh hosts: interpreter by absolute path (default: the launcher's --python)
 
     @property
     def ssh_address(self) -> str | None:
@@ -78,6 +80,15 @@ def _addresses(value: Any, where: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _python(value: Any, where: str) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise ConfigError(f"{where}: 'python' must be an absolute path like \"/opt/homebrew/bin/python3.12\" "
+                          f"(over ssh a Mac's PATH is only /usr/bin:/bin:/usr/sbin:/sbin), got {value!r}")
+    return value
+
+
 def _links(value: Any) -> tuple[tuple[str, str], ...]:
     """(address, peer) from topo's per-host "cables" list; anything malformed is ignored (optional info)."""
     if not isinstance(value, list):
@@ -109,7 +120,8 @@ def parse_host(entry: Any, index: int, default_exec: str | None = None) -> Host:
     name = str(entry.get("name") or ssh or f"host{index}")
     return Host(name=name, exec=mode, ssh=ssh, addresses=_addresses(entry.get("addresses"), where),
                 ifname=_ifname(entry.get("ifname", entry.get("ifnames")), where),
-                lab=entry.get("lab"), namespace=entry.get("namespace"), links=_links(entry.get("cables")), env={str(k): str(v) for k, v in env.items()})
+                lab=entry.get("lab"), namespace=entry.get("namespace"), links=_links(entry.get("cables")),
+                env={str(k): str(v) for k, v in env.items()}, python=_python(entry.get("python"), where))
 
 
 def parse_hostfile(data: Any, default_exec: str | None = None) -> list[Host]:

@@ -5,10 +5,17 @@ GROUP_RANK, MASTER_ADDR, MASTER_PORT, ...), plus THUNDERBOLT_IFNAME/GLOO_SOCKET_
 so both our backend and gloo use the Thunderbolt interfaces rather than Wi-Fi or LAN, plus the job's
 THUNDERBOLT_SECRET. That one is kept apart (`RankSpec.private_env`): it never goes on a command line, where
 `ps` would show it to every user of the launching and the remote host; ssh ranks read it from stdin.
+
+On ssh hosts a bare `python`/`python3`/`python3.12` at the start of the command becomes an interpreter
+by absolute path (the host's `python`, else the launcher's --python, else its own sys.executable): a
+non-login ssh shell on a Mac has PATH=/usr/bin:/bin:/usr/sbin:/sbin, with no `python` and a `python3`
+that is Apple's 3.9 without torch. The remote script checks the program exists before starting it.
 """
 from __future__ import annotations
 
+import re
 import shlex
+import sys
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -105,10 +112,31 @@ def remote_script(env: Mapping[str, str], cmd: Sequence[str], cwd: str, private:
             "wait $p")
 
 
+_BARE_PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
+
+
+def host_command(host: Host, cmd: Sequence[str], python: str) -> list[str]:
+    """`cmd` as run on `host`: on ssh hosts a bare python name becomes the interpreter's absolute path."""
+    if host.exec != "ssh" or not cmd or not _BARE_PYTHON.match(cmd[0]):
+        return list(cmd)
+    return [host.python or python, *cmd[1:]]
+
+
+def program_check(host: Host, program: str) -> str:
+    """sh code failing with exit 127 and a message naming the host and the path when `program` (absolute)
+    is not executable there; "" for a bare name (the remote shell reports those itself)."""
+    if not program.startswith("/"):
+        return ""
+    message = (f"torch-thunderbolt launch: host {host.name}: no program at {program} there; install the same "
+               "Python environment at that path on every host, or give this host's interpreter as \"python\" "
+               "in the hostfile (or --python for all hosts)")
+    return f"[ -x {shlex.quote(program)} ] || {{ echo {shlex.quote(message)} >&2; exit 127; }}; "
+
+
 def ssh_argv(host: Host, env: Mapping[str, str], cmd: Sequence[str], cwd: str,
              ssh_options: Sequence[str] = (), private: Sequence[str] = ()) -> list[str]:
     # The remote login shell may be zsh (macOS default): hand the script to sh explicitly.
-    remote = "sh -c " + shlex.quote(remote_script(env, cmd, cwd, private))
+    remote = "sh -c " + shlex.quote(program_check(host, cmd[0]) + remote_script(env, cmd, cwd, private))
     return ["ssh", "-o", "BatchMode=yes", *ssh_options, "--", str(host.ssh), remote]
 
 
@@ -130,22 +158,27 @@ def rank_argv(host: Host, env: Mapping[str, str], cmd: Sequence[str], cwd: str,
 def build_rank_specs(hosts: Sequence[Host], nproc_per_host: int, cmd: Sequence[str], *, cwd: str,
                      master_addr: str | None = None, master_port: int = DEFAULT_MASTER_PORT,
                      extra_env: Mapping[str, str] | None = None, ssh_options: Sequence[str] = (),
-                     inherited: Mapping[str, str] | None = None, secret: str | None = None) -> list[RankSpec]:
+                     inherited: Mapping[str, str] | None = None, secret: str | None = None,
+                     python: str = sys.executable) -> list[RankSpec]:
     """Every rank of the job, in rank order (host 0's ranks first). `secret`: the job's THUNDERBOLT_SECRET
-    (one given in the hostfile's env or --env wins); it and any other PRIVATE_VARS go to `private_env`."""
+    (one given in the hostfile's env or --env wins); it and any other PRIVATE_VARS go to `private_env`.
+    `python`: the interpreter's absolute path on ssh hosts without their own `python` (see the module doc)."""
     if not cmd:
         raise ConfigError("expected a command to launch: launch [OPTIONS] -- python train.py ...")
     if not isinstance(nproc_per_host, int) or nproc_per_host < 1:
         raise ConfigError(f"--nproc-per-host must be a positive integer, got {nproc_per_host!r}")
     if not 0 < master_port < 65536:
         raise ConfigError(f"--master-port must be from 1 to 65535, got {master_port}")
+    if not python.startswith("/"):
+        raise ConfigError(f"--python {python!r} must be an absolute path (over ssh a Mac's PATH is only "
+                          "/usr/bin:/bin:/usr/sbin:/sbin, where python3 is Apple's 3.9 without torch)")
     addr = master_addr or master_address(hosts)
     specs = []
     for h, host in enumerate(hosts):
         for local in range(nproc_per_host):
             env = rank_env(hosts, h, local, nproc_per_host, addr, master_port, extra_env, inherited)
             private = private_env(env, secret)
-            argv, inside = rank_argv(host, env, cmd, cwd, ssh_options, list(private))
+            argv, inside = rank_argv(host, env, host_command(host, cmd, python), cwd, ssh_options, list(private))
             rank = h * nproc_per_host + local
             specs.append(RankSpec(rank=rank, host=host, local_rank=local, env=env, argv=argv,
                                   cwd=None if inside else cwd, env_in_argv=inside, label=f"rank {rank}",
