@@ -51,6 +51,8 @@ def test_the_checks_catch_what_they_look_for():
     assert _forks(ast.parse('import multiprocessing\nmultiprocessing.set_start_method("fork")'))
     assert _forks(ast.parse('import multiprocessing as mp\np = mp.Process(target=f)'))
     assert not _forks(ast.parse('import multiprocessing as mp\nctx = mp.get_context("spawn")\nctx.Process()'))
+    assert _allowed(["if opted_in:", "    # fork-ok: opt-in only", "    mp.get_context('fork')"], 3)
+    assert not _allowed(["# fork-ok far above", "x = 1", "mp.get_context('fork')"], 3)
 
 
 def test_no_hard_coded_linux_loopback_name():
@@ -80,7 +82,14 @@ def _forks(tree: ast.AST) -> list[int]:
     return lines
 
 
+def _allowed(lines: list[str], lineno: int) -> bool:
+    """An explicit opt-in (never the default) is marked `# fork-ok` on its line or the line above."""
+    return any("# fork-ok" in lines[i - 1] for i in (lineno - 1, lineno) if i >= 1)
+
+
 def test_scripts_and_examples_do_not_fork():
-    found = [f"{p.relative_to(REPO)}:{line}" for p in _python_files("scripts", "examples")
-             for line in _forks(ast.parse(p.read_text()))]
+    found = []
+    for p in _python_files("scripts", "examples"):
+        text = p.read_text()
+        found += [f"{p.relative_to(REPO)}:{n}" for n in _forks(ast.parse(text)) if not _allowed(text.splitlines(), n)]
     assert not found, "use mp.get_context('spawn') or subprocess (fork + torch crashes on macOS):\n" + "\n".join(found)
