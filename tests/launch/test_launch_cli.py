@@ -166,3 +166,12 @@ def test_lab_option_builds_hosts_from_a_lab_state(capsys, tmp_path):
     assert "MASTER_ADDR=10.213.0.1 MASTER_PORT=29511 RANK=2" in out[4]
     assert "THUNDERBOLT_IFNAME=tb1_0 GLOO_SOCKET_IFNAME=tb1_0" in out[4]
     assert "THUNDERBOLT_IFNAME=tb0_0,tb2_0 GLOO_SOCKET_IFNAME=tb0_0" in out[2]
+
+
+def test_lab_ranks_off_linux_are_one_clear_error(capsys, tmp_path, monkeypatch):
+    hf = tmp_path / "hosts.json"
+    hf.write_text(json.dumps([{"name": "a", "exec": "lab", "lab": "x"}, {"name": "b", "exec": "lab", "lab": "x"}]))
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert main(["launch", "--hostfile", str(hf), "--", "python", "t.py"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs Linux network namespaces" in err[0]

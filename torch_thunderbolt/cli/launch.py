@@ -63,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
     if args.grace < 0:
         raise ConfigError(f"--grace must be >= 0 seconds, got {args.grace}")
     hosts = _hosts(args)
+    if any(h.exec == "lab" for h in hosts) and not args.dry_run:
+        from ..lab.executor import require_linux
+
+        require_linux(sys.platform)  # lab ranks start with `ip netns exec`: one clear error, not one per rank
     port = args.master_port
     if port is None:
         local_only = all(h.exec == "local" for h in hosts)
