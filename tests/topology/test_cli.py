@@ -162,6 +162,10 @@ def test_ssh_gather_and_hostfile(tmp_path, capsys):
     assert all("BatchMode=yes" in a for a in log)
     assert all(shlex.split(a[-1]) == [sys.executable, *DUMP_ARGS] for a in log)  # this interpreter, by path
     assert [h["ssh"] for h in json.loads(hf.read_text())] == ["admin@mac-a", "admin@mac-b", "admin@mac-c"]
+    # The interpreter the dumps ran with goes into the hostfile, and `launch` takes it from there.
+    from torch_thunderbolt.launch.hostfile import read_hostfile
+
+    assert [h.python for h in read_hostfile(hf)] == [sys.executable] * 3
 
 
 def test_ssh_unreachable_host_is_a_clean_error(capsys):

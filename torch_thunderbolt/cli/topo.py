@@ -61,7 +61,7 @@ def _cluster(args, runner: RunCommand, local, local_name: str) -> int:
         hosts = [local() if h.name == local_name and not h.ssh else h for h in hosts]
     a = analyse(hosts, base=args.base, mtu=args.mtu)
     if args.hostfile:
-        _write(args.hostfile, json.dumps(hostfile(a), indent=2) + "\n")
+        _write(args.hostfile, json.dumps(hostfile(a, args.python), indent=2) + "\n")
     if args.dot:
         _write(args.dot, to_dot(a.graph, a.plan, a.loops))
     if args.png:

@@ -114,11 +114,12 @@ def analysis_json(a: Analysis) -> dict[str, Any]:
     }
 
 
-def hostfile(a: Analysis) -> list[dict[str, Any]]:
+def hostfile(a: Analysis, python: str | None = None) -> list[dict[str, Any]]:
     """Launcher hostfile: hosts in ring/chain order (rank neighbours are cable neighbours).
 
     Each host: name, ssh, addresses (its planned Thunderbolt addresses), ifname (the value for its
-    THUNDERBOLT_IFNAME) and cables (this host's end of each cable, with the far end's address).
+    THUNDERBOLT_IFNAME) and cables (this host's end of each cable, with the far end's address). Hosts
+    reached over ssh also get `python`, the interpreter their dump just ran with, for `launch` to use.
     """
     names = a.order[1] if a.order else a.graph.names
     result = []
@@ -139,4 +140,6 @@ def hostfile(a: Analysis) -> list[dict[str, Any]]:
             "ifname": ",".join(dict.fromkeys(x["ifname"] for x in cables)),
             "cables": cables,
         })
+        if python and host.ssh:
+            result[-1]["python"] = python
     return result
