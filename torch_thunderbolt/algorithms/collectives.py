@@ -18,7 +18,7 @@ from ..transport.window import Window
 from . import direct, select, windowed
 from .layout import offsets
 from .plan import Plan, run_plan
-from .reduce_ops import make_reducer
+from .reduce_ops import make_combiner, make_reducer
 from .shape import Shape
 
 
@@ -42,6 +42,7 @@ class Communicator:
         self._plans: dict[tuple, Plan] = {}
         self._scratch: torch.Tensor | None = None
         self._full: torch.Tensor | None = None  # reduce-scatter's working copy, reused like _scratch
+        self._checked: set[tuple[str, torch.dtype]] = set()  # (reduce op, dtype) pairs this rank can compute
 
     # -- machinery -----------------------------------------------------------------------------------------
     def _plan(self, key: tuple, build: Callable[[], Plan]) -> Plan:
@@ -59,17 +60,18 @@ class Communicator:
         return self._scratch[:nbytes].view(like.dtype) if nbytes else like.new_empty(0)
 
     def _run(self, plan: Plan, what: str, bufs: dict[str, torch.Tensor], op: str | None, like: torch.Tensor,
-             root: int = 0, count: int = 0) -> None:
+             root: int = 0, count: int = 0, layout: object = None) -> None:
         self.seq += 1
         bufs["tmp"] = self._tmp(plan.tmp, like)
         reducer = make_reducer(op, like.dtype) if op else _noop
-        sig = encode_sig(what, _dtype_name(like), root, count)
+        sig = encode_sig(what, _dtype_name(like), root, count, op or "none", layout)
         deadline = time.monotonic() + self.timeout
         try:
             run_plan(plan, self.t, bufs, reducer, tag=self.seq, sig=sig, deadline=deadline,
                      what=f"{what} (op #{self.seq}, {_dtype_name(like)}, {count} elements)")
-        except CollectiveTimeout as exc:
-            # Peers may still send for this op: the streams can't be trusted any more. Tell everyone.
+        except BaseException as exc:
+            # Peers may still send for this op, or wait for this rank's next step: the group cannot be
+            # trusted any more. BROKEN, and everyone is told why (nothing stays posted to be written late).
             self.t.abort(exc)
             raise
         self.t.retire(self.seq)
@@ -80,27 +82,42 @@ class Communicator:
         return win if win is not None and win.world == self.world and self.cfg.algo == "auto" else None
 
     def _run_window(self, body: Callable[[int, float, str], None], what: str, like: torch.Tensor,
-                    root: int = 0, count: int = 0) -> None:
+                    root: int = 0, count: int = 0, op: str = "none", layout: object = None) -> None:
         self.seq += 1
-        sig = encode_sig(what, _dtype_name(like), root, count)
+        sig = encode_sig(what, _dtype_name(like), root, count, op, layout)
         try:
             body(sig, time.monotonic() + self.timeout,
                  f"{what} (op #{self.seq}, {_dtype_name(like)}, {count} elements)")
-        except (CollectiveTimeout, MismatchError) as exc:
+        except BaseException as exc:
             self.t.abort(exc)  # peers may be waiting on this rank's next step: tell them why it won't come
             raise
 
+    def _check_op(self, what: str, op: str, dtype: torch.dtype) -> None:
+        """Raise (before any traffic, so the group stays usable) if this rank cannot compute `op` on `dtype`:
+        torch lacks some kernels (e.g. add for uint16 on the CPU), and finding out mid-op would leave peers
+        waiting on a step that never comes."""
+        key = (op, dtype)
+        if key in self._checked:
+            return
+        try:
+            combine = make_combiner(op, dtype)
+            one = torch.zeros(1, dtype=dtype)
+            combine(one, one, one)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+            raise ValueError(f"rank {self.rank}: {what} with ReduceOp.{op.upper()} is not supported for "
+                             f"{dtype} ({exc})") from None
+        self._checked.add(key)
+
     # -- collectives ----------------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: str = "sum", premul: object = None) -> None:
-        if op in ("avg",) or op == "premul_sum":
-            make_reducer(op, x.dtype)  # validate before any traffic
+        self._check_op("all_reduce", op, x.dtype)
         if op == "premul_sum" and premul is not None:
             x.mul_(premul)
         n, es = x.numel(), x.element_size()
         win = self._window()
         if win is not None:
             self._run_window(lambda sig, deadline, what: windowed.all_reduce(
-                win, x, op, sig, deadline, what, self.cfg.small_bytes), "all_reduce", x, count=n)
+                win, x, op, sig, deadline, what, self.cfg.small_bytes), "all_reduce", x, count=n, op=op)
         else:
             plan = self._plan(("ar", n, es), lambda: select.allreduce_plan(
                 self.cfg, self.rank, self.world, n, es, self.shape))
@@ -121,6 +138,7 @@ class Communicator:
         self._run(plan, "broadcast", {"out": x}, None, x, root=root, count=n)
 
     def reduce(self, x: torch.Tensor, root: int, op: str = "sum") -> None:
+        self._check_op("reduce", op, x.dtype)
         n, es = x.numel(), x.element_size()
         plan = self._plan(("rd", n, es, root), lambda: select.reduce_plan(
             self.cfg, self.rank, self.world, root, n, es, self.shape))
@@ -132,19 +150,24 @@ class Communicator:
         """`out` holds every rank's block in rank order; `counts` gives uneven block sizes."""
         counts = counts or [x.numel()] * self.world
         offs = offsets(counts)
-        out[offs[self.rank] : offs[self.rank] + counts[self.rank]].copy_(x)
+        mine = out[offs[self.rank] : offs[self.rank] + counts[self.rank]]
+        if mine.data_ptr() != x.data_ptr() or mine.numel() != x.numel():
+            mine.copy_(x)
         es = x.element_size()
         plan = self._plan(("ag", tuple(counts), es), lambda: select.all_gather_plan(
             self.cfg, self.rank, self.world, counts, es, self.shape))
-        self._run(plan, "all_gather", {"out": out}, None, out, count=sum(counts))
+        self._run(plan, "all_gather", {"out": out}, None, out, count=sum(counts), layout=tuple(counts))
 
     def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, counts: list[int], op: str = "sum") -> None:
         """Reduce `x` (all ranks' blocks, `counts` long) and keep this rank's block in `out`."""
-        make_reducer(op, x.dtype)
+        self._check_op("reduce_scatter", op, x.dtype)
+        if _overlap(out, x):  # the in-place form: out is this rank's slice of x, which peers still need
+            x = x.clone()
         win = self._window()
         if win is not None:
             self._run_window(lambda sig, deadline, what: windowed.reduce_scatter(
-                win, out, x, counts, op, sig, deadline, what), "reduce_scatter", x, count=sum(counts))
+                win, out, x, counts, op, sig, deadline, what), "reduce_scatter", x, count=sum(counts), op=op,
+                layout=tuple(counts))
         else:
             self._reduce_scatter_plan(out, x, counts, op)
         if op == "avg":
@@ -156,11 +179,13 @@ class Communicator:
             self.cfg, self.rank, self.world, counts, es, self.shape))
         if in_place:  # ring, hierarchy: reduce a full working copy ("in" and "out"), then keep our block
             work = self._tmp_full(x)
-            self._run(plan, "reduce_scatter", {"in": work, "out": work}, op, x, count=sum(counts))
+            self._run(plan, "reduce_scatter", {"in": work, "out": work}, op, x, count=sum(counts),
+                      layout=tuple(counts))
             start = offsets(counts)[self.rank]
             out.copy_(work[start : start + counts[self.rank]])
         else:
-            self._run(plan, "reduce_scatter", {"in": x, "out": out}, op, x, count=sum(counts))
+            self._run(plan, "reduce_scatter", {"in": x, "out": out}, op, x, count=sum(counts),
+                      layout=tuple(counts))
 
     def _tmp_full(self, x: torch.Tensor) -> torch.Tensor:
         """A copy of `x` to reduce in place, in a buffer kept across ops (a fresh 64 MB clone per call costs
@@ -173,27 +198,43 @@ class Communicator:
 
     def gather(self, out: torch.Tensor | None, x: torch.Tensor, root: int, counts: list[int]) -> None:
         segs = list(zip(offsets(counts), counts))
+        if out is not None and _overlap(out, x):
+            x = x.clone()
         plan = self._plan(("ga", tuple(counts), root), lambda: direct.gather(self.rank, self.world, root, segs))
         bufs = {"in": x, "out": out if out is not None else x}
-        self._run(plan, "gather", bufs, None, x, root=root, count=sum(counts))
+        self._run(plan, "gather", bufs, None, x, root=root, count=sum(counts), layout=tuple(counts))
 
     def scatter(self, out: torch.Tensor, x: torch.Tensor | None, root: int, counts: list[int]) -> None:
         segs = list(zip(offsets(counts), counts))
+        if x is not None and _overlap(out, x):
+            x = x.clone()
         plan = self._plan(("sc", tuple(counts), root), lambda: direct.scatter(self.rank, self.world, root, segs))
         bufs = {"in": x if x is not None else out, "out": out}
-        self._run(plan, "scatter", bufs, None, out, root=root, count=sum(counts))
+        self._run(plan, "scatter", bufs, None, out, root=root, count=sum(counts), layout=tuple(counts))
 
     def all_to_all(self, out: torch.Tensor, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> None:
         ss = list(zip(offsets(send_counts), send_counts))
         rs = list(zip(offsets(recv_counts), recv_counts))
+        if _overlap(out, x):
+            x = x.clone()
         plan = self._plan(("a2a", tuple(send_counts), tuple(recv_counts)),
                           lambda: direct.all_to_all(self.rank, self.world, ss, rs))
-        self._run(plan, "all_to_all", {"in": x, "out": out}, None, x)
+        self._run(plan, "all_to_all", {"in": x, "out": out}, None, x)  # counts differ by rank: not in the sig
 
     def barrier(self) -> None:
         plan = self._plan(("barrier",), lambda: direct.barrier(self.rank, self.world))
         empty = torch.empty(0, dtype=torch.uint8)
         self._run(plan, "barrier", {"out": empty}, None, empty)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous buffers share any byte (an output that aliases an input must not be written
+    while peers still read the input)."""
+    na, nb = a.numel() * a.element_size(), b.numel() * b.element_size()
+    if not na or not nb:
+        return False
+    pa, pb = a.data_ptr(), b.data_ptr()
+    return pa < pb + nb and pb < pa + na
 
 
 def _at_least(buf: torch.Tensor | None, nbytes: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ import zlib
 import torch
 
 from ..errors import MismatchError
-from ..protocol.signature import describe_sig
+from ..protocol.signature import describe_sig, mix
 from ..transport.window import BUFFERS, STEPS, Window
 from .layout import offsets
 from .reduce_ops import make_combiner
@@ -41,11 +41,13 @@ Slices = list[tuple[int, int]]  # (start, length) of each rank's slice in one ro
 
 
 def op_word(sig: int, count: int) -> int:
-    return ((sig & 0xFFFFFFFF) << 32) | (count & 0xFFFFFFFF)
+    """The 64-bit word a rank posts with its data: the op's signature with the element count mixed into its
+    checksum half (the readable half stays, for the error message)."""
+    return mix(sig, count)
 
 
 def describe_word(word: int) -> str:
-    return f"{describe_sig(word >> 32)} of {word & 0xFFFFFFFF} elements"
+    return f"{describe_sig(word)} (checksum {word & 0xFFFFFFFF:08x})"
 
 
 def all_reduce_rounds(count: int, world: int, cap: int) -> list[Slices]:
@@ -127,7 +129,7 @@ def all_reduce(win: Window, x: torch.Tensor, op: str, sig: int, deadline: float,
         return
     settle(win, deadline, what)
     if x.numel() * x.element_size() <= min(one_shot_bytes, win.nbytes):
-        _one_shot_all_reduce(win, x, combine, op_word(sig ^ ONE_SHOT, x.numel()), deadline, what)
+        _one_shot_all_reduce(win, x, combine, op_word(mix(sig, ONE_SHOT), x.numel()), deadline, what)
         return
     cap = _slice_cap(win, x)
     word = op_word(sig, x.numel())
@@ -225,8 +227,8 @@ def reduce_scatter(win: Window, out: torch.Tensor, x: torch.Tensor, counts: list
         return
     cap = _slice_cap(win, x)
     settle(win, deadline, what)
-    layout = zlib.crc32(repr(counts).encode()) & 0xFF  # uneven blocks that differ but add up the same
-    word = op_word(sig ^ layout, sum(counts))
+    # Uneven blocks that differ but add up the same must not pair: the whole layout goes into the word.
+    word = op_word(mix(sig, zlib.crc32(repr(counts).encode())), sum(counts))
     others = _others(win)
     rounds = block_rounds(counts, cap)
     for t in range(rounds):

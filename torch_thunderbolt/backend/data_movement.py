@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .tensors import Staged, check_same_dtype, flat_cat, rows_to_elems, split_into
+from .tensors import Staged, byte_view, check_same_dtype, flat_cat, rows_to_elems, split_into
 from .host import GroupHost
 from .work import Work
 
@@ -40,7 +40,29 @@ class DataMovementOps(GroupHost):
 
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> Work:
-        return self.allgather(outputs, inputs, opts)
+        """`outputs[q][j]` receives rank q's `inputs[j]`: every input travels in one all_gather of their
+        bytes (so dtypes may differ, complex and empty tensors included)."""
+        self._check_list(outputs, "all_gather_coalesced output list")
+        for q, outs in enumerate(outputs):
+            if len(outs) != len(inputs) or any(o.numel() != x.numel() or o.dtype != x.dtype
+                                               for o, x in zip(outs, inputs)):
+                raise ValueError(f"rank {self._rank}: all_gather_coalesced: output list {q} must match the "
+                                 f"inputs' sizes and dtypes {[(x.dtype, x.numel()) for x in inputs]}, got "
+                                 f"{[(o.dtype, o.numel()) for o in outs]}")
+
+        def run() -> None:
+            mine = torch.cat([byte_view(x) for x in inputs]) if inputs else torch.empty(0, dtype=torch.uint8)
+            n = mine.numel()
+            flat = torch.empty(n * self._size, dtype=torch.uint8)
+            self._with_timeout(opts).all_gather(flat, mine)
+            for q, outs in enumerate(outputs):
+                off = q * n
+                for o in outs:
+                    nb = o.numel() * o.element_size()
+                    o.detach().copy_(flat[off : off + nb].view(o.dtype).view(o.shape))
+                    off += nb
+
+        return self._submit("all_gather_coalesced", run, outputs)
 
     def _allgather_base(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> Work:
         return self.all_gather_single(output, x, opts)

@@ -44,7 +44,14 @@ class PointToPointOps(GroupHost):
 
         def wait_fn(work: Work, seconds: float | None) -> None:
             budget = seconds if seconds is not None else self._timeout
-            self._transport.wait([req], time.monotonic() + budget, what)
+            try:
+                self._transport.wait([req], time.monotonic() + budget, what)
+            except BaseException as exc:
+                # The receive is still posted (a timeout) or the stream is out of step (a size mismatch): a
+                # later message would be written into this buffer after the caller gave up on it. BROKEN
+                # instead, as for a collective, and peers are told why.
+                self._transport.abort(exc)
+                raise
             _ = keep  # the buffer must stay alive until the transfer is done
             if on_done is not None:
                 on_done()

@@ -2,6 +2,7 @@
 coalesced and tensor forms): torch's arguments to flat buffers, then the Communicator on the worker."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -17,6 +18,8 @@ from .work import Work
 class ReductionOps(GroupHost):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if any(t.is_sparse for t in tensors):
+            return self._sparse_allreduce(tensors, op, opts)
         staged = [Staged(t) for t in tensors]
 
         def run() -> None:
@@ -30,6 +33,38 @@ class ReductionOps(GroupHost):
                 s.write_back()
 
         return self._submit("all_reduce", run, tensors, sum(t.numel() * t.element_size() for t in tensors))
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str, opts: Any) -> Work:
+        """Sparse COO tensors (e.g. nn.Embedding(sparse=True) gradients under DDP), summed like gloo does:
+        every rank's indices and values are gathered, the sum is coalesced and copied into each tensor."""
+        if op not in ("sum", "avg") or not all(t.is_sparse for t in tensors):
+            raise ValueError(f"rank {self._rank}: sparse all_reduce supports ReduceOp.SUM and AVG on sparse "
+                             f"COO tensors only (got {op.upper()}, layouts {[str(t.layout) for t in tensors]})")
+
+        def run() -> None:
+            comm = self._with_timeout(opts)
+            for t in tensors:
+                s = t.detach().to("cpu").coalesce()
+                idx, val = s.indices().contiguous(), s.values().contiguous()
+                nnz = torch.tensor([idx.shape[1]], dtype=torch.int64)
+                every = torch.empty(self._size, dtype=torch.int64)
+                comm.all_gather(every, nnz)
+                counts = [int(c) for c in every]
+                per_value = math.prod(val.shape[1:])  # elements per entry (dense dimensions)
+                all_idx = torch.empty(idx.shape[0] * sum(counts), dtype=idx.dtype)
+                comm.all_gather(all_idx, _rows_first(idx), [idx.shape[0] * c for c in counts])
+                all_val = torch.empty(per_value * sum(counts), dtype=val.dtype)
+                comm.all_gather(all_val, val.reshape(-1), [per_value * c for c in counts])
+                indices = torch.cat([blk.view(-1, idx.shape[0]).t() for blk in
+                                     all_idx.split([idx.shape[0] * c for c in counts])], dim=1)
+                total = torch.sparse_coo_tensor(indices, all_val.view(sum(counts), *val.shape[1:]), s.shape)
+                total = total.coalesce()
+                if op == "avg":
+                    total = total / self._size
+                with torch.no_grad():  # a sparse tensor's detached alias would take the new indices, not `t`
+                    t.copy_(total.to(t.device))
+
+        return self._submit("sparse_all_reduce", run, tensors)
 
     def _compress(self, flat: torch.Tensor, op: str) -> bool:
         """THUNDERBOLT_COMPRESSION applies to float SUM/AVG all_reduce above the small-message size."""
@@ -133,6 +168,12 @@ class _CommExchange:
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         self.comm.all_gather(out.view(-1), inp.reshape(-1))
+
+
+def _rows_first(idx: torch.Tensor) -> torch.Tensor:
+    """A (sparse_dim, nnz) index matrix as nnz rows of sparse_dim indices, flat: one entry per element,
+    so each rank's block is whole entries."""
+    return idx.t().contiguous().view(-1)
 
 
 def _plain(op: str) -> str:

@@ -26,6 +26,22 @@ def reduce_op(op: object) -> tuple[str, object]:
     return name, getattr(op, "factor", None) if name == "premul_sum" else None
 
 
+def flat_view(t: torch.Tensor) -> torch.Tensor | None:
+    """`t` as a 1-D, stride-1 CPU tensor sharing its memory and detached from autograd, or None when it
+    cannot be one (another device, not contiguous). Detached because the backend's arithmetic must never
+    be recorded by autograd: a gradient that requires grad (double backward) would make every `out=` call
+    fail. A tensor with one element may be contiguous with any stride (`torch.zeros(2)[::2]`): such a view
+    is re-strided, since byte views (`.view(torch.uint8)`) need stride 1."""
+    if not (t.is_cpu and t.is_contiguous()):
+        return None
+    v = t.detach()
+    if v.dim() != 1:
+        v = v.view(-1)
+    if v.numel() <= 1 and v.stride(0) != 1:
+        v = v.as_strided((v.numel(),), (1,))
+    return v
+
+
 class Staged:
     """A flat CPU view of `t`, plus what it takes to put results back."""
 
@@ -33,8 +49,9 @@ class Staged:
 
     def __init__(self, t: torch.Tensor, read: bool = True) -> None:
         self.orig = t
-        if t.is_cpu and t.is_contiguous():
-            self.flat = t.view(-1) if t.dim() != 1 else t
+        flat = flat_view(t)
+        if flat is not None:
+            self.flat = flat
             self.copied = False
         else:
             src = t.detach().to("cpu") if read else torch.empty(t.shape, dtype=t.dtype)
@@ -43,21 +60,30 @@ class Staged:
 
     def write_back(self) -> None:
         if self.copied:
-            self.orig.copy_(self.flat.view(self.orig.shape))
+            self.orig.detach().copy_(self.flat.view(self.orig.shape))
 
 
 def flat_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if len(tensors) == 1 and tensors[0].is_cpu and tensors[0].is_contiguous():
-        t = tensors[0]
-        return t if t.dim() == 1 else t.view(-1)  # each torch call costs ~1 µs, as much as a small send
+    if len(tensors) == 1:
+        flat = flat_view(tensors[0])  # each torch call costs ~1 µs, as much as a small send: no copy here
+        if flat is not None:
+            return flat
     return torch.cat([t.detach().reshape(-1).to("cpu") for t in tensors]) if tensors else torch.empty(0)
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of `t` as a flat uint8 CPU tensor (a view when `t` is a contiguous CPU tensor)."""
+    flat = flat_view(t)
+    if flat is None:
+        flat = t.detach().to("cpu").contiguous().view(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def split_into(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
     off = 0
     for o in outs:
         n = o.numel()
-        o.copy_(flat[off : off + n].view(o.shape))
+        o.detach().copy_(flat[off : off + n].view(o.shape))
         off += n
 
 

@@ -77,7 +77,7 @@ class Work(dist._Work):
             except BaseException as exc:  # noqa: BLE001 - handed to torch via the future as well
                 self.finish(exc)
         if not self._finished and not self._sleep_until_finished(seconds):
-            raise CollectiveTimeout(f"Timed out after {seconds:.1f}s waiting for {self.what}")
+            raise CollectiveTimeout(f"{self.what}: Timed out after {seconds:.1f}s waiting for it to finish")
         if self._exc is not None:
             raise self._exc
         return True

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ..errors import ProtocolError
 
 MAGIC = 0x7442  # "Bt"
+# magic, kind, space, sig (low 32 bits), tag, seq, sig (high 32 bits), offset, length, total
 _HEADER = struct.Struct("<HBBIqIIQQQ")
 FRAME_HEADER_SIZE = _HEADER.size  # 48
 
@@ -40,7 +41,7 @@ class Space(enum.IntEnum):
 class Frame:
     kind: Kind
     space: Space
-    sig: int  # signature of the operation (cheap mismatch check)
+    sig: int  # 64-bit signature of the operation (protocol.signature): a mismatch check on every part
     tag: int
     seq: int
     offset: int  # byte offset of this part within the whole message
@@ -55,11 +56,13 @@ class Frame:
 def encode_frame_header(
     kind: Kind, space: Space, sig: int, tag: int, seq: int, offset: int, length: int, total: int
 ) -> bytes:
-    return _HEADER.pack(MAGIC, kind, space, sig & 0xFFFFFFFF, tag, seq & 0xFFFFFFFF, 0, offset, length, total)
+    return _HEADER.pack(MAGIC, kind, space, sig & 0xFFFFFFFF, tag, seq & 0xFFFFFFFF, (sig >> 32) & 0xFFFFFFFF, offset,
+                        length, total)
 
 
 def _parse(raw: bytes | memoryview, max_message: int) -> Frame:
-    magic, kind, space, sig, tag, seq, _res, offset, length, total = _HEADER.unpack(raw)
+    magic, kind, space, sig_lo, tag, seq, sig_hi, offset, length, total = _HEADER.unpack(raw)
+    sig = (sig_hi << 32) | sig_lo
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic 0x{magic:04x} (expected 0x{MAGIC:04x})")
     try:

@@ -1,10 +1,15 @@
-"""Operation signatures carried in every frame header (32 bits): op | dtype | root | size hash.
+"""Operation signatures carried in every message (64 bits), so ranks that disagree about an op fail at once.
 
-Cheap enough to check on every message, informative enough to say what a mismatched peer was doing.
+The high 32 bits say what the op is, readably: op | dtype | reduce op | root (low 8 bits). The low 32 bits
+are a 32-bit BLAKE2 digest of everything that must agree and does not fit there: the full root, the element count, the
+reduce op and a layout (uneven block sizes). Two ranks in different ops differ in the readable half or, for
+the same kind of op, in a 32-bit checksum: an accidental collision is a one-in-four-billion event, where the
+8-bit checksum this replaced was found colliding by a random search. (Not a CRC: CRCs are linear, so two
+different layouts mixed into two different op signatures can cancel out exactly.)
 """
 from __future__ import annotations
 
-import zlib
+import hashlib
 
 OPS = [
     "none", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "gather", "scatter",
@@ -15,23 +20,38 @@ DTYPES = [
     "none", "float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "bool",
     "complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
 ]
+REDUCE_OPS = ["none", "sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum"]
+MASK64 = (1 << 64) - 1
 
 
-def encode_sig(op: str, dtype: str = "none", root: int = 0, count: int = 0) -> int:
+def encode_sig(op: str, dtype: str = "none", root: int = 0, count: int = 0, reduce_op: str = "none",
+               layout: object = None) -> int:
     o = OPS.index(op) if op in OPS else 0
     d = DTYPES.index(dtype) if dtype in DTYPES else 0
-    h = zlib.crc32(f"{root}:{count}".encode()) & 0xFF
-    return (o << 24) | (d << 16) | ((root & 0xFF) << 8) | h
+    r = REDUCE_OPS.index(reduce_op) if reduce_op in REDUCE_OPS else 0
+    head = (o << 24) | (d << 16) | (r << 8) | (root & 0xFF)
+    return (head << 32) | _digest(f"{op}:{dtype}:{reduce_op}:{root}:{count}:{layout!r}".encode())
+
+
+def _digest(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=4).digest(), "little")
+
+
+def mix(sig: int, salt: int) -> int:
+    """`sig` with its checksum half changed by `salt` (variants of one op that must never pair up)."""
+    return (sig & ~0xFFFFFFFF & MASK64) | _digest(f"{sig & 0xFFFFFFFF}:{salt}".encode())
 
 
 def describe_sig(sig: int) -> str:
     if sig == 0:
         return "a message"
-    o, d, root = sig >> 24, (sig >> 16) & 0xFF, (sig >> 8) & 0xFF
+    head = (sig >> 32) & 0xFFFFFFFF
+    o, d, r, root = head >> 24, (head >> 16) & 0xFF, (head >> 8) & 0xFF, head & 0xFF
     op = OPS[o] if o < len(OPS) else f"op#{o}"
     dt = DTYPES[d] if d < len(DTYPES) else f"dtype#{d}"
+    red = f", {REDUCE_OPS[r].upper()}" if 0 < r < len(REDUCE_OPS) else ""
     root_txt = f", root {root}" if op in ("broadcast", "reduce", "gather", "scatter") else ""
-    return f"{op}({dt}{root_txt})"
+    return f"{op}({dt}{red}{root_txt})"
 
 
 def sig_compatible(a: int, b: int) -> bool:

@@ -203,7 +203,7 @@ class Transport(abc.ABC):
         else:  # everyone arrived; some stopped part-way (frozen, or waiting on someone themselves)
             who = f" ranks that arrived but stopped sending: {sorted(awaited)};" if awaited else ""
         return CollectiveTimeout(
-            f"Timed out: rank {self.rank} waiting in {what or 'an operation'};{who} pending: {detail}"
+            f"rank {self.rank}: Timed out waiting in {what or 'an operation'};{who} pending: {detail}"
         )
 
 

@@ -73,6 +73,8 @@ class ShmTransport(ControlWire, DrivenTransport):
         self.slot_bytes = slot_bytes
         self._own_mv = memoryview(own.mm)
         self._my_flag = ring.flag_view(self._own_mv)
+        self._my_board = ring.op_board(self._own_mv)
+        self._boards = {p: ring.op_board(memoryview(seg.mm)) for p, (_, _, seg) in peers.items()}
         self.peers: dict[int, _Peer] = {}
         for p, (sock, pid, seg) in peers.items():
             sock.setblocking(False)
@@ -125,6 +127,7 @@ class ShmTransport(ControlWire, DrivenTransport):
             if pe.bye or pe.eof:
                 raise PeerLostError(f"rank {self.rank}: rank {req.peer} has shut down its process group",
                                     rank=self.rank, peer=req.peer, address=self.peer_address(req.peer))
+            self._publish_op(req)
             pe.sendq.append([req, 0])
             self._quiet = False
             if len(pe.sendq) == 1:
@@ -136,6 +139,7 @@ class ShmTransport(ControlWire, DrivenTransport):
     def _post_recv(self, req: Request) -> None:
         with self._cv:
             self._check_usable()
+            self._publish_op(req)
             self.matcher.post(req)
             self._quiet = False
             peers = self._list if req.peer == ANY_SOURCE else [self.peers[req.peer]]
@@ -182,6 +186,33 @@ class ShmTransport(ControlWire, DrivenTransport):
             self._quiet = not self._pump() and not events
             if self._quiet and self.window is not None:
                 self._check_skipped_by_window()
+            if self._quiet and self.broken is None:
+                self._check_peer_ops()
+
+    def _publish_op(self, req: Request) -> None:
+        space, tag, _ = req.key
+        if space == Space.COLL and req.sig and self._my_board[0] != tag:
+            self._my_board[1] = req.sig
+            ring.publish_fence()  # the signature is visible before the tag that says it is current
+            self._my_board[0] = tag
+
+    def _check_peer_ops(self) -> None:
+        """Nothing moved for a whole poll: does a peer we wait for run this op with another signature?"""
+        for req in self.matcher.pending():
+            if req.is_send or req.key[0] != Space.COLL or req.peer == ANY_SOURCE or not req.sig:
+                continue
+            board = self._boards.get(req.peer)
+            if board is None:
+                continue
+            tag = board[0]
+            ring.publish_fence()
+            sig = board[1]
+            if tag == req.key[1] and board[0] == tag and sig and sig != req.sig:
+                self._fail(self.peers[req.peer], MismatchError(
+                    f"rank {self.rank}: mismatched operation with rank {req.peer} (op #{tag}): rank {req.peer} "
+                    f"runs {describe_sig(sig)}, but rank {self.rank} waits for its part of "
+                    f"{describe_sig(req.sig)} (different roots, collectives or order)"), wrap=False)
+                return
 
     def _check_skipped_by_window(self) -> None:
         """A collective receive from a peer that has already begun a windowed op this rank has not reached
@@ -319,6 +350,9 @@ class ShmTransport(ControlWire, DrivenTransport):
             for v in (pe.flag, pe.writer.mv, pe.reader.mv):
                 v.release()
         self._my_flag.release()
+        self._my_board.release()
+        for board in self._boards.values():
+            board.release()
         self._own_mv.release()
         for seg in [self.own] + [pe.seg for pe in self._list]:
             seg.close()

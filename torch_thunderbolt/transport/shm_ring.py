@@ -27,8 +27,9 @@ CTL_BYTES = 4096
 SLOT_HDR = 64
 _HDR = struct.Struct("<QQQQQQ")  # magic, world, rank, slot_bytes, slots, window area bytes
 FLAG_OFFSET = 64
-# space, kind, sig, tag, seq, offset, length, total
-_SLOT = struct.Struct("<BBxxIqIxxxxQQQ")
+OPBOARD_OFFSET = 128  # two u64: tag, then signature, of the owner's latest collective op (see op_board)
+# space, kind, sig (low 32 bits), tag, seq, sig (high 32 bits), offset, length, total
+_SLOT = struct.Struct("<BBxxIqIIQQQ")
 
 
 def ring_bytes(slots: int, slot_bytes: int) -> int:
@@ -61,6 +62,13 @@ def check_header(mv: memoryview, world: int, rank: int, slots: int, slot_bytes: 
 def flag_view(mv: memoryview) -> memoryview:
     """The segment owner's sleeping flag as a one-element u64 view (1 = blocked in poll, ring its bell)."""
     return mv[FLAG_OFFSET : FLAG_OFFSET + 8].cast("Q")
+
+
+def op_board(mv: memoryview) -> memoryview:
+    """The segment owner's [tag, signature] of the collective op it last posted messages for, as a u64 view.
+    A rank that waits for a peer's data reads it: the same tag with another signature means the two ran
+    that op differently (another root, say) and neither will ever send the other anything for it."""
+    return mv[OPBOARD_OFFSET : OPBOARD_OFFSET + 16].cast("Q")
 
 
 def _make_fence() -> Callable[[], None]:
@@ -112,7 +120,8 @@ class RingWriter:
         """Write one part into the next slot and publish it (caller checked `free()`)."""
         base = CTL_BYTES + (self.head % self.slots) * self.stride
         n = payload.nbytes
-        _SLOT.pack_into(self.mv, base, space, kind, sig & 0xFFFFFFFF, tag, seq & 0xFFFFFFFF, offset, n, total)
+        _SLOT.pack_into(self.mv, base, space, kind, sig & 0xFFFFFFFF, tag, seq & 0xFFFFFFFF, (sig >> 32) & 0xFFFFFFFF,
+                        offset, n, total)
         if n:
             self.mv[base + SLOT_HDR : base + SLOT_HDR + n] = payload
         publish_fence()
@@ -138,7 +147,9 @@ class RingReader:
     def peek(self) -> tuple[int, int, int, int, int, int, int, int]:
         """(space, kind, sig, tag, seq, offset, length, total) of the oldest unconsumed slot."""
         publish_fence()
-        return _SLOT.unpack_from(self.mv, CTL_BYTES + (self.tail % self.slots) * self.stride)
+        space, kind, lo, tag, seq, hi, off, length, total = _SLOT.unpack_from(
+            self.mv, CTL_BYTES + (self.tail % self.slots) * self.stride)
+        return space, kind, (hi << 32) | lo, tag, seq, off, length, total
 
     def payload(self, length: int) -> memoryview:
         base = CTL_BYTES + (self.tail % self.slots) * self.stride + SLOT_HDR

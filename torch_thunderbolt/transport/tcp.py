@@ -74,6 +74,7 @@ class TcpTransport(StreamLifecycle, StreamFailover, DrivenTransport):
         n = req.nbytes
         with self._cv:
             self._check_usable()
+            self._note_op(req.key, req.sig)
             conns = [c for c in self.conns[req.peer] if not c.dead]
             parts = split_aligned(n, len(conns)) if n >= self.stripe_bytes and len(conns) > 1 else [(0, n)]
             req.pending = len(parts)
@@ -99,6 +100,7 @@ class TcpTransport(StreamLifecycle, StreamFailover, DrivenTransport):
     def _post_recv(self, req: Request) -> None:
         with self._cv:
             self._check_usable()
+            self._note_op(req.key, req.sig)
             self.matcher.post(req)  # it may match a message that arrived before the peer said BYE
             if not req.done and req.peer != ANY_SOURCE and all(c.bye or c.dead for c in self.conns[req.peer]):
                 self.matcher.posted.pop((req.peer, req.key), None)
@@ -241,6 +243,7 @@ class TcpTransport(StreamLifecycle, StreamFailover, DrivenTransport):
                     continue
                 c.parked = None
                 if frame.kind is Kind.PING:
+                    self._check_probe(c, frame)
                     continue
                 if frame.kind is Kind.ACK or frame.kind is Kind.RESYNC:
                     self._control(c, frame)

@@ -9,13 +9,15 @@ import logging
 import threading
 import time
 
-from ..errors import ProtocolError
-from ..protocol.framing import Frame, Kind, encode_control
+from ..errors import MismatchError, ProtocolError
+from ..protocol.framing import Frame, Kind, Space, encode_control, encode_frame_header
+from ..protocol.signature import describe_sig
 from .base import ANY_SOURCE
 from .failover import RxCount, StreamLog, is_link_failure
 from .tcp_conn import ABORT_PAYLOAD, Stream, Outgoing
 
 log = logging.getLogger("torch_thunderbolt.tcp")
+OPS_REMEMBERED = 256  # a PING names an op the peer waits for now: one this far behind us is long settled
 
 
 class StreamFailover:
@@ -37,6 +39,9 @@ class StreamFailover:
         self.probe_after = probe_after
         self._last_traffic = self._last_probe = time.monotonic()
         self.probes_sent = 0
+        # The signature of each recent collective op this rank posted messages for (tag -> sig), to answer
+        # the op a peer's PING says it waits for.
+        self.op_sigs: dict[int, int] = {}
         self._keeper: threading.Thread | None = None
         if self.no_park:
             self._keeper = threading.Thread(target=self._keep_going, name=f"tb-failover-r{self.rank}",
@@ -65,11 +70,35 @@ class StreamFailover:
         self._last_probe = now
         pending = self.matcher.pending()
         peers = set(self.conns) if any(r.peer == ANY_SOURCE for r in pending) else {r.peer for r in pending}
+        # Each PING names the collective op we wait for from that peer (tag and signature): a peer that ran
+        # that op differently (another root, another collective) answers nothing, since it sends us nothing,
+        # and would otherwise only be found by the group timeout. The peer compares and fails the group.
+        waiting = {r.peer: r for r in pending if not r.is_send and r.key[0] == Space.COLL and r.sig}
         for p in peers & set(self.conns):
             live = [c for c in self.conns[p] if not c.dead and not c.bye]
             if live:
                 self.probes_sent += 1
-                self._enqueue(live[0], Outgoing(encode_control(Kind.PING, 0), memoryview(b""), None))
+                req = waiting.get(p)
+                hdr = (encode_frame_header(Kind.PING, Space.COLL, req.sig, req.key[1], 0, 0, 0, 0) if req is not None
+                       else encode_control(Kind.PING, 0))
+                self._enqueue(live[0], Outgoing(hdr, memoryview(b""), None))
+
+    def _note_op(self, key: tuple[int, int, int], sig: int) -> None:
+        if key[0] == Space.COLL and sig:
+            tag = key[1]
+            if tag not in self.op_sigs:
+                self.op_sigs[tag] = sig
+                self.op_sigs.pop(tag - OPS_REMEMBERED, None)
+
+    def _check_probe(self, c: "Stream", frame: Frame) -> None:
+        """A peer waits for our part of collective op `frame.tag` with signature `frame.sig`: if we ran that
+        op with another signature, neither of us will ever send the other anything for it."""
+        mine = self.op_sigs.get(frame.tag) if frame.sig else None
+        if mine is not None and mine != frame.sig:
+            raise MismatchError(
+                f"rank {self.rank}: mismatched operation with rank {c.peer} (op #{frame.tag}): rank {c.peer} waits "
+                f"for rank {self.rank}'s part of {describe_sig(frame.sig)}, but rank {self.rank} ran "
+                f"{describe_sig(mine)} (different roots, collectives or order)")
 
     def _conn_error(self, c: Stream, exc: BaseException) -> None:
         if c.log is not None and is_link_failure(exc) and self.broken is None:

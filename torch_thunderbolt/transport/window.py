@@ -78,7 +78,7 @@ class Window(abc.ABC):
             if now >= deadline:
                 late = [p for p in peers if self.counter(p) < value]
                 raise CollectiveTimeout(
-                    f"Timed out: rank {self.rank} waiting in {what} (shared-memory window, step {value}); "
+                    f"rank {self.rank}: Timed out waiting in {what} (shared-memory window, step {value}); "
                     f"ranks that did not arrive: {late}")
             self._idle(ready, min(0.2, deadline - now), lambda p: p in peers and self.counter(p) < value, what)
 

@@ -1,0 +1,126 @@
+"""Outputs that alias inputs on every algorithm, and ranks that disagree on the reduce op or the layout,
+on the in-memory transport (the fast tier): exact results, or a MismatchError on every rank."""
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+
+from torch_thunderbolt.config import Config
+from torch_thunderbolt.errors import CollectiveTimeout, MismatchError, PeerLostError
+from torch_thunderbolt.protocol.signature import describe_sig, encode_sig
+
+from .worlds import run_world
+
+ALGOS = ["auto", "ring", "direct", "chain", "biring"]
+
+
+def _cfg(algo: str) -> Config:
+    return Config(algo=algo, small_bytes=64, chunk_bytes=1024)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("n", [8, 3000])
+def test_in_place_reduce_scatter_is_exact(algo, world, n):
+    def body(comm):
+        base = torch.arange(n * world, dtype=torch.float64)
+        x = base * (comm.rank + 1) + comm.rank
+        out = x[comm.rank * n : (comm.rank + 1) * n]
+        comm.reduce_scatter(out, x, [n] * world)
+        want = sum(base * (q + 1) + q for q in range(world))[comm.rank * n : (comm.rank + 1) * n]
+        return torch.equal(out, want)
+
+    assert all(run_world(world, body, cfg=_cfg(algo)))
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_in_place_all_gather_all_to_all_gather_scatter_are_exact(algo):
+    world, n = 3, 700
+
+    def body(comm):
+        r = comm.rank
+        out = torch.zeros(n * world)
+        out[r * n : (r + 1) * n] = r + 1
+        comm.all_gather(out, out[r * n : (r + 1) * n])
+        ok = torch.equal(out, torch.cat([torch.full((n,), q + 1.0) for q in range(world)]))
+        buf = torch.arange(n * world, dtype=torch.float32) + 1000 * r  # all_to_all with out == in
+        comm.all_to_all(buf, buf, [n] * world, [n] * world)
+        ok &= torch.equal(buf, torch.cat([torch.arange(r * n, (r + 1) * n, dtype=torch.float32) + 1000 * q
+                                          for q in range(world)]))
+        g = torch.zeros(n * world)  # gather: the root's input is its own block of the output
+        g[r * n : (r + 1) * n] = r + 5
+        comm.gather(g if r == 0 else None, g[r * n : (r + 1) * n], 0, [n] * world)
+        if r == 0:
+            ok &= torch.equal(g, torch.cat([torch.full((n,), q + 5.0) for q in range(world)]))
+        s = torch.arange(n * world, dtype=torch.float32)  # scatter: the root's output is a block of its input
+        comm.scatter(s[r * n : (r + 1) * n], s if r == 0 else None, 0, [n] * world)
+        ok &= torch.equal(s[r * n : (r + 1) * n], torch.arange(r * n, (r + 1) * n, dtype=torch.float32))
+        return ok
+
+    assert all(run_world(world, body, cfg=_cfg(algo)))
+
+
+@pytest.mark.parametrize("window", [0, 4096])
+@pytest.mark.parametrize("ops", [("sum", "max"), ("sum", "avg"), ("min", "max"), ("sum", "product")])
+@pytest.mark.parametrize("n", [4, 5000])
+def test_different_reduce_ops_are_a_mismatch_on_every_rank(window, ops, n):
+    errors: list = []
+
+    def body(comm):
+        try:
+            comm.all_reduce(torch.ones(n) * (comm.rank + 1), ops[comm.rank % 2])
+        except Exception as exc:
+            errors.append(exc)
+            raise
+
+    with pytest.raises((MismatchError, PeerLostError)):
+        run_world(2, body, cfg=Config(small_bytes=64), window_bytes=window, comm_timeout=10)
+    assert any(isinstance(e, MismatchError) for e in errors), errors
+    # Nobody returns a result of its own op as if it had worked (the in-memory peer of a failed rank sees
+    # it as lost).
+    assert len(errors) == 2 and not any(isinstance(e, CollectiveTimeout) for e in errors), errors
+
+
+def test_the_old_8_bit_layout_checksum_collided_and_the_signature_does_not():
+    """Block layouts with the same total that the old check (crc32 & 0xFF) could not tell apart."""
+    layouts = [list(c) for c in itertools.product(range(1, 64), repeat=2)]
+    by_total: dict = {}
+    for c in layouts:
+        by_total.setdefault(sum(c), []).append(c)
+    old = new = 0
+    for group in by_total.values():
+        for a, b in itertools.combinations(group, 2):
+            old += (zlib.crc32(repr(a).encode()) & 0xFF) == (zlib.crc32(repr(b).encode()) & 0xFF)
+            new += encode_sig("reduce_scatter", "float32", 0, sum(a), "sum", tuple(a)) == encode_sig(
+                "reduce_scatter", "float32", 0, sum(b), "sum", tuple(b))
+    assert old > 0  # the weakness was real
+    assert new == 0
+
+
+def test_the_signature_names_the_reduce_op_and_root():
+    sig = encode_sig("reduce", "float32", 3, 10, "max")
+    assert describe_sig(sig) == "reduce(float32, MAX, root 3)"
+    assert encode_sig("reduce", "float32", 259, 10, "max") != sig  # roots equal modulo 256 still differ
+
+
+def test_a_timeout_says_timed_out_where_tools_look_for_it():
+    def body(comm):
+        if comm.rank == 0:
+            comm.barrier()
+
+    with pytest.raises(CollectiveTimeout, match=" Timed out "):
+        run_world(2, body, comm_timeout=0.5)
+
+
+def test_an_unsupported_dtype_is_refused_before_any_traffic_and_the_group_goes_on():
+    def body(comm):
+        with pytest.raises(ValueError, match="uint16"):
+            comm.all_reduce(torch.ones(4, dtype=torch.uint16))
+        x = torch.ones(4)
+        comm.all_reduce(x)
+        return torch.equal(x, torch.full((4,), 2.0))
+
+    assert all(run_world(2, body, window_bytes=4096))
