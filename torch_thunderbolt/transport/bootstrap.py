@@ -10,11 +10,11 @@ connections later get "connection refused".
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 from ..config import Config
 from ..errors import ConfigError, HandshakeError, PeerLostError
+from ..platform import (DARWIN_TCP_RXT_CONNDROPTIME, LINUX_TCP_USER_TIMEOUT, LOCAL_NETWORK_SETTING,  # noqa: F401
+                        Platform, current)
 from ..protocol import handshake as hs
 from .netif import choose_addresses, network_of
 from .tcp import TcpTransport
@@ -52,43 +54,126 @@ def store_host(store: Any) -> str | None:
     return os.environ.get("MASTER_ADDR") or None
 
 
-def tune_socket(sock: socket.socket, cfg: Config) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.socket_buffer)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, cfg.socket_buffer)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    # Half-open connections (a frozen or unplugged peer) are found within ~15 s even when idle.
-    for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPALIVE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 4)):
-        if hasattr(socket, name):
+MIN_SOCKET_BUFFER = 64 << 10  # below this, keep the system's default rather than shrink further
+
+
+class SocketTuner:
+    """Applies the job's socket options to every socket of one transport set-up, on `plat`.
+
+    It remembers the buffer size the system accepted: macOS refuses SO_SNDBUF/SO_RCVBUF above its limit
+    with ENOBUFS (Linux caps silently), so the size is halved until accepted, later sockets start there,
+    and the set-up warns once, not once per socket. THUNDERBOLT_CC where TCP_CONGESTION does not exist
+    (macOS) is one warning too: it does nothing there."""
+
+    def __init__(self, cfg: Config, plat: Platform | None = None, rank: int | None = None) -> None:
+        self.cfg, self.plat = cfg, plat or current()
+        self.who = "" if rank is None else f"rank {rank}: "
+        self.buffer = cfg.socket_buffer  # what the last socket was given (0 = the system's default)
+        self._warned_buffer = self._warned_cc = False
+
+    def tune(self, sock: socket.socket) -> None:
+        self._set_buffers(sock)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        # Half-open connections (a frozen or unplugged peer) are found within ~15 s even when idle.
+        for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPALIVE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 4)):
+            if hasattr(socket, name):
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+                except OSError:
+                    pass
+        for level, option, value in link_timeout_options(self.plat, self.cfg.link_timeout_ms):
             try:
-                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-            except OSError:
-                pass
-    for level, option, value in link_timeout_options(sys.platform, cfg.link_timeout_ms):
-        try:
-            sock.setsockopt(level, option, value)
-        except OSError as exc:
-            log.warning("could not set the link timeout (option %#x = %d): %s", option, value, exc)
-    if cfg.congestion_control and hasattr(socket, "TCP_CONGESTION"):
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cfg.congestion_control.encode())
-        except OSError as exc:
-            raise ConfigError(f"THUNDERBOLT_CC={cfg.congestion_control}: not available here ({exc})") from exc
+                sock.setsockopt(level, option, value)
+            except OSError as exc:
+                log.warning("could not set the link timeout (option %#x = %d): %s", option, value, exc)
+        cc = self.cfg.congestion_control
+        if cc and (not self.plat.tcp_congestion or not hasattr(socket, "TCP_CONGESTION")):
+            if not self._warned_cc:
+                self._warned_cc = True
+                log.warning("%sTHUNDERBOLT_CC=%s does nothing on %s: it has no per-socket TCP congestion "
+                            "control (TCP_CONGESTION); unset it", self.who, cc, self.plat.name)
+        elif cc:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
+            except OSError as exc:
+                raise ConfigError(f"THUNDERBOLT_CC={cc}: not available here ({exc})") from exc
+
+    def _set_buffers(self, sock: socket.socket) -> None:
+        wanted = self.buffer
+        while self.buffer:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.buffer)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.buffer)
+                break
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    raise
+                # Above the system's limit (macOS: about kern.ipc.maxsockbuf * 8/9): try half.
+                self.buffer = self.buffer // 2 if self.buffer // 2 >= MIN_SOCKET_BUFFER else 0
+        if self.buffer != wanted and not self._warned_buffer:
+            self._warned_buffer = True
+            got = f"{self.buffer} bytes" if self.buffer else "the system's default"
+            log.warning("%sTHUNDERBOLT_SOCKET_BUFFER=%d is above this system's socket buffer limit (ENOBUFS); "
+                        "using %s instead. Raise the limit (macOS: sudo sysctl kern.ipc.maxsockbuf=...) or "
+                        "lower THUNDERBOLT_SOCKET_BUFFER", self.who, self.cfg.socket_buffer, got)
 
 
-# macOS has no TCP_USER_TIMEOUT; TCP_RXT_CONNDROPTIME (netinet/tcp.h: 0x80, seconds) drops a connection
-# whose retransmissions go unanswered that long. Python's socket module does not name it.
-DARWIN_TCP_RXT_CONNDROPTIME = 0x80
-LINUX_TCP_USER_TIMEOUT = 18
+def tune_socket(sock: socket.socket, cfg: Config, plat: Platform | None = None) -> None:
+    """Tune one socket (a set-up with many sockets keeps one SocketTuner instead, to warn once)."""
+    SocketTuner(cfg, plat).tune(sock)
 
 
-def link_timeout_options(platform: str, timeout_ms: int) -> list[tuple[int, int, int]]:
+def effective_socket_buffer(cfg: Config, plat: Platform | None = None) -> int:
+    """Bytes of socket buffer a stream of this job gets here (for `doctor`): what the system accepted,
+    as it reports it (Linux caps silently, so its report is what counts)."""
+    plat = plat or current()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        tuner = SocketTuner(cfg, plat)
+        tuner._set_buffers(sock)
+        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // plat.sockbuf_reported_factor
+
+
+def link_timeout_options(platform: "str | Platform", timeout_ms: int) -> list[tuple[int, int, int]]:
     """(level, option, value) that make the kernel fail a stream whose sent data stays unacknowledged for
-    `timeout_ms` (a pulled cable) — the error that starts failover, or PeerLostError with one cable."""
-    if platform.startswith("linux"):
-        return [(socket.IPPROTO_TCP, getattr(socket, "TCP_USER_TIMEOUT", LINUX_TCP_USER_TIMEOUT), timeout_ms)]
-    if platform == "darwin":
-        return [(socket.IPPROTO_TCP, DARWIN_TCP_RXT_CONNDROPTIME, max(1, -(-timeout_ms // 1000)))]
-    return []
+    `timeout_ms` (a pulled cable) — the error that starts failover, or PeerLostError with one cable.
+    `platform`: a Platform or a sys.platform value."""
+    plat = Platform.for_system(platform) if isinstance(platform, str) else platform
+    if plat.link_timeout is None:
+        return []
+    level, option, unit_ms = plat.link_timeout
+    return [(level, option, max(1, -(-timeout_ms // unit_ms)))]
+
+
+OPEN_FILES_MARGIN = 64  # files the rest of the process (torch, the store, logs, shm doorbells) may hold
+
+
+def ensure_open_files(needed: int, rank: int | None = None,
+                      getrlimit: Callable[[int], tuple[int, int]] | None = None,
+                      setrlimit: Callable[[int, tuple[int, int]], None] | None = None) -> int:
+    """Raise the soft open-file limit to `needed` (capped at the hard limit) when it is lower; the soft
+    limit afterwards. macOS starts at 256, which a large job's sockets (peers x streams, twice during the
+    set-up) exceed, and then connect/accept fail with EMFILE long after the cause."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return needed
+    getrlimit = getrlimit or resource.getrlimit
+    setrlimit = setrlimit or resource.setrlimit
+    soft, hard = getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return soft
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    try:
+        setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("%scould not raise the open-file limit from %d to %d (%s); this job may need %d: raise "
+                    "it with `ulimit -n %d`", "" if rank is None else f"rank {rank}: ", soft, target, exc,
+                    needed, needed)
+        return soft
+    if target < needed:
+        log.warning("%sthe open-file limit is %d (hard limit), this job may need %d: raise the hard limit",
+                    "" if rank is None else f"rank {rank}: ", target, needed)
+    return target
 
 
 def _nodelay(sock: socket.socket) -> None:
@@ -186,10 +271,10 @@ class _Acceptor:
                 self.done.set()
 
 
-def _listen(address: str, cfg: Config, rank: int | None = None) -> socket.socket:
+def _listen(address: str, cfg: Config, rank: int | None = None, tuner: SocketTuner | None = None) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    tune_socket(sock, cfg)
+    (tuner or SocketTuner(cfg, rank=rank)).tune(sock)
     bind_to = "0.0.0.0" if cfg.listen_all else address
     try:
         sock.bind((bind_to, cfg.port))
@@ -206,14 +291,38 @@ def _listen(address: str, cfg: Config, rank: int | None = None) -> socket.socket
     return sock
 
 
+# macOS 15+ answers a connection to a directly attached subnet with one of these when the app the process
+# runs under lacks the Local Network permission; this many in a row to one peer and we stop retrying.
+LOCAL_NETWORK_ERRNOS = (errno.EPERM, errno.EHOSTUNREACH)
+LOCAL_NETWORK_TRIES = 3
+
+
+def local_network_denied(rank: int, peer: int, target: tuple[str, int], exc: OSError) -> ConfigError:
+    return ConfigError(
+        f"rank {rank}: macOS refused the connection to rank {peer} at {target[0]}:{target[1]} "
+        f"({errno.errorcode.get(exc.errno or 0, exc.errno)}, {LOCAL_NETWORK_TRIES} times): the app this python "
+        f"runs under (Terminal, iTerm, VS Code, tmux's terminal, a notebook app) most likely lacks the Local "
+        f"Network permission. Allow it in {LOCAL_NETWORK_SETTING} and restart that app (an ssh session is not "
+        f"affected); if it is allowed, check the cable and address of rank {peer} "
+        f"(`torch-thunderbolt doctor` probes MASTER_ADDR)")
+
+
+def _tcp_socket() -> socket.socket:
+    return socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+
+
 def _connect(rank: int, peer: int, stream: int, target: tuple[str, int], source: str, secret: bytes,
-             group_id: str, cfg: Config, deadline: float) -> socket.socket:
-    """One authenticated stream to `peer` (retrying refused connections until `deadline`)."""
+             group_id: str, cfg: Config, deadline: float, tuner: SocketTuner | None = None,
+             new_socket: Callable[[], socket.socket] = _tcp_socket) -> socket.socket:
+    """One authenticated stream to `peer` (retrying refused connections until `deadline`). Where the
+    platform has Local Network privacy (macOS), a peer denied that way fails within a few tries."""
+    tuner = tuner or SocketTuner(cfg, rank=rank)
     last: Exception | None = None
+    denied = 0
     while time.monotonic() < deadline:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = new_socket()
         try:
-            tune_socket(sock, cfg)
+            tuner.tune(sock)
             if source and source != "0.0.0.0" and not (source.startswith("127.") ^ target[0].startswith("127.")):
                 sock.bind((source, 0))
             sock.settimeout(10.0)
@@ -230,6 +339,13 @@ def _connect(rank: int, peer: int, stream: int, target: tuple[str, int], source:
         except OSError as exc:
             sock.close()
             last = exc
+            if (tuner.plat.local_network_privacy and exc.errno in LOCAL_NETWORK_ERRNOS
+                    and not target[0].startswith("127.")):
+                denied += 1
+                if denied >= LOCAL_NETWORK_TRIES:
+                    raise local_network_denied(rank, peer, target, exc) from exc
+            else:
+                denied = 0
             time.sleep(0.1)
     err = PeerLostError(f"rank {rank}: could not connect to rank {peer} at {target[0]}:{target[1]}: {last}",
                         rank=rank, peer=peer, address=f"{target[0]}:{target[1]}")
@@ -274,8 +390,11 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float,
     hybrid job; the transport keeps global rank numbers."""
     members = sorted(set(range(world) if peers is None else peers) - {rank})
     deadline = time.monotonic() + min(timeout, cfg.connect_timeout)
+    tuner = SocketTuner(cfg, rank=rank)
+    # Every peer's streams, twice while the listeners and handshakes overlap.
+    ensure_open_files(len(members) * cfg.streams * 2 + OPEN_FILES_MARGIN, rank)
     addrs = choose_addresses(cfg.ifnames, store_host(store))
-    listeners = [_listen(a, cfg, rank) for a in (addrs[:1] if cfg.listen_all else addrs)]
+    listeners = [_listen(a, cfg, rank, tuner) for a in (addrs[:1] if cfg.listen_all else addrs)]
     acceptor: _Acceptor | None = None
     conns: dict[int, list[socket.socket]] = {}
     try:
@@ -299,7 +418,7 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float,
             routes = stream_routes(addrs, nets, infos[p]["endpoints"], infos[p].get("nets", []), cfg.streams)
             conns[p] = []
             for s, (source, target) in enumerate(routes):
-                conns[p].append(_connect(rank, p, s, target, source, secret, group_id, cfg, deadline))
+                conns[p].append(_connect(rank, p, s, target, source, secret, group_id, cfg, deadline, tuner))
         if not acceptor.done.wait(max(0.0, deadline - time.monotonic())):
             missing = sorted({p for p in members if p > rank
                               for s in range(cfg.streams) if acceptor.conns.get((p, s)) is None})

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-import sys
 
 from ..errors import ConfigError
+from ..platform import Platform, current
 
 Interfaces = dict[str, list[str]]
 
@@ -25,14 +25,18 @@ def local_interfaces() -> Interfaces:
     return out
 
 
-def loopback_ifname(platform: str | None = None) -> str:
+def loopback_ifname(platform: "str | Platform | None" = None) -> str:
     """The loopback interface's name, for GLOO_SOCKET_IFNAME / THUNDERBOLT_IFNAME in local runs.
 
     Linux calls it `lo`; macOS and the BSDs `lo0`, and gloo fails to start when given a name that does not
-    exist. `platform` is a `sys.platform` value (default: this machine's), so both cases are testable.
+    exist. `platform` is a `sys.platform` value or a Platform (default: this machine's), so both cases are
+    testable.
     """
-    platform = sys.platform if platform is None else platform
-    return "lo" if platform.startswith("linux") else "lo0"
+    if platform is None:
+        platform = current()
+    elif isinstance(platform, str):
+        platform = Platform.for_system(platform)
+    return platform.loopback
 
 
 def _is_ip(text: str) -> bool:

@@ -17,6 +17,7 @@ import socket
 from typing import Callable
 
 from ..errors import MismatchError, PeerLostError, ThunderboltError
+from ..platform import SOCKET_IO_CAP
 from ..protocol.framing import FRAME_HEADER_SIZE, Frame, Kind, Space, encode_control, encode_frame_header
 from ..protocol.signature import describe_sig
 from .base import ANY_SOURCE, DrivenTransport, Request
@@ -188,7 +189,9 @@ class TcpTransport(StreamLifecycle, StreamFailover, DrivenTransport):
         while c.sendq and not c.dead:
             out = c.sendq[0]
             hl = len(out.hdr)
-            bufs = [out.hdr[out.sent:], out.payload] if out.sent < hl else [out.payload[out.sent - hl :]]
+            # At most SOCKET_IO_CAP bytes per call: macOS fails a sendmsg over INT_MAX with EINVAL.
+            bufs = ([out.hdr[out.sent:], out.payload[: SOCKET_IO_CAP - hl]] if out.sent < hl
+                    else [out.payload[out.sent - hl : out.sent - hl + SOCKET_IO_CAP]])
             try:
                 k = c.sock.sendmsg(bufs)
             except (BlockingIOError, InterruptedError):
@@ -285,7 +288,7 @@ class TcpTransport(StreamLifecycle, StreamFailover, DrivenTransport):
             if c.rx is not None:
                 c.rx.consumed += k
         if got < len(dest):
-            k = c.sock.recv_into(dest[got:])  # raises BlockingIOError when empty
+            k = c.sock.recv_into(dest[got : got + SOCKET_IO_CAP])  # BlockingIOError when empty; cap: see _flush
             if k == 0:
                 self._eof(c)
                 return None

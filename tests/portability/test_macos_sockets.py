@@ -1,0 +1,197 @@
+"""macOS socket behaviour, run on Linux: fake sockets that fail the way XNU does.
+
+XNU fails a single send/recv over INT_MAX bytes with EINVAL (Linux moves part of it), refuses socket
+buffers above its limit with ENOBUFS (Linux caps them), and on macOS 15+ answers connections to directly
+attached peers with EHOSTUNREACH/EPERM when the app lacks the Local Network permission.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from torch_thunderbolt.config import Config
+from torch_thunderbolt.errors import ConfigError, PeerLostError
+from torch_thunderbolt.platform import INT_MAX, LOCAL_NETWORK_SETTING, SOCKET_IO_CAP, Platform
+from torch_thunderbolt.protocol.framing import Space
+from torch_thunderbolt.transport import bootstrap
+from torch_thunderbolt.transport.tcp import TcpTransport
+
+DARWIN = Platform.for_system("darwin")
+LINUX = Platform.for_system("linux")
+
+
+class DarwinSocket:
+    """A real socket whose single calls fail with EINVAL above INT_MAX bytes, as on macOS; records the
+    largest call it saw."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.largest = 0
+
+    def _check(self, n: int) -> None:
+        self.largest = max(self.largest, n)
+        if n > INT_MAX:
+            raise OSError(errno.EINVAL, "Invalid argument (XNU: more than INT_MAX bytes in one call)")
+
+    def sendmsg(self, bufs, *args):
+        self._check(sum(memoryview(b).nbytes for b in bufs))
+        return self._sock.sendmsg(bufs, *args)
+
+    def send(self, data, *args):
+        self._check(memoryview(data).nbytes)
+        return self._sock.send(data, *args)
+
+    def recv_into(self, buf, nbytes: int = 0, *args):
+        self._check(nbytes or memoryview(buf).nbytes)
+        return self._sock.recv_into(buf, nbytes, *args)
+
+    def recv(self, n: int, *args):
+        self._check(n)
+        return self._sock.recv(n, *args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_message_over_int_max_bytes_moves_in_calls_macos_accepts() -> None:
+    """One 2 GiB + message over one stream: every sendmsg/recv_into stays within the 1 GiB cap. Before the
+    cap, the first sendmsg asked for the whole message and the fake (like XNU) failed it with EINVAL."""
+    n = INT_MAX + 1 + 4099
+    with socket.create_server(("127.0.0.1", 0)) as lst:
+        a = socket.create_connection(lst.getsockname())
+        b, _ = lst.accept()
+    fa, fb = DarwinSocket(a), DarwinSocket(b)
+    t0, t1 = TcpTransport(0, 2, {1: [fa]}), TcpTransport(1, 2, {0: [fb]})
+    src = torch.empty(n, dtype=torch.uint8)  # untouched pages stay unallocated; the marks below are checked
+    marks = [0, 1, SOCKET_IO_CAP - 1, SOCKET_IO_CAP, INT_MAX, INT_MAX + 1, n - 1]
+    for i, pos in enumerate(marks):
+        src[pos] = 11 + i
+    dst = torch.zeros(n, dtype=torch.uint8)
+    errors: list[BaseException] = []
+
+    def side(t: TcpTransport, send: bool) -> None:
+        try:
+            key = (Space.COLL, 1, 0)
+            req = (t.isend(1, key, memoryview(src.numpy()).cast("B")) if send
+                   else t.irecv(0, key, memoryview(dst.numpy()).cast("B")))
+            t.wait([req], deadline=time.monotonic() + 100)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=side, args=(t0, True)), threading.Thread(target=side, args=(t1, False))]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(110)
+    finally:
+        t0.close()
+        t1.close()
+    assert not errors, errors
+    assert 0 < fa.largest <= SOCKET_IO_CAP and 0 < fb.largest <= SOCKET_IO_CAP
+    assert [int(dst[p]) for p in marks] == [11 + i for i in range(len(marks))]
+
+
+class BufferLimitedSocket:
+    """SO_SNDBUF/SO_RCVBUF above `limit` fail with ENOBUFS, as on macOS; records what was set."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.set: dict[int, int] = {}
+
+    def setsockopt(self, level: int, option: int, value) -> None:
+        if level == socket.SOL_SOCKET and option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            if value > self.limit:
+                raise OSError(errno.ENOBUFS, "No buffer space available")
+            self.set[option] = value
+
+
+def test_socket_buffers_above_the_macos_limit_are_retried_smaller_with_one_warning(caplog) -> None:
+    cfg = Config(socket_buffer=16 << 20)
+    tuner = bootstrap.SocketTuner(cfg, DARWIN, rank=2)
+    socks = [BufferLimitedSocket(limit=7 << 20) for _ in range(3)]
+    with caplog.at_level(logging.WARNING, logger="torch_thunderbolt.bootstrap"):
+        for s in socks:
+            tuner.tune(s)
+    for s in socks:
+        assert s.set == {socket.SO_SNDBUF: 4 << 20, socket.SO_RCVBUF: 4 << 20}
+    warnings = [r.getMessage() for r in caplog.records if "SOCKET_BUFFER" in r.getMessage()]
+    assert len(warnings) == 1 and "rank 2" in warnings[0] and str(4 << 20) in warnings[0]
+
+
+def test_a_socket_buffer_within_the_limit_is_set_as_asked_without_warning(caplog) -> None:
+    s = BufferLimitedSocket(limit=7 << 20)
+    with caplog.at_level(logging.WARNING, logger="torch_thunderbolt.bootstrap"):
+        bootstrap.tune_socket(s, Config(socket_buffer=4 << 20), DARWIN)
+    assert s.set == {socket.SO_SNDBUF: 4 << 20, socket.SO_RCVBUF: 4 << 20}
+    assert not [r for r in caplog.records if "SOCKET_BUFFER" in r.getMessage()]
+
+
+def test_the_effective_socket_buffer_is_what_the_linux_kernel_reports() -> None:
+    """Linux caps silently at net.core.rmem_max and reports double: the effective size undoes both."""
+    with open("/proc/sys/net/core/rmem_max") as fh:
+        rmem_max = int(fh.read())
+    for asked in (64 << 10, 64 << 20):
+        assert bootstrap.effective_socket_buffer(Config(socket_buffer=asked), LINUX) == min(asked, rmem_max)
+
+
+def test_thunderbolt_cc_warns_once_on_macos_that_it_does_nothing(caplog) -> None:
+    tuner = bootstrap.SocketTuner(Config(congestion_control="cubic"), DARWIN, rank=1)
+    with caplog.at_level(logging.WARNING, logger="torch_thunderbolt.bootstrap"):
+        for _ in range(3):
+            with socket.socket() as s:
+                tuner.tune(s)
+    warnings = [r.getMessage() for r in caplog.records if "THUNDERBOLT_CC" in r.getMessage()]
+    assert len(warnings) == 1 and "does nothing on darwin" in warnings[0]
+
+
+class DeniedSocket(BufferLimitedSocket):
+    """connect() fails the way macOS 15+ fails it without the Local Network permission."""
+
+    def __init__(self, err: int, calls: list) -> None:
+        super().__init__(limit=1 << 30)
+        self.err, self.calls = err, calls
+
+    def settimeout(self, t) -> None:
+        pass
+
+    def bind(self, addr) -> None:
+        pass
+
+    def connect(self, target) -> None:
+        self.calls.append(target)
+        raise OSError(self.err, errno.errorcode[self.err])
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("err", [errno.EPERM, errno.EHOSTUNREACH])
+def test_a_peer_denied_by_local_network_privacy_fails_within_seconds_naming_the_setting(err) -> None:
+    calls: list = []
+    cfg = Config()
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        bootstrap._connect(3, 1, 0, ("169.254.10.2", 29500), "", b"k" * 32, "g", cfg, time.monotonic() + 120,
+                           bootstrap.SocketTuner(cfg, DARWIN, rank=3), lambda: DeniedSocket(err, calls))
+    assert time.monotonic() - start < 5
+    assert len(calls) == bootstrap.LOCAL_NETWORK_TRIES
+    text = str(info.value)
+    assert LOCAL_NETWORK_SETTING in text and "rank 3" in text and "rank 1" in text and "169.254.10.2:29500" in text
+
+
+def test_on_linux_the_same_errors_are_retried_until_the_deadline() -> None:
+    calls: list = []
+    cfg = Config()
+    with pytest.raises(PeerLostError):
+        bootstrap._connect(0, 1, 0, ("10.0.0.2", 29500), "", b"k" * 32, "g", cfg, time.monotonic() + 0.6,
+                           bootstrap.SocketTuner(cfg, LINUX), lambda: DeniedSocket(errno.EHOSTUNREACH, calls))
+    assert len(calls) > bootstrap.LOCAL_NETWORK_TRIES

@@ -1,0 +1,96 @@
+"""Every operating-system difference the runtime depends on, in one place.
+
+The runtime asks a `Platform` instead of looking at `sys.platform`, `/proc` or `/dev/shm` itself, so the macOS
+behaviour can be exercised on a Linux box: code that differs takes a `plat: Platform | None = None` argument
+(None = `current()`), and a test passes `Platform.for_system("darwin")`. Nothing here is mutable.
+
+The facts behind the macOS values (XNU sources, Apple technotes) are collected in the project's
+reference notes; each field says what it changes.
+"""
+from __future__ import annotations
+
+import platform as _std_platform
+import socket
+import sys
+from dataclasses import dataclass
+
+INT_MAX = 2**31 - 1
+# One send/recv moves at most this many bytes. XNU fails a call over INT_MAX with EINVAL (Linux returns a
+# partial count); 1 GiB is far below that and far above what one call moves on any link, so the cap costs
+# nothing and both systems run the same loop.
+SOCKET_IO_CAP = 1 << 30
+
+LINUX_TCP_USER_TIMEOUT = 18  # linux/tcp.h, for Pythons built without socket.TCP_USER_TIMEOUT
+# macOS has no TCP_USER_TIMEOUT; TCP_RXT_CONNDROPTIME (netinet/tcp.h: 0x80, seconds) drops a connection
+# whose retransmissions go unanswered that long. Python's socket module does not name it.
+DARWIN_TCP_RXT_CONNDROPTIME = 0x80
+
+# macOS tools by absolute path: a non-login ssh session's PATH may not hold them, and a user's PATH could
+# shadow them.
+IOREG = "/usr/sbin/ioreg"
+SYSCTL = "/usr/sbin/sysctl"
+
+# Documented in the message of every Local Network failure and in `doctor`.
+LOCAL_NETWORK_SETTING = "System Settings › Privacy & Security › Local Network"
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What differs between the systems we run on. Build one with `current()` or `for_system()`."""
+
+    name: str  # "linux", "darwin", or another sys.platform value (no guarantees there)
+    machine: str  # "x86_64", "arm64", "aarch64", ... (platform.machine(), lower case)
+    max_socket_io: int = SOCKET_IO_CAP  # bytes per sendmsg/recv_into call (see SOCKET_IO_CAP)
+    # What SO_SNDBUF/SO_RCVBUF above the system's limit does: "cap" (Linux clamps silently) or "enobufs"
+    # (XNU refuses the call; the caller must retry with less).
+    sockbuf_over_limit: str = "cap"
+    # getsockopt(SO_RCVBUF) reports this many times what was set (Linux doubles it for bookkeeping).
+    sockbuf_reported_factor: int = 1
+    loopback: str = "lo0"  # gloo fails to start when given an interface name that does not exist
+    # Who shares memory with whom: "boot-id+netns" (Linux: /proc boot id and network namespace, so lab
+    # netns "Macs" differ) or "platform-uuid+boot-session" (macOS: IOPlatformUUID and kern.bootsessionuuid,
+    # since two Macs may share a hostname). "hostname" elsewhere.
+    host_identity: str = "hostname"
+    has_proc: bool = False
+    shm_list_dir: str | None = None  # where POSIX shm objects show up as files (/dev/shm); None: unlistable
+    # (level, option, milliseconds per unit) of the per-socket "unacknowledged data for this long = link lost"
+    # option, or None where there is none.
+    link_timeout: tuple[int, int, int] | None = None
+    tcp_congestion: bool = False  # per-socket TCP_CONGESTION exists (THUNDERBOLT_CC works)
+    # macOS 15+ "Local Network" privacy: connections to directly attached subnets fail with EHOSTUNREACH or
+    # EPERM when the app the process runs under lacks the permission. Retrying cannot help.
+    local_network_privacy: bool = False
+    default_open_files: int = 1024  # typical soft RLIMIT_NOFILE (macOS: 256)
+
+    @classmethod
+    def for_system(cls, name: str, machine: str | None = None) -> "Platform":
+        """The Platform of `name` (a sys.platform value) on `machine` (default: arm64 for darwin, else this
+        machine's). Tests use it to run the macOS code paths on Linux."""
+        if machine is None:
+            machine = "arm64" if name == "darwin" else _std_platform.machine()
+        machine = machine.lower()
+        if name.startswith("linux"):
+            return cls(name="linux", machine=machine, sockbuf_over_limit="cap", sockbuf_reported_factor=2,
+                       loopback="lo", host_identity="boot-id+netns", has_proc=True, shm_list_dir="/dev/shm",
+                       link_timeout=(socket.IPPROTO_TCP,
+                                     getattr(socket, "TCP_USER_TIMEOUT", LINUX_TCP_USER_TIMEOUT), 1),
+                       tcp_congestion=True, local_network_privacy=False, default_open_files=1024)
+        if name == "darwin":
+            return cls(name="darwin", machine=machine, sockbuf_over_limit="enobufs", sockbuf_reported_factor=1,
+                       loopback="lo0", host_identity="platform-uuid+boot-session", has_proc=False,
+                       shm_list_dir=None, link_timeout=(socket.IPPROTO_TCP, DARWIN_TCP_RXT_CONNDROPTIME, 1000),
+                       tcp_congestion=False, local_network_privacy=True, default_open_files=256)
+        return cls(name=name, machine=machine)  # the BSDs and others: conservative defaults
+
+    @property
+    def is_x86(self) -> bool:
+        return self.machine in ("x86_64", "amd64", "i386", "i486", "i586", "i686", "x86")
+
+    @property
+    def is_arm64(self) -> bool:
+        return self.machine in ("arm64", "aarch64")
+
+
+def current() -> Platform:
+    """This machine's Platform (built on each call: cheap, and no module state to go stale in tests)."""
+    return Platform.for_system(sys.platform, _std_platform.machine())
