@@ -1,5 +1,8 @@
-"""Short soak in CI: 300 random collectives on 3 ranks (ops, dtypes, sizes, subgroups, async batches), every
-result checked against the reference. The 1e5-op run: scripts/reliability/soak.py."""
+"""Short soak / stress in CI: a few hundred random collectives (kinds, in-place forms, non-contiguous views,
+0-d and empty tensors, dtypes, every reduce op, refused pairs, subgroups, async batches) on 2 and 3 ranks,
+on the default transport (shared memory on one host) and on TCP, every result checked against a reference
+computed locally; each run ends with ranks that disagree on the reduce op, which must be a MismatchError on
+every rank. The long runs: scripts/reliability/soak.py."""
 from __future__ import annotations
 
 import pytest
@@ -10,13 +13,39 @@ from .soak import SCRIPT
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
+# What a CI run must have drawn at least once (over all ranks), so that "0 mismatches" means something.
+MUST_SEE = (
+    [f"kind:{k}" for k in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
+                           "all_to_all_v", "reduce", "send_recv")]
+    + [f"inplace:{k}" for k in ("all_gather", "reduce_scatter", "all_to_all")]
+    + [f"layout:{k}" for k in ("t2d", "step2", "size1_strided", "zero_d", "empty_2d")]
+    + [f"shape:{k}" for k in ("empty", "one", "views")]
+    + [f"dtype:{k}" for k in ("float32", "float64", "bfloat16", "int32", "int64", "bool", "complex64")]
+    + [f"op:{k}" for k in ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum")]
+    + ["refused", "async"]
+)
 
-def test_short_soak_has_no_mismatches(tmp_path) -> None:
-    env = {"TB_OPS": "300", "TB_SEED": "7", "THUNDERBOLT_TRANSPORT": "tcp"}  # tcp: the Thunderbolt path
-    results = run_ranks(SCRIPT, 3, tmp_path, timeout=150, env=env)
+# (world, transport, the mixed reduce ops of the last call). Default = shared memory for ranks on one host.
+CONFIGS = [(2, "default", "sum,max"), (3, "default", "sum,avg"), (2, "tcp", "sum,avg"), (3, "tcp", "sum,max")]
+
+
+@pytest.mark.parametrize("world,transport,mixed", CONFIGS, ids=[f"{w}-{t}-{m}" for w, t, m in CONFIGS])
+def test_short_soak_exact_results_and_mixed_ops_fail_everywhere(world, transport, mixed, tmp_path) -> None:
+    env = {"TB_OPS": "400", "TB_SEED": str(7 + world), "TB_MIXED": mixed, "TB_TIMEOUT": "20"}
+    if transport != "default":
+        env["THUNDERBOLT_TRANSPORT"] = transport
+    results = run_ranks(SCRIPT, world, tmp_path, timeout=150, env=env)
     outs = [r.json() for r in results]
-    assert all(o["mismatches"] == 0 for o in outs), outs
-    assert all(o["participated"] > 200 for o in outs), outs
+    for rank, o in enumerate(outs):
+        assert not o["errors"], f"rank {rank} failed in the op stream: {o['errors']}"
+        assert o["mismatches"] == 0, f"rank {rank}: {o['bad']}"
+        assert o["participated"] > 250, o["participated"]
+    seen = set().union(*(o["seen"] for o in outs))
+    assert not set(MUST_SEE) - seen, f"never drawn: {sorted(set(MUST_SEE) - seen)}"
+    for rank, o in enumerate(outs):  # the last op: ranks disagree on the reduce op
+        m = o["mixed"]
+        assert m["ok"] is False and m["type"] == "MismatchError", f"rank {rank}: {m}"
+        assert m["seconds"] < 10, f"rank {rank} took {m['seconds']:.1f}s to see the mismatch: {m}"
 
 
 def test_the_soak_checker_catches_a_wrong_element(tmp_path) -> None:
