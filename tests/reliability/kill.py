@@ -11,7 +11,8 @@ from tests.core.mp import PRELUDE
 
 from .procs import start_ranks
 
-OPS = ("all_reduce", "broadcast", "all_gather", "send_recv")
+OPS = ("all_reduce", "broadcast", "all_gather", "send_recv")  # what from_seed draws from (CI seeds rely on it)
+ALL_OPS = ("all_reduce", "broadcast", "all_gather", "gather", "reduce_scatter", "all_to_all", "send_recv")
 SIZES = (4, 1 << 10, 64 << 10, 1 << 20, 4 << 20)
 DETECT_LIMIT = 5.0  # seconds from the kill to the error on every survivor
 HANG_LIMIT = 30.0  # a survivor still running this long after the kill counts as a hang
@@ -22,16 +23,15 @@ dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=float(
 r, w = dist.get_rank(), dist.get_world_size()
 op, n = os.environ["TB_OP"], max(1, int(os.environ["TB_SIZE"]) // 4)
 victim, root, delay = int(os.environ["TB_VICTIM"]), int(os.environ["TB_ROOT"]), float(os.environ["TB_DELAY"])
+n -= n % w  # reduce_scatter and all_to_all split the tensor into w equal parts
 x, y, out = torch.full((n,), float(r + 1)), torch.empty(n), torch.empty(n * w)
-dist.barrier()
+parts = [torch.empty(n) for _ in range(w)] if op == "gather" and r == root else None
 
 def killer():
     time.sleep(delay)
     print("KILLAT " + json.dumps(time.time()), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
-if r == victim:
-    threading.Thread(target=killer, daemon=True).start()
 
 def step():
     if op == "all_reduce":
@@ -41,13 +41,23 @@ def step():
         dist.broadcast(x, root)
     elif op == "all_gather":
         dist.all_gather_into_tensor(out, x)
+    elif op == "gather":
+        dist.gather(x, parts, dst=root)
+    elif op == "reduce_scatter":
+        dist.reduce_scatter_tensor(y[: n // w], x)
+        x.fill_(float(r + 1))
+    elif op == "all_to_all":
+        dist.all_to_all_single(y, x)
     else:  # a ring of send/recv pairs
         req = dist.isend(x, (r + 1) % w)
         dist.recv(y, (r - 1) % w)
         req.wait()
 
 done = 0
-try:
+try:  # the barrier too: a survivor may still be in it when the victim (already out of it) is killed
+    dist.barrier()
+    if r == victim:
+        threading.Thread(target=killer, daemon=True).start()
     while True:
         step()
         done += 1
@@ -69,6 +79,12 @@ class KillCase:
     delay: float
 
     @classmethod
+    def fixed(cls, seed: int, world: int, op: str, size: int) -> "KillCase":
+        """Given world, op and size; victim, root and moment drawn from the seed."""
+        rng = random.Random(seed)
+        return cls(seed, world, op, size, rng.randrange(world), rng.randrange(world), round(rng.uniform(0.0, 0.5), 3))
+
+    @classmethod
     def from_seed(cls, seed: int, worlds: tuple[int, ...] = (2, 3, 4)) -> "KillCase":
         rng = random.Random(seed)
         world = rng.choice(worlds)
@@ -87,6 +103,11 @@ class KillOutcome:
     problems: list
 
     @property
+    def blamed(self) -> dict:
+        """survivor rank -> the rank its error named as the cause (its `peer`), None if it named none."""
+        return {r: e.get("peer") for r, e in self.errors.items()}
+
+    @property
     def detection(self) -> dict:
         if self.killed_at is None:
             return {}
@@ -96,7 +117,7 @@ class KillOutcome:
         return not self.problems
 
     def record(self) -> dict:
-        return {"case": asdict(self.case), "hang": self.hang, "detection": self.detection,
+        return {"case": asdict(self.case), "hang": self.hang, "detection": self.detection, "blamed": self.blamed,
                 "exit_after_error": self.exit_after_error, "returncodes": self.returncodes,
                 "errors": self.errors, "problems": self.problems}
 

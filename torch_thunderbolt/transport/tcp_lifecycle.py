@@ -4,13 +4,21 @@ every stream). Mixed into TcpTransport."""
 from __future__ import annotations
 
 import errno
+import select
 import socket
 import threading
+import time
 
 from ..errors import BackendClosedError
 from ..protocol.framing import Kind, Space, encode_abort, encode_frame_header
 from .base import remote_error
 from .tcp_conn import Stream
+
+# How long a failing rank spends getting its ABORT to the peers before it closes its sockets. Normally a few
+# milliseconds (finish the frame in flight, write the ABORT, wait for each peer to close); only a peer that
+# reads nothing (frozen, or itself stuck) uses it all.
+ABORT_GRACE = 2.0
+_SINK = 1 << 16  # bytes read (and dropped) per call while waiting for the peers to close
 
 
 class StreamLifecycle:
@@ -39,23 +47,59 @@ class StreamLifecycle:
         if self.broken is not None:
             return
         err = self._lost(c.peer, f"at {c.addr} (stream {c.stream})", exc, c.addr) if wrap else exc
-        if tell_peers:
-            self._send_abort(err)
         self._enter_broken(err, [out.req for o in self._all for out in o.sendq if out.req is not None])
+        self._cv.notify_all()
+        if tell_peers:
+            self._deliver_abort(err)
         for other in self._all:
             other.sendq.clear()
         self._close_sockets()
         self._cv.notify_all()
 
-    def _send_abort(self, exc: BaseException) -> None:
-        frame = encode_abort(exc)
+    def _deliver_abort(self, exc: BaseException) -> None:
+        """Tell every peer the root cause, so none of them blames this rank for closing its connections.
+
+        A stream in the middle of a frame gets the rest of that frame first (the peer would read an ABORT
+        written now as payload). Then the ABORT, then FIN; the sockets are closed only once each peer closed
+        its end too (it read the ABORT) or ABORT_GRACE passed, and whatever the peers send meanwhile is read
+        and dropped: closing a socket with unread bytes makes the kernel send a reset and throw away what is
+        still queued — the ABORT included — and the peer would then report "lost the connection" to us."""
+        frame = memoryview(encode_abort(exc))
+        todo: dict[int, tuple[Stream, list[memoryview]]] = {}
         for c in self._all:
-            if c.sendq or c.dead:  # mid-frame: an ABORT now would be garbage to the peer; closing says enough
+            if c.dead:
                 continue
-            try:
-                c.sock.send(frame)
-            except OSError:
-                pass
+            bufs: list[memoryview] = []
+            if c.sendq and c.sendq[0].sent:
+                out, hl = c.sendq[0], len(c.sendq[0].hdr)
+                bufs = ([memoryview(out.hdr)[out.sent:], out.payload] if out.sent < hl
+                        else [out.payload[out.sent - hl:]])
+            c.sendq.clear()
+            todo[c.fd] = (c, [b for b in bufs if len(b)] + [frame])
+        sink = bytearray(_SINK)
+        deadline = time.monotonic() + ABORT_GRACE
+        while todo:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            poller = select.poll()
+            for fd, (c, bufs) in todo.items():
+                poller.register(fd, select.POLLIN | (select.POLLOUT if bufs else 0))
+            for fd, ev in poller.poll(left * 1000.0):
+                c, bufs = todo[fd]
+                try:
+                    if bufs and ev & select.POLLOUT:
+                        _consume(bufs, c.sock.send(bufs[0]))
+                        if not bufs:
+                            c.sock.shutdown(socket.SHUT_WR)
+                    if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                        while c.sock.recv_into(sink):
+                            pass
+                        del todo[fd]  # the peer closed its end: it has read all we sent
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError:
+                    todo.pop(fd, None)  # gone (the dead rank, or a peer that reset): nothing more to do
 
     def _close_sockets(self) -> None:
         for c in self._all:
@@ -83,3 +127,12 @@ class StreamLifecycle:
         if self._keeper is not None and self._keeper is not threading.current_thread():
             self._keeper.join(1.0)
 
+
+def _consume(bufs: list[memoryview], k: int) -> None:
+    """Drop the first `k` bytes of the buffer list `bufs` (after a partial write)."""
+    while k and bufs:
+        if k >= len(bufs[0]):
+            k -= len(bufs.pop(0))
+        else:
+            bufs[0] = bufs[0][k:]
+            k = 0
