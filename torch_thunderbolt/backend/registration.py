@@ -21,6 +21,7 @@ def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
     from ..algorithms.shape import shape_from_networks
     from ..config import Config
     from ..transport.memory import MemoryHub
+    from ..transport.names import RankNames
     from .process_group import ThunderboltProcessGroup
 
     cfg = Config.from_env()
@@ -42,6 +43,14 @@ def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
         from ..transport.bootstrap import connect_tcp
 
         transport = connect_tcp(dist_opts.store, rank, size, cfg, timeout)
+    # In a subgroup, "rank 0" in an error is a group rank: name the global one too. torch gives an extended
+    # backend's creator the group's global ranks (none for the default group, whose ranks are global).
+    names = RankNames.for_group(getattr(dist_opts, "global_ranks_in_group", None), size,
+                                str(getattr(dist_opts, "group_id", "") or "?"))
+    if names is not None:
+        for t in (transport, getattr(transport, "shm", None), getattr(transport, "tcp", None)):
+            if t is not None:
+                t.names = names
     nets = getattr(transport, "networks", None)
     if nets and hosts is not None and len(set(hosts)) < len(hosts) and len(set(hosts)) > 1:
         shape = hosts_shape(nets, hosts)

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Sequence
 from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerAbortedError, PeerLostError,
                       ProtocolError)
 from ..protocol.framing import Space
+from .names import RankNames
 from .window import Window
 
 Key = tuple[int, int, int]  # (space, tag, seq)
@@ -54,6 +55,7 @@ class Transport(abc.ABC):
     """Base class: request bookkeeping, p2p sequence numbers, the BROKEN state and `wait`."""
 
     _log: "logging.Logger | None" = None  # where entering BROKEN is reported (the in-memory one stays quiet)
+    names: RankNames | None = None  # a subgroup's global ranks, for its error messages (set by the backend)
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank = rank
@@ -173,6 +175,8 @@ class Transport(abc.ABC):
     def _enter_broken(self, err: BaseException, queued: Iterable[Request]) -> None:
         """BROKEN for good: every posted receive and every queued send gets `err` at once; later operations
         get it from `_check_usable`. (Caller holds the lock, closes its sockets and notifies.)"""
+        if self.names is not None:
+            self.names.apply(err)
         if self._log is not None:
             self._log.error("%s", err)
         self.broken = err
@@ -202,9 +206,10 @@ class Transport(abc.ABC):
             who = f" ranks that did not arrive: {missing};"
         else:  # everyone arrived; some stopped part-way (frozen, or waiting on someone themselves)
             who = f" ranks that arrived but stopped sending: {sorted(awaited)};" if awaited else ""
-        return CollectiveTimeout(
+        err = CollectiveTimeout(
             f"rank {self.rank}: Timed out waiting in {what or 'an operation'};{who} pending: {detail}"
         )
+        return err if self.names is None else self.names.apply(err)
 
 
 def _bytes_view(buf: memoryview | bytearray | bytes) -> memoryview:
