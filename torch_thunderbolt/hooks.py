@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from .compression.codecs import Codec, codec_for
 from .compression.layout import DEFAULT_BLOCK_SIZE, check_block_size, chunk_layout
-from .compression.pipeline import AsyncGroups, Residuals, all_reduce_future, completed_future, make_phase2_group
+from .compression.pipeline import (AsyncGroups, Residuals, all_reduce_future, completed_future, make_phase2_group,
+                                   unwrap_result)
 
 __all__ = ["CompressionState", "int8_hook", "fp16_hook", "bf16_hook"]
 
@@ -82,8 +83,10 @@ def _compressed_hook(
     world = state.world_size
     if world == 1 or buffer.numel() == 0:
         return completed_future(buffer)
-    # Divide first, like torch's hooks: fp16 then overflows only if the mean gradient does.
-    flat = buffer.detach().reshape(-1).to(torch.float32).div_(world)
+    # Divide first, like torch's hooks: fp16 then overflows only if the mean gradient does. The codecs,
+    # the residuals and both phases work on a CPU copy: a bucket on another device (mps) is read here, in
+    # the thread DDP calls the hook from.
+    flat = buffer.detach().reshape(-1).to("cpu", torch.float32).div_(world)
     residuals = state.residuals_for(bucket.index(), buffer.numel()) if feedback else None
     reduced = all_reduce_future(flat, codec, state.groups, residuals)
 
@@ -92,7 +95,18 @@ def _compressed_hook(
         buffer.copy_(fut.value().view(buffer.shape))
         return buffer
 
-    return reduced.then(write_back)
+    if buffer.is_cpu:
+        return reduced.then(write_back)
+    # A device bucket: the reduced values are copied in and the future completed in this thread, never in
+    # a backend thread where the `.then` would run (Metal encoding from two threads crashes). The
+    # compression of a device bucket therefore does not overlap the rest of the backward pass.
+    done: torch.futures.Future = torch.futures.Future()
+    try:
+        reduced.wait()
+        done.set_result(write_back(reduced))
+    except BaseException as exc:  # noqa: BLE001 - raised inside the .then below, which C++ callers see
+        done.set_result(exc)
+    return done.then(unwrap_result)
 
 
 def int8_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -36,7 +36,7 @@ class DataMovementOps(GroupHost):
                 comm.all_gather(flat, flat_cat([x]), counts)
                 split_into(flat, outs)
 
-        return self._submit("all_gather", run, outputs)
+        return self._submit("all_gather", run, outputs, inputs=inputs)
 
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> Work:
@@ -62,7 +62,7 @@ class DataMovementOps(GroupHost):
                     o.detach().copy_(flat[off : off + nb].view(o.dtype).view(o.shape))
                     off += nb
 
-        return self._submit("all_gather_coalesced", run, outputs)
+        return self._submit("all_gather_coalesced", run, outputs, inputs=inputs)
 
     def _allgather_base(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> Work:
         return self.all_gather_single(output, x, opts)
@@ -77,7 +77,8 @@ class DataMovementOps(GroupHost):
             self._with_timeout(opts).all_gather(out.flat, flat_cat([x]))
             out.write_back()
 
-        return self._submit("all_gather_into_tensor", run, [output], output.numel() * output.element_size())
+        return self._submit("all_gather_into_tensor", run, [output], output.numel() * output.element_size(),
+                            inputs=x)
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> Work:
@@ -88,7 +89,7 @@ class DataMovementOps(GroupHost):
                 comm.all_gather(out.flat, flat_cat([x]))
                 out.write_back()
 
-        return self._submit("all_gather_into_tensor_coalesced", run, outputs)
+        return self._submit("all_gather_into_tensor_coalesced", run, outputs, inputs=inputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -107,7 +108,7 @@ class DataMovementOps(GroupHost):
             else:
                 self._with_timeout(opts).gather(None, flat_cat([x]), root, [n] * self._size)
 
-        return self._submit("gather", run, outputs)
+        return self._submit("gather", run, outputs, inputs=inputs)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:
         root = opts.rootRank
@@ -122,7 +123,7 @@ class DataMovementOps(GroupHost):
             self._with_timeout(opts).scatter(out.flat, src, root, [n] * self._size)
             out.write_back()
 
-        return self._submit("scatter", run, outputs)
+        return self._submit("scatter", run, outputs, inputs=inputs)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Work:
         def run() -> None:
@@ -133,7 +134,7 @@ class DataMovementOps(GroupHost):
                                                 [o.numel() for o in outputs])
             split_into(flat_out, outputs)
 
-        return self._submit("all_to_all", run, outputs)
+        return self._submit("all_to_all", run, outputs, inputs=inputs)
 
     def all_to_all_single(self, output: torch.Tensor, x: torch.Tensor, out_splits: list[int],
                           in_splits: list[int], opts: Any = None) -> Work:
@@ -145,7 +146,7 @@ class DataMovementOps(GroupHost):
             self._with_timeout(opts).all_to_all(out.flat, flat_cat([x]), send, recv)
             out.write_back()
 
-        return self._submit("all_to_all_single", run, [output])
+        return self._submit("all_to_all_single", run, [output], inputs=x)
 
     alltoall_base = all_to_all_single
 

@@ -10,7 +10,7 @@ import torch
 
 from ..algorithms.plan import tensor_bytes
 from ..transport.base import ANY_SOURCE
-from .tensors import Staged, flat_cat, split_into
+from .tensors import Staged, flat_cat, on_device, split_into
 from .host import GroupHost
 from .work import Work
 
@@ -59,6 +59,7 @@ class PointToPointOps(GroupHost):
             work.finish()
 
         work = Work(what, result, wait_fn)
+        work.device = on_device(result)
         if req.done and req.error is None:
             wait_fn(work, None)
         return work

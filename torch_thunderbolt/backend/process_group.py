@@ -18,10 +18,12 @@ from ..transport.base import Transport
 from .data_movement import DataMovementOps
 from .p2p_ops import PointToPointOps
 from .reductions import ReductionOps
+from .tensors import on_device
 from .work import Work
 from .worker import Worker
 
 log = logging.getLogger("torch_thunderbolt")
+DEVICE_TYPES = ("cpu", "mps", "cuda")  # cpu first: torch runs object collectives on the first listed
 _live_groups: "weakref.WeakSet[ThunderboltProcessGroup]" = weakref.WeakSet()
 
 
@@ -71,9 +73,29 @@ class ThunderboltProcessGroup(ReductionOps, DataMovementOps, PointToPointOps, di
     def transport(self) -> Transport:
         return self._transport
 
+    # -- torch's device -> backend map ------------------------------------------------------------------
+    # torch wraps a C++ `Backend` in its own ProcessGroup and registers it per device type; a Backend cannot
+    # be constructed from Python in this torch (pybind: "No constructor defined"), so this ProcessGroup is
+    # the whole group and answers the lookups torch's Python side makes itself: every device type is served
+    # by this group (tensors off the CPU are staged through host memory), and `init_process_group(...,
+    # device_id=torch.device("mps", 0))` finds it.
+    supports_splitting = False
+
+    def _get_backend(self, device: Any) -> "ThunderboltProcessGroup":
+        return self
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device(d) for d in DEVICE_TYPES]
+
     # -- plumbing ------------------------------------------------------------------------------------------
-    def _submit(self, what: str, fn: Callable[[], None], result: Any, nbytes: int = 0) -> Work:
+    def _submit(self, what: str, fn: Callable[[], None], result: Any, nbytes: int = 0, inputs: Any = ()) -> Work:
+        """Run `fn` (the op on flat CPU buffers) in issue order. Ops that touch a tensor on another device
+        (`result` holds the outputs, `inputs` the inputs) run entirely in the caller's thread; see worker."""
         work = Work(f"{what} on rank {self._rank}", result)
+        if on_device(result) or on_device(inputs):
+            work.device = True
+            return self._worker.run_in_caller(work, fn)
         return self._worker.submit(work, fn, inline_ok=nbytes <= self._cfg.small_bytes)
 
     def _with_timeout(self, opts: Any) -> Communicator:

@@ -115,7 +115,7 @@ class ReductionOps(GroupHost):
                 comm.reduce_scatter(out.flat, flat_in, [t.numel() for t in ins], _plain(op))
                 out.write_back()
 
-        return self._submit("reduce_scatter", run, outputs)
+        return self._submit("reduce_scatter", run, outputs, inputs=inputs)
 
     def _reduce_scatter_base(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> Work:
         return self.reduce_scatter_single(output, x, opts)
@@ -134,7 +134,7 @@ class ReductionOps(GroupHost):
             self._with_timeout(opts).reduce_scatter(out.flat, flat_in, [output.numel()] * self._size, _plain(op))
             out.write_back()
 
-        return self._submit("reduce_scatter_tensor", run, [output], x.numel() * x.element_size())
+        return self._submit("reduce_scatter_tensor", run, [output], x.numel() * x.element_size(), inputs=x)
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Work:
@@ -150,7 +150,7 @@ class ReductionOps(GroupHost):
                 comm.reduce_scatter(out.flat, flat_in, [o.numel()] * self._size, _plain(op))
                 out.write_back()
 
-        return self._submit("reduce_scatter_tensor_coalesced", run, outputs)
+        return self._submit("reduce_scatter_tensor_coalesced", run, outputs, inputs=inputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 

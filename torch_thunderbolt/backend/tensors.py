@@ -26,6 +26,15 @@ def reduce_op(op: object) -> tuple[str, object]:
     return name, getattr(op, "factor", None) if name == "premul_sum" else None
 
 
+def on_device(tensors: object) -> bool:
+    """Whether any tensor in `tensors` (a tensor, or lists of them, nested) lives off the CPU."""
+    if isinstance(tensors, torch.Tensor):
+        return not tensors.is_cpu
+    if isinstance(tensors, (list, tuple)):
+        return any(on_device(t) for t in tensors)
+    return False
+
+
 def flat_view(t: torch.Tensor) -> torch.Tensor | None:
     """`t` as a 1-D, stride-1 CPU tensor sharing its memory and detached from autograd, or None when it
     cannot be one (another device, not contiguous). Detached because the backend's arithmetic must never

@@ -28,6 +28,9 @@ class Work(dist._Work):
         self._event: threading.Event | None = None
         self._exc: BaseException | None = None
         self._source = -1
+        # Touches a tensor on another device (mps, cuda): completed, and its future's callbacks run, only in
+        # a thread that issued or waits on it (see worker.py).
+        self.device = False
         # p2p works make progress themselves when waited on. The work is passed in rather than captured, so
         # a finished work is freed by reference counting: a cycle (work -> closure -> work) would keep its
         # buffers alive until the garbage collector runs, and make it run every few dozen ops (a 4 KB
@@ -89,16 +92,18 @@ class Work(dist._Work):
                 self._fut = self._raw.then(self._unwrap)
                 if self._finished:
                     self._raw.set_result(self._result)
-                elif self._wait_fn is not None:
+                elif self._wait_fn is not None and not self.device:
                     # p2p works progress when waited on; a future alone must complete by itself too
-                    threading.Thread(target=self._complete_in_background, daemon=True).start()
+                    threading.Thread(target=self._complete, daemon=True).start()
+        if self.device and not self._finished:
+            self._complete()  # device results are copied back in this thread, never in one of ours
         return self._fut
 
-    def _complete_in_background(self) -> None:
+    def _complete(self) -> None:
         try:
             self.wait()
-        except BaseException:  # noqa: BLE001 - the error reaches the future through finish()
-            pass
+        except BaseException as exc:  # noqa: BLE001 - the error reaches the future through finish()
+            self.finish(exc)
 
     def is_completed(self) -> bool:
         return self._finished

@@ -2,6 +2,11 @@
 
 Small ops issued while the worker is idle run inline in the caller's thread: two thread hand-offs cost
 more than a 4 KB all_reduce itself on a machine whose cross-core wake-up is ~40 µs.
+
+Ops on device tensors (mps, cuda) always run in the caller's thread (`run_in_caller`), after every op
+issued before them: no operation on a device tensor, and no future callback (DDP copies results into
+`.grad` in one), may run on a thread of ours. Metal command encoding from two threads at once crashes the
+process, and autograd encodes its own kernels while the backend works.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ class Worker:
     def __init__(self, name: str) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified whenever _busy drops to 0
         self._busy = 0  # ops queued or running
         self._name = name
         self._thread: threading.Thread | None = None
@@ -36,17 +42,33 @@ class Worker:
             self._q.put((work, fn))
         return work
 
+    def run_in_caller(self, work: Work, fn: Callable[[], None]) -> Work:
+        """Run `fn` in this (the caller's) thread once every op issued before it has finished, and finish
+        `work` here too, so its future's callbacks run in this thread as well."""
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError(f"{self._name}: the process group has been shut down")
+            while self._busy:
+                self._idle.wait()
+            self._busy += 1
+        self._run(work, fn)
+        return work
+
     def _run(self, work: Work, fn: Callable[[], None]) -> None:
         try:
             fn()
         except BaseException as exc:  # noqa: BLE001 - delivered through the work
-            with self._lock:
-                self._busy -= 1
+            self._done()
             work.finish(exc)
             return
+        self._done()
+        work.finish()
+
+    def _done(self) -> None:
         with self._lock:
             self._busy -= 1
-        work.finish()
+            if not self._busy:
+                self._idle.notify_all()
 
     def _loop(self) -> None:
         while True:

@@ -78,7 +78,8 @@ def make_phase2_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
     )
 
 
-def _unwrap(fut: torch.futures.Future) -> torch.Tensor:
+def unwrap_result(fut: torch.futures.Future) -> torch.Tensor:
+    """A future's value, or its error (carried as a value) raised: C++ callers see only raised errors."""
     value = fut.value()
     if isinstance(value, BaseException):
         raise value
@@ -103,7 +104,7 @@ def all_reduce_future(
         try:
             fut.wait()
             done.set_result(decode_result(gathered, layout, codec))
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiter, re-raised by _unwrap
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter, re-raised by unwrap_result
             done.set_result(exc)
 
     def phase2(fut: torch.futures.Future) -> None:
@@ -130,7 +131,7 @@ def all_reduce_future(
     except BaseException:
         groups.launcher.submit(ticket, None)
         raise
-    return done.then(_unwrap)
+    return done.then(unwrap_result)
 
 
 def completed_future(value: torch.Tensor) -> torch.futures.Future:

@@ -1,0 +1,1 @@
+"""Helpers that tests and scripts share (not imported by the backend itself)."""
