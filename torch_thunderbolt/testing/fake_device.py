@@ -9,6 +9,9 @@ device tensor ran on a thread of the backend's: the property that matters on a M
 encoding from two threads at once crashes the process.
 
 What it does not emulate: asynchronous execution (ops run at once), device memory, MPS's missing dtypes.
+Limit: a fake tensor's own strides are always contiguous (torch offers no Python way to build a
+PrivateUse1 tensor with other strides), so ops on non-contiguous views (a transposed weight inside a model's
+backward) are not faithful: use it for contiguous tensors, as the backend's tests do.
 """
 from __future__ import annotations
 
