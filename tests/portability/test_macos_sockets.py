@@ -195,3 +195,38 @@ def test_on_linux_the_same_errors_are_retried_until_the_deadline() -> None:
         bootstrap._connect(0, 1, 0, ("10.0.0.2", 29500), "", b"k" * 32, "g", cfg, time.monotonic() + 0.6,
                            bootstrap.SocketTuner(cfg, LINUX), lambda: DeniedSocket(errno.EHOSTUNREACH, calls))
     assert len(calls) > bootstrap.LOCAL_NETWORK_TRIES
+
+
+def test_the_open_file_soft_limit_is_raised_when_a_job_needs_more_sockets() -> None:
+    import resource
+
+    limits = {"now": (256, 10240)}  # macOS's default soft limit
+    calls: list = []
+
+    def setrlimit(which, value):
+        calls.append(value)
+        limits["now"] = value
+
+    got = bootstrap.ensure_open_files(31 * 8 * 2 + bootstrap.OPEN_FILES_MARGIN, 0,
+                                      lambda which: limits["now"], setrlimit)
+    assert got == 31 * 8 * 2 + bootstrap.OPEN_FILES_MARGIN and calls == [(got, 10240)]
+    # Enough already: untouched. Above the hard limit: up to the hard limit.
+    assert bootstrap.ensure_open_files(100, 0, lambda which: (1024, 4096), setrlimit) == 1024 and len(calls) == 1
+    assert bootstrap.ensure_open_files(9000, 0, lambda which: (256, 4096), setrlimit) == 4096
+    assert calls[-1] == (4096, 4096)
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)  # the real one is untouched by the fakes
+
+
+def test_connect_tcp_asks_for_enough_open_files(monkeypatch) -> None:
+    """A 33-rank job with 4 streams needs 32 * 4 * 2 sockets plus the margin; the set-up asks for them
+    before opening any."""
+    asked: list = []
+
+    def stop(needed, rank=None, *a):
+        asked.append(needed)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(bootstrap, "ensure_open_files", stop)
+    with pytest.raises(RuntimeError, match="stop here"):
+        bootstrap.connect_tcp(object(), 0, 33, Config(streams=4), 5.0)
+    assert asked == [32 * 4 * 2 + bootstrap.OPEN_FILES_MARGIN]
