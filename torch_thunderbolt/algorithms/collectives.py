@@ -5,6 +5,7 @@ contiguous 1-D tensors and calls these methods, one at a time, in the same order
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -12,7 +13,7 @@ import torch
 
 from ..config import Config
 from ..errors import CollectiveTimeout, MismatchError
-from ..protocol.signature import encode_sig
+from ..protocol.signature import describe_sig, encode_sig
 from ..transport.base import Transport
 from ..transport.window import Window
 from . import direct, select, windowed
@@ -20,6 +21,9 @@ from .layout import offsets
 from .plan import Plan, run_plan
 from .reduce_ops import make_combiner, make_reducer
 from .shape import Shape
+
+
+log = logging.getLogger("torch_thunderbolt.ops")
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -66,6 +70,9 @@ class Communicator:
         reducer = make_reducer(op, like.dtype) if op else _noop
         sig = encode_sig(what, _dtype_name(like), root, count, op or "none", layout)
         deadline = time.monotonic() + self.timeout
+        if self.cfg.debug:
+            log.debug("rank %d: op #%d %s, %s plan of %d steps, signature %016x", self.rank, self.seq,
+                      describe_sig(sig), plan.algo, len(plan.steps), sig)
         try:
             run_plan(plan, self.t, bufs, reducer, tag=self.seq, sig=sig, deadline=deadline,
                      what=f"{what} (op #{self.seq}, {_dtype_name(like)}, {count} elements)")
@@ -85,6 +92,9 @@ class Communicator:
                     root: int = 0, count: int = 0, op: str = "none", layout: object = None) -> None:
         self.seq += 1
         sig = encode_sig(what, _dtype_name(like), root, count, op, layout)
+        if self.cfg.debug:
+            log.debug("rank %d: op #%d %s on the shared window, signature %016x", self.rank, self.seq,
+                      describe_sig(sig), sig)
         try:
             body(sig, time.monotonic() + self.timeout,
                  f"{what} (op #{self.seq}, {_dtype_name(like)}, {count} elements)")

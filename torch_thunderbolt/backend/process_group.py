@@ -49,6 +49,10 @@ class ThunderboltProcessGroup(ReductionOps, DataMovementOps, PointToPointOps, di
         self._closed = False
         self._close_lock = threading.Lock()
         _live_groups.add(self)
+        if cfg.debug:
+            enable_debug_logging()
+            log.debug("rank %d: group %r of %d ranks on %s (shape %s); %s", self._rank, description, self._size,
+                      type(transport).__name__, self._comm.shape.kind, cfg)
 
     # -- identity --------------------------------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -124,6 +128,17 @@ class ThunderboltProcessGroup(ReductionOps, DataMovementOps, PointToPointOps, di
             self.shutdown()
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
+
+
+def enable_debug_logging() -> None:
+    """THUNDERBOLT_DEBUG=1 (or TORCH_DISTRIBUTED_DEBUG=DETAIL): the package's loggers at DEBUG, to stderr
+    unless the application configured a handler for them."""
+    pkg = logging.getLogger("torch_thunderbolt")
+    pkg.setLevel(logging.DEBUG)
+    if not pkg.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        pkg.addHandler(handler)
 
 
 def shutdown_all() -> None:
