@@ -16,9 +16,9 @@ result({"ok": True})
 '''
 
 
-@pytest.mark.parametrize("env", [{"THUNDERBOLT_DEBUG": "1"}, {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, {}],
-                         ids=["debug", "torch-detail", "off"])
-@pytest.mark.parametrize("transport", ["auto", "tcp"])
+@pytest.mark.parametrize("env,transport", [({"THUNDERBOLT_DEBUG": "1"}, "auto"),
+                                           ({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, "tcp"), ({}, "auto")],
+                         ids=["debug-shm", "torch-detail-tcp", "off"])
 def test_debug_logs_the_group_and_every_op(env, transport, tmp_path):
     results = run_ranks(SCRIPT, 2, tmp_path, timeout=90, env=dict(env, THUNDERBOLT_TRANSPORT=transport))
     for res in results:
