@@ -1,4 +1,5 @@
-"""What a test run may leave behind: child processes, listening sockets, lab namespaces, /dev/shm entries."""
+"""What a test run may leave behind: child processes, listening sockets, lab namespaces, shared-memory
+segments."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,9 @@ import subprocess
 from dataclasses import dataclass
 
 import psutil
+
+from torch_thunderbolt.platform import Platform, current
+from torch_thunderbolt.transport import shm_segment
 
 LAB_NAMESPACE = re.compile(r"^(tb[a-z0-9-]*)-mac\d+$")  # lab namespaces: <name>-mac<i>, names start with tb
 SHM_PREFIXES = ("tb", "torch_thunderbolt")
@@ -27,11 +31,17 @@ def lab_namespaces() -> set[str]:
     return {n for n in names if LAB_NAMESPACE.match(n)}
 
 
-def shm_entries() -> set[str]:
-    try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)}
-    except FileNotFoundError:
-        return set()
+def shm_entries(plat: Platform | None = None) -> set[str]:
+    """Our shared-memory segments that exist now. macOS cannot list shm objects (no /dev/shm): there the
+    segments' markers, each probed, are what we see; where the platform lists them, every listed one too."""
+    plat = plat or current()
+    names = set(shm_segment.live_segments(plat))
+    if plat.shm_list_dir:
+        try:
+            names |= {n for n in os.listdir(plat.shm_list_dir) if n.startswith(SHM_PREFIXES)}
+        except FileNotFoundError:
+            pass
+    return names
 
 
 def take_snapshot() -> Snapshot:

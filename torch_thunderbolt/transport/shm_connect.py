@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import socket
 import struct
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..config import Config
 from ..errors import ConfigError, HandshakeError, PeerLostError
+from ..platform import IOREG, SYSCTL, Platform, current
 from . import shm_ring as ring
 from . import shm_segment as segs
 from .shm import ShmTransport
@@ -61,21 +64,40 @@ def default_window_bytes(local_ranks: int) -> int:
     return (4 << 20) if local_ranks > (os.cpu_count() or 1) else (1 << 20)
 
 
-def host_identity() -> str:
-    """Who shares memory with whom: hostname, boot id and (Linux) network namespace.
+def _run_tool(argv: list[str]) -> str:
+    """stdout of a system tool (run by absolute path), or "" when it is missing or fails."""
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return res.stdout if res.returncode == 0 else ""
 
-    The namespace makes the emulated Macs of `torch-thunderbolt lab` (one netns each, same kernel) count
-    as different hosts, so they keep talking TCP over their emulated cables."""
+
+_IOPLATFORM_UUID = re.compile(r'"IOPlatformUUID"\s*=\s*"([^"]+)"')
+
+
+def host_identity(plat: Platform | None = None, run: Callable[[list[str]], str] = _run_tool) -> str:
+    """Who shares memory with whom: the hostname, plus what tells machines and boots apart on `plat`.
+
+    Linux: boot id and network namespace; the namespace makes the emulated Macs of `torch-thunderbolt lab`
+    (one netns each, same kernel) count as different hosts, so they keep talking TCP over their emulated
+    cables. macOS: the hardware's IOPlatformUUID and kern.bootsessionuuid (no /proc), since two Macs may
+    well share a hostname. `run` runs a system tool and returns its stdout ("" on failure), for tests."""
+    plat = plat or current()
     parts = [socket.gethostname()]
-    for path in ("/proc/sys/kernel/random/boot_id",):
+    if plat.host_identity == "boot-id+netns":
         try:
-            parts.append(Path(path).read_text().strip())
+            parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
         except OSError:
             pass
-    try:
-        parts.append(os.readlink("/proc/self/ns/net"))
-    except OSError:
-        pass
+        try:
+            parts.append(os.readlink("/proc/self/ns/net"))
+        except OSError:
+            pass
+    elif plat.host_identity == "platform-uuid+boot-session":
+        found = _IOPLATFORM_UUID.search(run([IOREG, "-rd1", "-c", "IOPlatformExpertDevice"]))
+        parts.append(found.group(1) if found else "")
+        parts.append(run([SYSCTL, "-n", "kern.bootsessionuuid"]).strip())
     return "|".join(parts)
 
 

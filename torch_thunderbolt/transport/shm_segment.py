@@ -22,6 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..platform import Platform, current
+
 try:
     import _posixshmem  # CPython's shm_open/shm_unlink binding (Linux, macOS)
 except ImportError:  # pragma: no cover - non-POSIX platforms
@@ -170,7 +172,7 @@ def attach(name: str, size: int, path: str | None = None) -> Segment:
     return Segment(name, size, mm, False, Path(path) if path else None)
 
 
-def cleanup_stale_segments() -> list[str]:
+def cleanup_stale_segments(plat: Platform | None = None) -> list[str]:
     """Unlink segments whose creator process is gone; returns their names. Safe to run any time."""
     removed: list[str] = []
     d = marker_dir()
@@ -200,14 +202,16 @@ def cleanup_stale_segments() -> list[str]:
                     sock.unlink()
                 except FileNotFoundError:
                     pass
-    removed += _sweep_dev_shm(seen)
+    removed += _sweep_dev_shm(seen, plat)
     return removed
 
 
-def _sweep_dev_shm(seen: set[str]) -> list[str]:
-    """Linux extra: segments without a marker (marker dir wiped) are still visible under /dev/shm."""
-    shm = Path("/dev/shm")
-    if _posixshmem is None or not shm.is_dir():
+def _sweep_dev_shm(seen: set[str], plat: Platform | None = None) -> list[str]:
+    """Where shm objects are listable (Linux: /dev/shm), segments without a marker (marker dir wiped) too.
+    macOS cannot list them: there the markers are all we know of."""
+    listing = (plat or current()).shm_list_dir
+    shm = Path(listing) if listing else None
+    if _posixshmem is None or shm is None or not shm.is_dir():
         return []
     out = []
     for entry in shm.iterdir():
@@ -219,12 +223,39 @@ def _sweep_dev_shm(seen: set[str]) -> list[str]:
     return out
 
 
-def live_segments() -> list[str]:
-    """Names of our segments that still exist (for tests: after a job, this should be empty of its pids)."""
+def exists(name: str, path: str | None = None) -> bool:
+    """Does segment `name` (file-backed: at `path`) still exist? A probe that works where shm objects
+    cannot be listed (macOS): open it read-only."""
+    if path:
+        return Path(path).exists()
+    if _posixshmem is None:
+        return False
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # there, but not ours to open
+    os.close(fd)
+    return True
+
+
+def live_segments(plat: Platform | None = None) -> list[str]:
+    """Names of our segments that still exist (for tests: after a job, this should be empty of its pids):
+    those with a marker that a probe finds, plus, where shm objects are listable (Linux), every listed one."""
     names = set()
     d = marker_dir()
     if d.is_dir():
-        names |= {m.name for m in d.iterdir() if creator_pid(m.name) is not None}
-    if Path("/dev/shm").is_dir():
-        names |= {e.name for e in Path("/dev/shm").iterdir() if creator_pid(e.name) is not None}
+        for m in d.iterdir():
+            if creator_pid(m.name) is None or not m.is_file():
+                continue
+            try:
+                info = json.loads(m.read_text() or "{}")
+            except (OSError, ValueError):
+                info = {}
+            if exists(m.name, info.get("path")):
+                names.add(m.name)
+    listing = (plat or current()).shm_list_dir
+    if listing and Path(listing).is_dir():
+        names |= {e.name for e in Path(listing).iterdir() if creator_pid(e.name) is not None}
     return sorted(names)

@@ -1,0 +1,94 @@
+"""The macOS code paths of the runtime, run on Linux with a darwin Platform (torch_thunderbolt.platform)."""
+from __future__ import annotations
+
+import pytest
+
+from torch_thunderbolt.platform import IOREG, SYSCTL, Platform, current
+from torch_thunderbolt.transport import shm_segment as segs
+from torch_thunderbolt.transport.shm_connect import host_identity
+
+from ..reliability.leftovers import shm_entries
+
+DARWIN = Platform.for_system("darwin")
+
+IOREG_OUT = """+-o J316cAP  <class IOPlatformExpertDevice, id 0x100000221, registered, matched, active, busy 0 (0 ms)>
+    {{
+      "IOPlatformSerialNumber" = "{serial}"
+      "IOPlatformUUID" = "{uuid}"
+      "model" = <"Mac14,6">
+    }}
+"""
+
+
+def fake_mac(uuid: str, boot: str, calls: list | None = None):
+    """The tools of one Mac: ioreg with its IOPlatformUUID, sysctl with its boot session."""
+    def run(argv: list[str]) -> str:
+        if calls is not None:
+            calls.append(argv)
+        if argv == [IOREG, "-rd1", "-c", "IOPlatformExpertDevice"]:
+            return IOREG_OUT.format(serial="C02XYZ", uuid=uuid)
+        if argv == [SYSCTL, "-n", "kern.bootsessionuuid"]:
+            return boot + "\n"
+        return ""
+    return run
+
+
+def test_two_macs_with_the_same_hostname_are_different_hosts() -> None:
+    a = host_identity(DARWIN, fake_mac("5B2E6C1A-0000-4D3E-9F00-000000000001", "B00T-A"))
+    b = host_identity(DARWIN, fake_mac("5B2E6C1A-0000-4D3E-9F00-000000000002", "B00T-A"))
+    assert a != b  # before: both were just the (same) hostname plus Linux-only /proc facts
+
+
+def test_the_same_mac_is_the_same_host_and_a_reboot_is_not() -> None:
+    calls: list = []
+    uuid = "5B2E6C1A-0000-4D3E-9F00-000000000001"
+    first = host_identity(DARWIN, fake_mac(uuid, "B00T-A", calls))
+    assert host_identity(DARWIN, fake_mac(uuid, "B00T-A")) == first
+    assert host_identity(DARWIN, fake_mac(uuid, "B00T-B")) != first
+    assert uuid in first and "B00T-A" in first
+    assert [IOREG, "-rd1", "-c", "IOPlatformExpertDevice"] in calls and [SYSCTL, "-n", "kern.bootsessionuuid"] in calls
+    assert all(argv[0].startswith("/") for argv in calls)  # by absolute path (ssh's PATH may lack /usr/sbin)
+
+
+def test_linux_host_identity_keeps_boot_id_and_network_namespace() -> None:
+    linux = Platform.for_system("linux")
+    ident = host_identity(linux, lambda argv: pytest.fail(f"no tools on Linux: {argv}"))
+    with open("/proc/sys/kernel/random/boot_id") as fh:
+        assert fh.read().strip() in ident
+    assert "net:[" in ident
+
+
+def test_a_segment_is_seen_without_dev_shm_and_gone_once_unlinked() -> None:
+    """macOS has no /dev/shm to list: the leftovers check and live_segments still see a live segment (from
+    its marker, probed) and no longer see it once unlinked. Before, both listed /dev/shm only."""
+    assert DARWIN.shm_list_dir is None
+    seg = segs.create(4096)
+    try:
+        assert seg.name in segs.live_segments(DARWIN)
+        assert seg.name in shm_entries(DARWIN)
+    finally:
+        seg.unlink()
+        seg.close()
+    assert seg.name not in segs.live_segments(DARWIN) and seg.name not in shm_entries(DARWIN)
+
+
+def test_a_marker_without_its_segment_is_not_a_live_segment(tmp_path) -> None:
+    """A creator that died between writing its marker and creating the segment left no segment: the probe
+    says so, where a marker listing alone would report one."""
+    seg = segs.create(4096)
+    name = seg.name
+    segs._unlink_name(name, None)  # the segment goes, the marker stays
+    try:
+        assert (segs.marker_dir() / name).exists()
+        assert name not in segs.live_segments(DARWIN)
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+def test_the_platform_of_this_machine() -> None:
+    plat = current()
+    assert plat == Platform.for_system(plat.name, plat.machine)
+    assert DARWIN.loopback == "lo0" and DARWIN.max_socket_io <= 2**31 - 1 and not DARWIN.has_proc
+    with pytest.raises(Exception):
+        DARWIN.name = "linux"  # frozen: nothing can change a Platform behind the code's back
