@@ -46,7 +46,8 @@ class Communicator:
         self._plans: dict[tuple, Plan] = {}
         self._scratch: torch.Tensor | None = None
         self._full: torch.Tensor | None = None  # reduce-scatter's working copy, reused like _scratch
-        self._checked: set[tuple[str, torch.dtype]] = set()  # (reduce op, dtype) pairs this rank can compute
+        self._checked: set[tuple[str, torch.dtype]] = set()
+        self._sigs: dict[tuple, int] = {}  # (reduce op, dtype) pairs this rank can compute
 
     # -- machinery -----------------------------------------------------------------------------------------
     def _plan(self, key: tuple, build: Callable[[], Plan]) -> Plan:
@@ -68,7 +69,7 @@ class Communicator:
         self.seq += 1
         bufs["tmp"] = self._tmp(plan.tmp, like)
         reducer = make_reducer(op, like.dtype) if op else _noop
-        sig = encode_sig(what, _dtype_name(like), root, count, op or "none", layout)
+        sig = self._sig(what, like, root, count, op or "none", layout)
         deadline = time.monotonic() + self.timeout
         if self.cfg.debug:
             log.debug("rank %d: op #%d %s, %s plan of %d steps, signature %016x", self.rank, self.seq,
@@ -91,7 +92,7 @@ class Communicator:
     def _run_window(self, body: Callable[[int, float, str], None], what: str, like: torch.Tensor,
                     root: int = 0, count: int = 0, op: str = "none", layout: object = None) -> None:
         self.seq += 1
-        sig = encode_sig(what, _dtype_name(like), root, count, op, layout)
+        sig = self._sig(what, like, root, count, op, layout)
         if self.cfg.debug:
             log.debug("rank %d: op #%d %s on the shared window, signature %016x", self.rank, self.seq,
                       describe_sig(sig), sig)
@@ -101,6 +102,16 @@ class Communicator:
         except BaseException as exc:
             self.t.abort(exc)  # peers may be waiting on this rank's next step: tell them why it won't come
             raise
+
+    def _sig(self, what: str, like: torch.Tensor, root: int, count: int, op: str, layout: object) -> int:
+        """The op's signature, cached: hashing it costs a few µs, as much as a small message's Python steps."""
+        key = (what, like.dtype, root, count, op, layout)
+        sig = self._sigs.get(key)
+        if sig is None:
+            if len(self._sigs) > 1024:
+                self._sigs.clear()
+            sig = self._sigs[key] = encode_sig(what, _dtype_name(like), root, count, op, layout)
+        return sig
 
     def _check_op(self, what: str, op: str, dtype: torch.dtype) -> None:
         """Raise (before any traffic, so the group stays usable) if this rank cannot compute `op` on `dtype`:

@@ -93,11 +93,11 @@ class ThunderboltProcessGroup(ReductionOps, DataMovementOps, PointToPointOps, di
         return [torch.device(d) for d in DEVICE_TYPES]
 
     # -- plumbing ------------------------------------------------------------------------------------------
-    def _submit(self, what: str, fn: Callable[[], None], result: Any, nbytes: int = 0, inputs: Any = ()) -> Work:
+    def _submit(self, what: str, fn: Callable[[], None], result: Any, nbytes: int = 0, inputs: Any = None) -> Work:
         """Run `fn` (the op on flat CPU buffers) in issue order. Ops that touch a tensor on another device
         (`result` holds the outputs, `inputs` the inputs) run entirely in the caller's thread; see worker."""
         work = Work(f"{what} on rank {self._rank}", result)
-        if on_device(result) or on_device(inputs):
+        if on_device(result) or (inputs is not None and on_device(inputs)):
             work.device = True
             return self._worker.run_in_caller(work, fn)
         return self._worker.submit(work, fn, inline_ok=nbytes <= self._cfg.small_bytes)

@@ -28,9 +28,17 @@ def reduce_op(op: object) -> tuple[str, object]:
 
 def on_device(tensors: object) -> bool:
     """Whether any tensor in `tensors` (a tensor, or lists of them, nested) lives off the CPU."""
+    if type(tensors) is list:  # the common case first: torch hands a flat list of tensors
+        for t in tensors:
+            if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
+                if on_device(t):
+                    return True
+            elif not t.is_cpu:
+                return True
+        return False
     if isinstance(tensors, torch.Tensor):
         return not tensors.is_cpu
-    if isinstance(tensors, (list, tuple)):
+    if isinstance(tensors, tuple):
         return any(on_device(t) for t in tensors)
     return False
 
