@@ -37,7 +37,12 @@ class PeerLostError(ThunderboltError, ConnectionError):
 
 
 class CollectiveTimeout(ThunderboltError, TimeoutError):
-    """A collective did not finish within the group's timeout. The message contains "Timed out"."""
+    """A collective did not finish within the group's timeout. The message contains "Timed out".
+    `ranks`: the ranks it blames (that never arrived or stopped sending), when it could tell."""
+
+    def __init__(self, message: str = "", *, ranks: "list[int] | tuple[int, ...]" = ()) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
 
 
 class BackendClosedError(ThunderboltError):

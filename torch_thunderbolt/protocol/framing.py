@@ -29,7 +29,8 @@ class Kind(enum.IntEnum):
     ABORT = 3  # the peer failed (mismatch, timeout, ...): payload = "ErrorClass: reason" (utf-8)
     ACK = 4  # failover: `offset` = bytes of this stream the sender of the ACK has consumed
     RESYNC = 5  # failover: stream `tag` is lost; `offset` = bytes of it the sender of the RESYNC consumed
-    PING = 6  # ignored by the receiver; gives a waiting rank unacknowledged data, so a dead link times out
+    PING = 6  # a waiting rank's probe (unacknowledged data, so a dead link times out; tag/sig: the op it
+    # waits for). seq != 0 answers a probe: the sender waits on rank seq - 1 in that op itself
 
 
 class Space(enum.IntEnum):

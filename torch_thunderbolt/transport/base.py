@@ -86,6 +86,10 @@ class Transport(abc.ABC):
     def peer_address(self, peer: int) -> str:
         return f"rank {peer}"
 
+    def _waits_on(self, peer: int, tags: "set[int]") -> int | None:
+        """The rank `peer` told us it waits on in one of the ops `tags`, if it did (TCP: PING answers)."""
+        return None
+
     # -- public API ----------------------------------------------------------------------------------
     def isend(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
         self._check_usable()
@@ -202,13 +206,22 @@ class Transport(abc.ABC):
         awaited = {r.peer for r in waiting if not r.is_send}
         missing = sorted(awaited - heard)
         detail = "; ".join(r.describe() for r in waiting[:4])
-        if missing:
+        named = missing or sorted(awaited)
+        # A rank we wait on may only be waiting on another one itself (it said so, answering our probe):
+        # blame that one, not the rank stuck behind it.
+        tags = {r.key[1] for r in waiting if r.key[0] == Space.COLL}
+        via = {p: b for p in named if (b := self._waits_on(p, tags)) is not None and b not in (p, self.rank)}
+        culprits = sorted({via.get(p, p) for p in named})
+        if via:
+            behind = "; ".join(f"rank {p} is itself waiting on rank {b}" for p, b in sorted(via.items()))
+            who = f" ranks that stopped sending: {culprits} ({behind});"
+        elif missing:
             who = f" ranks that did not arrive: {missing};"
         else:  # everyone arrived; some stopped part-way (frozen, or waiting on someone themselves)
             who = f" ranks that arrived but stopped sending: {sorted(awaited)};" if awaited else ""
         err = CollectiveTimeout(
-            f"rank {self.rank}: Timed out waiting in {what or 'an operation'};{who} pending: {detail}"
-        )
+            f"rank {self.rank}: Timed out waiting in {what or 'an operation'};{who} pending: {detail}",
+            ranks=culprits)
         return err if self.names is None else self.names.apply(err)
 
 
@@ -271,6 +284,10 @@ def remote_error(rank: int, peer: int, text: str) -> BaseException:
     if cls is PeerLostError:  # name the rank that was actually lost, not the messenger
         lost = re.search(r"connection to rank (\d+)", reason)
         return PeerLostError(message, rank=rank, peer=int(lost.group(1)) if lost else peer)
+    if cls is CollectiveTimeout:  # the ranks the peer blamed, not the peer
+        blamed = re.search(r"(?:did not arrive|stopped sending): \[([\d, ]*)\]", reason)
+        return CollectiveTimeout(message, ranks=[int(x) for x in blamed.group(1).split(",") if x.strip()]
+                                 if blamed else [peer])
     err = cls(message)
     if isinstance(err, PeerAbortedError):
         err.peer = peer

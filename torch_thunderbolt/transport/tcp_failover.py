@@ -42,6 +42,9 @@ class StreamFailover:
         # The signature of each recent collective op this rank posted messages for (tag -> sig), to answer
         # the op a peer's PING says it waits for.
         self.op_sigs: dict[int, int] = {}
+        # peer -> (op tag, rank it waits on), from the peers' answers to our probes: a timeout then blames the
+        # rank at the end of the chain of waiting ranks, not the first rank in it.
+        self.peer_waits: dict[int, tuple[int, int]] = {}
         self._keeper: threading.Thread | None = None
         if self.no_park:
             self._keeper = threading.Thread(target=self._keep_going, name=f"tb-failover-r{self.rank}",
@@ -99,6 +102,28 @@ class StreamFailover:
                 f"rank {self.rank}: mismatched operation with rank {c.peer} (op #{frame.tag}): rank {c.peer} waits "
                 f"for rank {self.rank}'s part of {describe_sig(frame.sig)}, but rank {self.rank} ran "
                 f"{describe_sig(mine)} (different roots, collectives or order)")
+        if frame.seq:  # an answer to our probe: the peer waits on rank seq - 1 in that op itself
+            self.peer_waits[c.peer] = (frame.tag, frame.seq - 1)
+        elif frame.sig:  # a probe: if we wait on another rank in that op ourselves, say on whom
+            behind = self._waiting_on(frame.tag, c.peer)
+            if behind is not None:
+                hdr = encode_frame_header(Kind.PING, Space.COLL, frame.sig, frame.tag, behind + 1, 0, 0, 0)
+                self._enqueue(c, Outgoing(hdr, memoryview(b""), None), front=True)
+
+    def _waiting_on(self, tag: int, asker: int) -> int | None:
+        """The rank this rank waits on in collective op `tag` (other than `asker`), or the one that rank
+        said it waits on: the end of the chain as far as we know it."""
+        peers = sorted({r.peer for r in self.matcher.pending() if not r.is_send and not r.done
+                        and r.key[0] == Space.COLL and r.key[1] == tag and r.peer not in (asker, ANY_SOURCE)})
+        for p in peers:
+            far = self._waits_on(p, {tag})
+            if far is not None and far not in (self.rank, asker, p):
+                return far
+        return peers[0] if peers else None
+
+    def _waits_on(self, peer: int, tags: "set[int]") -> int | None:
+        known = self.peer_waits.get(peer)
+        return known[1] if known is not None and known[0] in tags else None
 
     def _conn_error(self, c: Stream, exc: BaseException) -> None:
         if c.log is not None and is_link_failure(exc) and self.broken is None:

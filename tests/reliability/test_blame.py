@@ -1,0 +1,56 @@
+"""Errors blame the right rank: a SIGSTOPped rank, not the ranks stuck waiting on it."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.core.mp import PRELUDE
+
+from .procs import start_ranks
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
+
+STOP_SCRIPT = PRELUDE + r"""
+import datetime, signal, threading
+dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=float(os.environ["TB_TIMEOUT"])))
+r = dist.get_rank()
+x = torch.ones(int(os.environ["TB_N"]))
+dist.barrier()
+if r == 2:
+    def stop():
+        time.sleep(0.3)
+        print("STOPPED " + json.dumps(time.time()), flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    threading.Thread(target=stop, daemon=True).start()
+try:
+    while True:
+        dist.all_reduce(x)
+        x.fill_(1.0)
+except Exception as exc:
+    print("ERROR " + json.dumps({"type": type(exc).__name__, "msg": str(exc)[:1500],
+                                 "ranks": getattr(exc, "ranks", None), "peer": getattr(exc, "peer", None)}),
+          flush=True)
+    os._exit(1)
+"""
+
+
+@pytest.mark.parametrize("n", [1 << 10, 1 << 20])
+def test_sigstopped_rank_is_named_by_both_survivors_not_the_rank_waiting_on_it(n: int, tmp_path) -> None:
+    """Ring all_reduce on 3 ranks, rank 2 SIGSTOPped: rank 0 waits on rank 2, rank 1 waits on rank 0. Rank
+    1 used to time out naming rank 0 ("arrived but stopped sending: [0]"), which was itself waiting."""
+    ranks = start_ranks(STOP_SCRIPT, 3, tmp_path, {"TB_TIMEOUT": "6", "TB_N": str(n)})
+    try:
+        deadline = time.time() + 60  # ranks 0 and 1 exit; rank 2 stays stopped until kill_all
+        while time.time() < deadline and any(rk.proc.poll() is None for rk in ranks.ranks[:2]):
+            time.sleep(0.05)
+        errors = {rk.rank: rk.tagged("ERROR") for rk in ranks.ranks[:2]}
+        logs = {rk.rank: rk.stderr()[-1500:] for rk in ranks.ranks}
+    finally:
+        ranks.kill_all()
+    assert errors[0] and errors[1], (errors, logs)
+    got = {r: errors[r][0] for r in (0, 1)}
+    blames = {r: e["msg"].split("pending:")[0] for r, e in got.items()}
+    assert all("[2]" in b and "[0]" not in b and "[1]" not in b for b in blames.values()), json.dumps(got)
+    assert all(e["ranks"] == [2] for e in got.values()), json.dumps(got)
