@@ -7,6 +7,8 @@ The op stream and what it checks: tests/reliability/soak.py. --mixed ends the lo
 disagree on the reduce op ("random" or e.g. "sum,max"); --mixed-runs K adds K short runs (--mixed-ops ops
 each, seeds seed+1 ... seed+K) that each end so. Every rank of every such run must raise MismatchError.
 --transport: tcp (default, or TB_RELIABILITY_TRANSPORT), shm, or auto (shared memory on one host).
+Exit status 1 on any mismatch, error, unsupported (op, dtype) pair not refused cleanly, or mixed op that was
+not a MismatchError on every rank.
 """
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ from tests.reliability.soak import SCRIPT  # noqa: E402
 
 
 def run_soak(ops: int, world: int, seed: int, workdir: Path, limit: float, transport: str | None = None,
-             mixed: str = "", timeout: float = 120.0) -> list[dict]:
-    env = {"TB_OPS": str(ops), "TB_SEED": str(seed), "TB_MIXED": mixed, "TB_TIMEOUT": str(timeout)}
+             mixed: str = "", timeout: float = 120.0, extra_env: dict | None = None) -> list[dict]:
+    env = {"TB_OPS": str(ops), "TB_SEED": str(seed), "TB_MIXED": mixed, "TB_TIMEOUT": str(timeout),
+           **(extra_env or {})}
     if transport:
         env["THUNDERBOLT_TRANSPORT"] = transport
     ranks = start_ranks(SCRIPT, world, workdir, env)
@@ -63,17 +66,20 @@ def main() -> int:
     ap.add_argument("--mixed-ops", type=int, default=50, help="ops of each short mixed run")
     ap.add_argument("--timeout", type=float, default=120.0, help="the process group's timeout (s)")
     ap.add_argument("--limit", type=float, default=4 * 3600, help="seconds before the run counts as hung")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting for every rank, e.g. THUNDERBOLT_ALGO=ring (the ranks do not inherit ours)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    extra = dict(kv.split("=", 1) for kv in args.env)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tb-soak-") as tmp:
         results = run_soak(args.ops, args.world, args.seed, Path(tmp) / "main", args.limit, args.transport,
-                           args.mixed, args.timeout)
+                           args.mixed, args.timeout, extra)
         long_wall = round(time.monotonic() - t0, 1)
         mixed_runs = []
         for k in range(1, args.mixed_runs + 1):
             res = run_soak(args.mixed_ops, args.world, args.seed + k, Path(tmp) / f"mixed{k}", 600,
-                           args.transport, "random", min(args.timeout, 30.0))
+                           args.transport, "random", min(args.timeout, 30.0), extra)
             mixed_runs.append({"seed": args.seed + k, "case": res[0].get("mixed", {}).get("case"),
                                "mismatches": sum(r["mismatches"] for r in res),
                                "errors": [e for r in res for e in r["errors"]],
@@ -81,16 +87,17 @@ def main() -> int:
                                "seconds": [round(r.get("mixed", {}).get("seconds", -1), 3) for r in res]})
     failed_mixed = ([] if not args.mixed else mixed_failures(results)) + [
         f for m in mixed_runs for f in m["failures"]]
-    summary = {"ops": args.ops, "world": args.world, "seed": args.seed, "transport": args.transport,
+    summary = {"ops": args.ops, "world": args.world, "seed": args.seed, "transport": args.transport, "env": extra,
                "mismatches": sum(r["mismatches"] for r in results) + sum(m["mismatches"] for m in mixed_runs),
                "errors": [e for r in results for e in r["errors"]] + [e for m in mixed_runs for e in m["errors"]],
+               "refusal_problems": [p for r in results for p in r.get("refusals", [])],
                "mixed_runs": len(mixed_runs) + bool(args.mixed), "mixed_not_mismatch_error": failed_mixed,
                "wall_seconds": long_wall, "total_seconds": round(time.monotonic() - t0, 1),
                "per_rank": results, "mixed": mixed_runs}
     print(json.dumps(summary, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
-    ok = not summary["mismatches"] and not summary["errors"] and not failed_mixed
+    ok = not (summary["mismatches"] or summary["errors"] or summary["refusal_problems"] or failed_mixed)
     return 0 if ok else 1
 
 

@@ -29,13 +29,19 @@ MUST_SEE = (
 CONFIGS = [(2, "default", "sum,max"), (3, "default", "sum,avg"), (2, "tcp", "sum,avg"), (3, "tcp", "sum,max")]
 
 
-@pytest.mark.parametrize("world,transport,mixed", CONFIGS, ids=[f"{w}-{t}-{m}" for w, t, m in CONFIGS])
-def test_short_soak_exact_results_and_mixed_ops_fail_everywhere(world, transport, mixed, tmp_path) -> None:
+@pytest.fixture(scope="module", params=CONFIGS, ids=[f"{w}-{t}-{m}" for w, t, m in CONFIGS])
+def short_soak(request, tmp_path_factory) -> list[dict]:
+    """One short run per config, shared by the tests below (each checks one promise)."""
+    world, transport, mixed = request.param
     env = {"TB_OPS": "400", "TB_SEED": str(7 + world), "TB_MIXED": mixed, "TB_TIMEOUT": "20"}
     if transport != "default":
         env["THUNDERBOLT_TRANSPORT"] = transport
-    results = run_ranks(SCRIPT, world, tmp_path, timeout=150, env=env)
-    outs = [r.json() for r in results]
+    results = run_ranks(SCRIPT, world, tmp_path_factory.mktemp("soak"), timeout=150, env=env)
+    return [r.json() for r in results]
+
+
+def test_short_soak_exact_results_and_mixed_ops_fail_everywhere(short_soak) -> None:
+    outs = short_soak
     for rank, o in enumerate(outs):
         assert not o["errors"], f"rank {rank} failed in the op stream: {o['errors']}"
         assert o["mismatches"] == 0, f"rank {rank}: {o['bad']}"
@@ -46,6 +52,12 @@ def test_short_soak_exact_results_and_mixed_ops_fail_everywhere(world, transport
         m = o["mixed"]
         assert m["ok"] is False and m["type"] == "MismatchError", f"rank {rank}: {m}"
         assert m["seconds"] < 10, f"rank {rank} took {m['seconds']:.1f}s to see the mismatch: {m}"
+
+
+def test_short_soak_unsupported_pairs_refused_before_any_traffic(short_soak) -> None:
+    """AVG on int32/bool, BAND on float32, uint16, PREMUL_SUM on int32/bool ...: a ValueError on every rank,
+    the tensor untouched, and the group goes on (the ops after each one check that)."""
+    assert not any(o["refusals"] for o in short_soak), "\n".join(p for o in short_soak for p in o["refusals"])
 
 
 def test_the_soak_checker_catches_a_wrong_element(tmp_path) -> None:
