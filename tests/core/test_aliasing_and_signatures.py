@@ -124,3 +124,19 @@ def test_an_unsupported_dtype_is_refused_before_any_traffic_and_the_group_goes_o
         return torch.equal(x, torch.full((4,), 2.0))
 
     assert all(run_world(2, body, window_bytes=4096))
+
+
+@pytest.mark.parametrize("op,dtype", [("avg", torch.bool), ("avg", torch.int32), ("premul_sum", torch.int32),
+                                      ("premul_sum", torch.bool), ("max", torch.complex64)])
+def test_an_op_the_dtype_cannot_take_is_refused_with_the_tensor_untouched(op, dtype):
+    def body(comm):
+        x = torch.ones(6, dtype=dtype)
+        before = x.clone()
+        with pytest.raises(ValueError, match=op.upper()):
+            comm.all_reduce(x, op, 2.0 if op == "premul_sum" else None)
+        assert torch.equal(x, before)
+        y = torch.ones(6)
+        comm.all_reduce(y)  # the group goes on
+        return torch.equal(y, torch.full((6,), 2.0))
+
+    assert all(run_world(2, body, window_bytes=4096))

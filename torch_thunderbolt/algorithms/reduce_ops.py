@@ -22,10 +22,11 @@ def make_combiner(op: str, dtype: torch.dtype) -> Combiner:
     """`out = a ⊕ b` in one pass (`out` may be `a`); raises ValueError for combinations torch cannot compute.
     avg and premul_sum combine as sums: the caller divides or pre-multiplies."""
     if op in ("sum", "avg", "premul_sum"):
+        # Checked before the bool case: AVG or PREMUL_SUM of bools would reduce, then fail to divide or scale.
+        if op in ("avg", "premul_sum") and not (dtype.is_floating_point or dtype.is_complex):
+            raise ValueError(f"ReduceOp.{op.upper()} needs a floating-point tensor, got {dtype}")
         if dtype == torch.bool:
             return _out(torch.logical_or)
-        if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
-            raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {dtype}")
         return _out(torch.add)
     if op == "product":
         return _out(torch.logical_and if dtype == torch.bool else torch.mul)
