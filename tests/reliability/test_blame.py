@@ -54,3 +54,37 @@ def test_sigstopped_rank_is_named_by_both_survivors_not_the_rank_waiting_on_it(n
     blames = {r: e["msg"].split("pending:")[0] for r, e in got.items()}
     assert all("[2]" in b and "[0]" not in b and "[1]" not in b for b in blames.values()), json.dumps(got)
     assert all(e["ranks"] == [2] for e in got.values()), json.dumps(got)
+
+
+DIES_IN_SETUP = PRELUDE + r"""
+import datetime
+import torch_thunderbolt.transport.bootstrap as bootstrap
+if os.environ["RANK"] == os.environ["TB_DIES"]:
+    # Dies right after publishing its endpoint (the acceptor starts just after the store.set).
+    bootstrap._Acceptor.start = lambda self: os._exit(3)
+t0 = time.monotonic()
+res = outcome(lambda: dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=40)))
+res["seconds"] = time.monotonic() - t0
+result(res)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("dies", [1, 2])
+def test_a_rank_that_dies_during_set_up_is_named_within_seconds(dies: int, tmp_path) -> None:
+    """A rank publishes its endpoint and dies. Its listener now refuses: a rank connecting to it, and a rank
+    waiting for it to connect, must say within seconds that it died, not time out after the connect deadline
+    (40 s here) naming only "ranks that did not connect"."""
+    from tests.core.mp import run_ranks
+
+    res = run_ranks(DIES_IN_SETUP, 3, tmp_path, timeout=100, expect_ok=False,
+                    env={"THUNDERBOLT_TRANSPORT": "tcp", "TB_DIES": str(dies)})
+    assert res[dies].returncode == 3, res[dies].stderr[-2000:]
+    for r in (0, 1, 2):
+        if r == dies:
+            continue
+        out = res[r].json()
+        assert not out["ok"], out
+        assert out["seconds"] < 15, out
+        assert out["type"] == "PeerLostError" and out["peer"] == dies, out
+        assert f"rank {dies}" in out["msg"] and "died" in out["msg"], out

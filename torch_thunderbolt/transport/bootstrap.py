@@ -250,8 +250,15 @@ class _Acceptor:
                                     lambda r, s: self._claim(addr[0], r, s), self.streams)
         try:
             sock.settimeout(10.0)
-            sock.sendall(server.challenge())
-            result = server.receive(_recv_exact(sock, hs.HELLO_SIZE))
+            try:
+                sock.sendall(server.challenge())
+                head = sock.recv(hs.HELLO_SIZE)
+            except OSError:
+                head = b""
+            if not head:  # closed before a word: a waiting rank checking that we are alive (_refuses)
+                sock.close()
+                return
+            result = server.receive(head + _recv_exact(sock, hs.HELLO_SIZE - len(head)))
             sock.sendall(server.reply)
         except (HandshakeError, OSError) as exc:
             self.rejected += 1
@@ -311,6 +318,35 @@ def _tcp_socket() -> socket.socket:
     return socket.socket(socket.AF_INET, socket.SOCK_STREAM)
 
 
+# A rank listens before it publishes its endpoint and keeps listening until the group is connected, so an
+# endpoint from the store that refuses connections this long belongs to a rank that died (or gave up)
+# during set-up: say so now rather than retry until the connect deadline.
+REFUSED_DEAD_SECONDS = 1.0
+PROBE_AFTER = 1.0  # a waiting rank starts checking the listeners of ranks that have not connected after this
+PROBE_EVERY = 0.25
+
+
+def died_in_setup(rank: int, peer: int, target: tuple[str, int], refused_for: float,
+                  exc: BaseException) -> PeerLostError:
+    """What a rank reports when `peer`'s published endpoint refuses connections: it is gone."""
+    return PeerLostError(
+        f"rank {rank}: rank {peer} died (or gave up) during set-up: it published its endpoint "
+        f"{target[0]}:{target[1]}, which has refused connections for {refused_for:.1f}s ({exc}). Look at "
+        f"rank {peer}'s output and exit status; every rank must be restarted",
+        rank=rank, peer=peer, address=f"{target[0]}:{target[1]}")
+
+
+def _refuses(target: tuple[str, int]) -> BaseException | None:
+    """The refusal if nothing listens at `target` now (None if something does, or we cannot tell)."""
+    try:
+        with socket.create_connection(target, timeout=1.0):
+            return None
+    except ConnectionRefusedError as exc:
+        return exc
+    except OSError:
+        return None
+
+
 def _connect(rank: int, peer: int, stream: int, target: tuple[str, int], source: str, secret: bytes,
              group_id: str, cfg: Config, deadline: float, tuner: SocketTuner | None = None,
              new_socket: Callable[[], socket.socket] = _tcp_socket) -> socket.socket:
@@ -319,6 +355,7 @@ def _connect(rank: int, peer: int, stream: int, target: tuple[str, int], source:
     tuner = tuner or SocketTuner(cfg, rank=rank)
     last: Exception | None = None
     denied = 0
+    refused_since: float | None = None
     while time.monotonic() < deadline:
         sock = new_socket()
         try:
@@ -346,6 +383,13 @@ def _connect(rank: int, peer: int, stream: int, target: tuple[str, int], source:
                     raise local_network_denied(rank, peer, target, exc) from exc
             else:
                 denied = 0
+            if isinstance(exc, ConnectionRefusedError):
+                now = time.monotonic()
+                refused_since = now if refused_since is None else refused_since
+                if now - refused_since >= REFUSED_DEAD_SECONDS:
+                    raise died_in_setup(rank, peer, target, now - refused_since, exc) from exc
+            else:
+                refused_since = None
             time.sleep(0.1)
     err = PeerLostError(f"rank {rank}: could not connect to rank {peer} at {target[0]}:{target[1]}: {last}",
                         rank=rank, peer=peer, address=f"{target[0]}:{target[1]}")
@@ -384,6 +428,38 @@ def check_same_auth(rank: int, auth: str, peer: int, info: dict) -> None:
                           f"but this rank {kinds[auth]}; {SECRET_HINT}")
 
 
+def _wait_for_higher(acceptor: "_Acceptor", store: Any, rank: int, members: list[int], streams: int,
+                     deadline: float) -> "tuple[bool, PeerLostError | None]":
+    """Wait for every higher rank to connect: (True, None), or (False, None) at `deadline`. Meanwhile, from
+    PROBE_AFTER on, check the published endpoint of each rank still missing: one that refuses connections
+    REFUSED_DEAD_SECONDS long is a rank that died during set-up: (False, what to say about it) at once."""
+    started = time.monotonic()
+    refused_since: dict[int, float] = {}
+    while not acceptor.done.wait(max(0.0, min(PROBE_EVERY, deadline - time.monotonic()))):
+        now = time.monotonic()
+        if now >= deadline:
+            return False, None
+        if now - started < PROBE_AFTER:
+            continue
+        missing = sorted({p for p in members if p > rank
+                          for s in range(streams) if acceptor.conns.get((p, s)) is None})
+        for p in missing:
+            if not store.check([f"tb/ep/{p}"]):
+                continue  # not even published: only the deadline can tell
+            ep = json.loads(store.get(f"tb/ep/{p}"))["endpoints"][0]
+            if ep[0] == "0.0.0.0":
+                continue
+            target = (ep[0], int(ep[1]))
+            exc = _refuses(target)
+            if exc is None:
+                refused_since.pop(p, None)
+                continue
+            since = refused_since.setdefault(p, now)
+            if time.monotonic() - since >= REFUSED_DEAD_SECONDS:
+                return False, died_in_setup(rank, p, target, time.monotonic() - since, exc)
+    return True, None
+
+
 def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float,
                 peers: "list[int] | None" = None) -> TcpTransport:
     """`peers`: connect only to these ranks (default every other one), e.g. the other hosts' ranks of a
@@ -419,7 +495,8 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float,
             conns[p] = []
             for s, (source, target) in enumerate(routes):
                 conns[p].append(_connect(rank, p, s, target, source, secret, group_id, cfg, deadline, tuner))
-        if not acceptor.done.wait(max(0.0, deadline - time.monotonic())):
+        connected, dead = _wait_for_higher(acceptor, store, rank, members, cfg.streams, deadline)
+        if not connected:
             missing = sorted({p for p in members if p > rank
                               for s in range(cfg.streams) if acceptor.conns.get((p, s)) is None})
             for p in missing:  # a rank that published its endpoint with another kind of key: say so
@@ -427,6 +504,11 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float,
                     check_same_auth(rank, auth, p, json.loads(store.get(f"tb/ep/{p}")))
             refused = (f"; {acceptor.rejected} connection(s) were refused, the last from {acceptor.last_refusal} "
                        f"({SECRET_HINT})" if acceptor.rejected else "")
+            if dead is not None:  # known dead: no point waiting for the deadline
+                why = str(dead).split(": ", 1)[1]
+                raise PeerLostError(f"rank {rank}: gave up waiting for ranks {missing} to connect (listening on "
+                                    f"{endpoints}): {why}{refused}", rank=rank, peer=dead.peer,
+                                    address=dead.address)
             raise PeerLostError(f"rank {rank}: timed out waiting for ranks {missing} to connect "
                                 f"(listening on {endpoints}){refused}", rank=rank,
                                 peer=missing[0] if missing else -1)
