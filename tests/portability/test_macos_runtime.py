@@ -92,3 +92,41 @@ def test_the_platform_of_this_machine() -> None:
     assert DARWIN.loopback == "lo0" and DARWIN.max_socket_io <= 2**31 - 1 and not DARWIN.has_proc
     with pytest.raises(Exception):
         DARWIN.name = "linux"  # frozen: nothing can change a Platform behind the code's back
+
+
+def test_ring_head_and_tail_sit_on_separate_128_byte_cache_lines() -> None:
+    """Apple silicon's cache line is 128 bytes: head (sender) and tail (receiver) 64 bytes apart shared one,
+    so every publish invalidated the other side's line."""
+    from torch_thunderbolt.transport import shm_ring as ring
+
+    assert ring.TAIL_OFFSET - ring.HEAD_OFFSET >= 128 and ring.HEAD_OFFSET % 128 == 0 and ring.TAIL_OFFSET % 128 == 0
+    mv = memoryview(bytearray(ring.ring_bytes(2, 64)))
+    w, r = ring.RingWriter(mv, 2, 64), ring.RingReader(mv, 2, 64)
+    w.put(0, 0, 0, 1, 0, 0, memoryview(b"abc"), 3)
+    r.pop()
+    ctl = mv[: ring.CTL_BYTES].cast("Q")
+    assert ctl[ring.HEAD_OFFSET // 8] == 1 and ctl[ring.TAIL_OFFSET // 8] == 1
+    assert [i for i, v in enumerate(ctl) if v] == [ring.HEAD_OFFSET // 8, ring.TAIL_OFFSET // 8]
+    for x in (ctl, w.ctl, r.ctl):
+        x.release()
+
+
+def test_shared_memory_is_refused_where_no_full_memory_barrier_is_known(caplog) -> None:
+    import logging
+
+    from torch_thunderbolt.backend.registration import _shm_or_tcp
+    from torch_thunderbolt.transport import shm_ring as ring
+
+    barrier = lambda: None  # noqa: E731 - stands in for libSystem's OSMemoryBarrier
+    missing = lambda name: None  # noqa: E731 - a libSystem without it
+    assert ring.full_barrier(DARWIN, lambda name: barrier if name == "OSMemoryBarrier" else None) is barrier
+    assert ring.shm_refusal(DARWIN, lambda name: barrier) is None
+    assert "OSMemoryBarrier" in ring.shm_refusal(DARWIN, missing)  # before: a lock, no full barrier on arm64
+    assert "riscv64" in ring.shm_refusal(Platform.for_system("linux", "riscv64"))
+    assert ring.shm_refusal(Platform.for_system("linux", "x86_64")) is None
+    with caplog.at_level(logging.WARNING, logger="torch_thunderbolt"):
+        assert _shm_or_tcp("shm", 2, DARWIN, missing) == "tcp"
+        assert _shm_or_tcp("hybrid", 2, DARWIN, missing) == "tcp"
+        assert _shm_or_tcp("shm", 2, DARWIN, lambda name: barrier) == "shm"
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2 and all("rank 2: not using shared memory" in w for w in warnings)

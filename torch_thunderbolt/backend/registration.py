@@ -29,6 +29,8 @@ def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
     timeout = dist_opts.timeout.total_seconds() if isinstance(dist_opts.timeout, timedelta) else 1800.0
     hosts = None if size == 1 or cfg.transport != "auto" else _host_map(dist_opts.store, rank, size)
     kind = _choose_transport(cfg.transport, rank, hosts)
+    if kind in ("shm", "hybrid"):
+        kind = _shm_or_tcp(kind, rank)
     if size == 1:
         transport = MemoryHub(1).transports[0]
     elif kind == "shm":
@@ -76,6 +78,21 @@ def _choose_transport(setting: str, rank: int, hosts: list[str] | None) -> str:
     if len(set(hosts)) == 1:
         return "shm"
     return "hybrid" if hosts.count(hosts[rank]) > 1 else "tcp"
+
+
+def _shm_or_tcp(kind: str, rank: int, plat: Any = None, lookup: Any = None) -> str:
+    """`kind`, or "tcp" with a warning where shared memory is unsafe (no full memory barrier is known; see
+    shm_ring.shm_refusal). Every rank of a host decides alike, and other hosts reach it over TCP anyway."""
+    from ..transport import shm_ring
+
+    why = shm_ring.shm_refusal(plat) if lookup is None else shm_ring.shm_refusal(plat, lookup)
+    if why is None:
+        return kind
+    import logging
+
+    logging.getLogger("torch_thunderbolt").warning(
+        "rank %d: not using shared memory (%s): TCP over loopback instead, which is slower", rank, why)
+    return "tcp"
 
 
 def hosts_shape(nets: list[list[str]], hosts: list[str]) -> Any:

@@ -182,6 +182,10 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Config, timeout: float,
     """The shm transport of this group; every rank must be on this host (see `host_map`). `peers`: only
     these ranks (all on this host; default every other rank), e.g. a host's share of a multi-host job.
     `opts`: sizes overriding the Config's (benchmarks, tests)."""
+    why = ring.shm_refusal()
+    if why is not None:
+        raise ConfigError(f"rank {rank}: shared memory is not safe on this machine ({why}); set "
+                          f"THUNDERBOLT_TRANSPORT=tcp (auto chooses TCP here by itself)")
     opts = opts or ShmOptions.from_config(cfg)
     members = sorted(set(range(world) if peers is None else peers) - {rank})
     deadline = time.monotonic() + min(timeout, cfg.connect_timeout)

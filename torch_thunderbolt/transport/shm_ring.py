@@ -3,25 +3,33 @@
 Rank r's segment holds r's *inbound* rings, one per sender, plus a header with r's "sleeping" flag:
 
     [0, 4096)            header: magic, world, rank, slot bytes, slots; flag at byte 64 (own cache line)
-    per sender s != r    a ring: control block (head at byte 0, tail at byte 64, padded to 4096),
+    per sender s != r    a ring: control block (head at byte 0, tail at byte 128, padded to 4096),
                          then `slots` slots of (64-byte frame header + slot bytes of payload)
     then                 the group's shared window, if it has one (see shm_window)
 
 The sender owns `head` (slots published), the receiver owns `tail` (slots consumed); each keeps its own
 copy and only reads the other's. A message of n bytes takes ceil(n / slot bytes) slots (at least one),
 each carrying its part's offset, so the receiver copies every part straight into the posted buffer.
+Head and tail sit on cache lines of their own (128 bytes: Apple silicon's line; 64 on x86), so the
+sender's stores to one never invalidate the receiver's line of the other.
 Ordering: the payload is written before `head` is stored and read after `head` is loaded; on x86 (TSO)
-that is enough, on arm64 `publish_fence` orders it (see `fence`).
+that is enough, on arm64 `publish_fence` orders it (see `fence`). Where no full memory barrier is known
+(`full_barrier` returns None) shared memory is refused (`shm_refusal`) and the group uses TCP.
 """
 from __future__ import annotations
 
 import ctypes
-import platform
 import struct
 import threading
 from typing import Callable
 
-MAGIC = 0x54425348_4D303031  # "TBSHM001"
+from ..platform import Platform, current
+
+MAGIC = 0x54425348_4D303032  # "TBSHM002" (002: tail moved to byte 128; a 001 peer's layout differs)
+CACHE_LINE = 128  # Apple silicon's; twice x86's, so it separates on both
+HEAD_OFFSET = 0  # in a ring's control block: slots published (written by the sender)
+TAIL_OFFSET = CACHE_LINE  # slots consumed (written by the receiver)
+_HEAD, _TAIL = HEAD_OFFSET // 8, TAIL_OFFSET // 8  # as u64 indices
 HEADER_BYTES = 4096
 CTL_BYTES = 4096
 SLOT_HDR = 64
@@ -71,19 +79,7 @@ def op_board(mv: memoryview) -> memoryview:
     return mv[OPBOARD_OFFSET : OPBOARD_OFFSET + 16].cast("Q")
 
 
-def _make_fence() -> Callable[[], None]:
-    """A full memory barrier, for the sleep/wake handshake (a store then a load on both sides).
-
-    CPython has no fence primitive; a lock acquire/release is a locked read-modify-write on x86 (a full
-    barrier). On arm64 macOS, libSystem's OSMemoryBarrier is a `dmb ish`. A missed wake-up can only cost
-    one bounded poll (see shm.py), never a hang."""
-    if platform.machine().lower() in ("arm64", "aarch64"):
-        try:
-            barrier = ctypes.CDLL(None).OSMemoryBarrier
-            barrier.restype = None
-            return barrier
-        except (OSError, AttributeError):
-            pass
+def _lock_fence() -> Callable[[], None]:
     lock = threading.Lock()
 
     def fence() -> None:
@@ -93,8 +89,47 @@ def _make_fence() -> Callable[[], None]:
     return fence
 
 
-fence = _make_fence()
-publish_fence: Callable[[], None] = fence if platform.machine().lower() in ("arm64", "aarch64") else (lambda: None)
+def _libc_symbol(name: str) -> "Callable[[], None] | None":
+    try:
+        fn = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+    fn.restype = None
+    return fn
+
+
+def full_barrier(plat: Platform | None = None,
+                 lookup: "Callable[[str], Callable[[], None] | None]" = _libc_symbol) -> "Callable[[], None] | None":
+    """A full memory barrier on `plat`, for the sleep/wake handshake (a store then a load on both sides) and
+    the arm64 payload ordering; None where none is known (then `shm_refusal` refuses shared memory).
+
+    CPython has no fence primitive; a lock acquire/release is a locked read-modify-write on x86 (a full
+    barrier). On arm64 macOS, libSystem's OSMemoryBarrier is a `dmb ish`. arm64 Linux keeps the lock, as
+    before (no libc symbol offers a barrier there). `lookup` finds a libc function by name, for tests."""
+    plat = plat or current()
+    if plat.is_x86:
+        return _lock_fence()
+    if plat.is_arm64 and plat.name == "darwin":
+        return lookup("OSMemoryBarrier")
+    if plat.is_arm64 and plat.name == "linux":
+        return _lock_fence()
+    return None
+
+
+def shm_refusal(plat: Platform | None = None,
+                lookup: "Callable[[str], Callable[[], None] | None]" = _libc_symbol) -> str | None:
+    """Why shared memory must not be used on `plat` (None: it may): without a full memory barrier a ring
+    reader could see `head` before the payload it publishes."""
+    plat = plat or current()
+    if full_barrier(plat, lookup) is not None:
+        return None
+    what = "OSMemoryBarrier was not found in libSystem" if plat.name == "darwin" else "no full memory barrier is known"
+    return f"{what} on {plat.name}/{plat.machine}"
+
+
+# Unknown platforms get the lock, but never use it: shm_refusal keeps their groups on TCP.
+fence: Callable[[], None] = full_barrier() or _lock_fence()
+publish_fence: Callable[[], None] = fence if current().is_arm64 else (lambda: None)
 
 
 class RingWriter:
@@ -103,15 +138,15 @@ class RingWriter:
     def __init__(self, mv: memoryview, slots: int, slot_bytes: int) -> None:
         self.mv, self.slots, self.slot_bytes = mv, slots, slot_bytes
         self.ctl = mv[:CTL_BYTES].cast("Q")
-        self.head = self.ctl[0]
-        self.tail_seen = self.ctl[8]
+        self.head = self.ctl[_HEAD]
+        self.tail_seen = self.ctl[_TAIL]
         self.stride = SLOT_HDR + slot_bytes
 
     def free(self) -> int:
         """Free slots; re-reads the receiver's tail only when the cached value says the ring is full."""
         free = self.slots - (self.head - self.tail_seen)
         if free <= 0:
-            self.tail_seen = self.ctl[8]
+            self.tail_seen = self.ctl[_TAIL]
             free = self.slots - (self.head - self.tail_seen)
         return free
 
@@ -126,7 +161,7 @@ class RingWriter:
             self.mv[base + SLOT_HDR : base + SLOT_HDR + n] = payload
         publish_fence()
         self.head += 1
-        self.ctl[0] = self.head
+        self.ctl[_HEAD] = self.head
 
     def release(self) -> None:
         self.ctl.release()
@@ -138,11 +173,11 @@ class RingReader:
     def __init__(self, mv: memoryview, slots: int, slot_bytes: int) -> None:
         self.mv, self.slots, self.slot_bytes = mv, slots, slot_bytes
         self.ctl = mv[:CTL_BYTES].cast("Q")
-        self.tail = self.ctl[8]
+        self.tail = self.ctl[_TAIL]
         self.stride = SLOT_HDR + slot_bytes
 
     def pending(self) -> bool:
-        return self.ctl[0] != self.tail
+        return self.ctl[_HEAD] != self.tail
 
     def peek(self) -> tuple[int, int, int, int, int, int, int, int]:
         """(space, kind, sig, tag, seq, offset, length, total) of the oldest unconsumed slot."""
@@ -158,7 +193,7 @@ class RingReader:
     def pop(self) -> None:
         publish_fence()  # our payload loads complete before the slot is handed back (arm64 reorders)
         self.tail += 1
-        self.ctl[8] = self.tail
+        self.ctl[_TAIL] = self.tail
 
     def release(self) -> None:
         self.ctl.release()
