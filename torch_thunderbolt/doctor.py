@@ -5,13 +5,16 @@ problem, so every check is unit-testable with made-up facts.
 """
 from __future__ import annotations
 
+import errno
 import os
 import platform
+import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .config import Config
 from .errors import ConfigError
+from .platform import LOCAL_NETWORK_SETTING, SYSCTL, Platform, current
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -37,6 +40,10 @@ class Facts:
     congestion_control: str = ""
     max_socket_buffer: int = 0  # bytes a socket may ask for (rmem_max / kern.ipc.maxsockbuf), 0 = unknown
     bridge_members: list[str] = field(default_factory=list)  # Thunderbolt ports in bridge0
+    effective_socket_buffer: int = 0  # what a stream's SO_RCVBUF ends up as here (after ENOBUFS retries), 0 = unknown
+    local_network_privacy: bool = False  # macOS 15+: connections to attached subnets need the app's permission
+    # "address:port" -> errno of a probe connection (0: reached, or refused by the host: the permission is fine)
+    local_network_probes: dict[str, int] = field(default_factory=dict)
 
 
 def run_checks(f: Facts) -> list[Finding]:
@@ -51,6 +58,8 @@ def run_checks(f: Facts) -> list[Finding]:
     out.append(_check_interfaces(f, cfg))
     out.extend(_check_links(f))
     out.append(_check_buffers(f, cfg))
+    if f.local_network_privacy:
+        out.append(_check_local_network(f))
     if f.congestion_control:
         status = OK if f.congestion_control in ("cubic", "reno") else WARN
         out.append(Finding(status, "TCP congestion control", f.congestion_control,
@@ -106,6 +115,13 @@ def _check_links(f: Facts) -> list[Finding]:
 
 
 def _check_buffers(f: Facts, cfg: Config) -> Finding:
+    if f.effective_socket_buffer and f.effective_socket_buffer < cfg.socket_buffer:
+        return Finding(WARN, "socket buffers", f"THUNDERBOLT_SOCKET_BUFFER={cfg.socket_buffer}, but a stream "
+                       f"gets {f.effective_socket_buffer} bytes here (the system's limit)",
+                       "raise net.core.rmem_max/wmem_max (Linux) or kern.ipc.maxsockbuf (macOS), or lower "
+                       "THUNDERBOLT_SOCKET_BUFFER")
+    if f.effective_socket_buffer:
+        return Finding(OK, "socket buffers", f"{f.effective_socket_buffer} bytes per stream, as asked")
     if not f.max_socket_buffer:
         return Finding(OK, "socket buffers", "limit unknown")
     if f.max_socket_buffer < cfg.socket_buffer:
@@ -115,7 +131,50 @@ def _check_buffers(f: Facts, cfg: Config) -> Finding:
     return Finding(OK, "socket buffers", f"up to {f.max_socket_buffer} bytes allowed")
 
 
-def gather_facts(run: Callable[[list[str]], Any] | None = None) -> Facts:
+LOCAL_NETWORK_DENIED = (errno.EPERM, errno.EHOSTUNREACH)
+
+
+def _check_local_network(f: Facts) -> Finding:
+    check = "Local Network permission"
+    how = (f"allow the app this python runs under (Terminal, iTerm, VS Code, ...) in {LOCAL_NETWORK_SETTING} "
+           "and restart it; ssh sessions are not affected")
+    if not f.local_network_probes:
+        return Finding(WARN, check, "not checked: macOS 15+ blocks connections to Thunderbolt peers from apps "
+                       "without this permission (EHOSTUNREACH)", "run doctor with MASTER_ADDR=<a peer's "
+                       f"Thunderbolt address> to probe it, or {how}")
+    denied = {a: e for a, e in f.local_network_probes.items() if e in LOCAL_NETWORK_DENIED}
+    if denied:
+        what = ", ".join(f"{a} ({errno.errorcode.get(e, e)})" for a, e in sorted(denied.items()))
+        return Finding(FAIL, check, f"connections to {what} were refused by macOS", how)
+    return Finding(OK, check, f"reached {', '.join(sorted(f.local_network_probes))}")
+
+
+def probe_addresses(env: dict[str, str]) -> list[tuple[str, int]]:
+    """Where to test the Local Network permission: MASTER_ADDR (not loopback, which needs no permission)
+    on MASTER_PORT, else port 9: any port tells, since a refusal by the peer means the packet got through."""
+    addr = env.get("MASTER_ADDR", "").strip()
+    port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT", "").isdigit() else 9
+    if not addr or addr.startswith("127.") or addr == "localhost":
+        return []
+    return [(addr, port or 9)]
+
+
+def probe_connect(target: tuple[str, int], timeout: float = 2.0) -> int:
+    """errno of a TCP connect to `target`, 0 when it connected or the peer refused (reached)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(target)
+        except ConnectionRefusedError:
+            return 0
+        except socket.timeout:
+            return errno.ETIMEDOUT
+        except OSError as exc:
+            return exc.errno or -1
+    return 0
+
+
+def gather_facts(run: Callable[[list[str]], Any] | None = None, plat: Platform | None = None) -> Facts:
     """The I/O shell: reads this machine. Never raises for a missing tool."""
     from .topology.discover import discover_local, subprocess_runner
     from .transport.netif import local_interfaces
@@ -138,11 +197,24 @@ def gather_facts(run: Callable[[list[str]], Any] | None = None) -> Facts:
         bridge = list(host.bridge.members) if host.bridge else []
     except Exception:  # noqa: BLE001 - discovery problems are reported by `topo`, not here
         tb, mtus, bridge = [], {}, []
+    plat = plat or current()
+    env = dict(os.environ)
+    try:
+        from .transport.bootstrap import effective_socket_buffer
+
+        effective = effective_socket_buffer(Config.from_env(env), plat)
+    except (ConfigError, OSError):
+        effective = 0  # a bad configuration is reported by its own check
+    probes = ({f"{a}:{p}": probe_connect((a, p)) for a, p in probe_addresses(env)}
+              if plat.local_network_privacy else {})
     return Facts(system=platform.system(), python=platform.python_version(), torch=torch_version,
-                 backend_registered=registered, env=dict(os.environ), interfaces=local_interfaces(),
-                 thunderbolt_ifnames=tb, mtus=mtus, congestion_control=_read_first("/proc/sys/net/ipv4/tcp_congestion_control"),
-                 max_socket_buffer=int(_read_first("/proc/sys/net/core/rmem_max") or 0) or _macos_maxsockbuf(run),
-                 bridge_members=bridge)
+                 backend_registered=registered, env=env, interfaces=local_interfaces(),
+                 thunderbolt_ifnames=tb, mtus=mtus,
+                 congestion_control=_read_first("/proc/sys/net/ipv4/tcp_congestion_control") if plat.has_proc else "",
+                 max_socket_buffer=(int(_read_first("/proc/sys/net/core/rmem_max") or 0) if plat.has_proc else 0)
+                 or _macos_maxsockbuf(run, plat),
+                 bridge_members=bridge, effective_socket_buffer=effective,
+                 local_network_privacy=plat.local_network_privacy, local_network_probes=probes)
 
 
 def _read_first(path: str) -> str:
@@ -153,10 +225,10 @@ def _read_first(path: str) -> str:
         return ""
 
 
-def _macos_maxsockbuf(run: Callable) -> int:
-    if platform.system() != "Darwin":
+def _macos_maxsockbuf(run: Callable, plat: Platform) -> int:
+    if plat.name != "darwin":
         return 0
-    res = run(["sysctl", "-n", "kern.ipc.maxsockbuf"])
+    res = run([SYSCTL, "-n", "kern.ipc.maxsockbuf"])
     try:
         return int(res.stdout.strip())
     except (ValueError, AttributeError):

@@ -130,3 +130,77 @@ def test_shared_memory_is_refused_where_no_full_memory_barrier_is_known(caplog) 
         assert _shm_or_tcp("shm", 2, DARWIN, lambda name: barrier) == "shm"
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2 and all("rank 2: not using shared memory" in w for w in warnings)
+
+
+def _doctor_facts(**kw):
+    from torch_thunderbolt.doctor import Facts
+
+    base = dict(system="Darwin", python="3.12", torch="2.13.0", backend_registered=True, env={},
+                interfaces={"lo0": ["127.0.0.1"], "en2": ["10.77.0.1"]}, thunderbolt_ifnames=["en2"],
+                mtus={"en2": 9000}, max_socket_buffer=8 << 20)
+    base.update(kw)
+    return Facts(**base)
+
+
+def test_doctor_names_the_local_network_setting_when_macos_refuses_a_peer() -> None:
+    import errno
+
+    from torch_thunderbolt.doctor import FAIL, OK, WARN, run_checks
+    from torch_thunderbolt.platform import LOCAL_NETWORK_SETTING
+
+    def finding(**kw):
+        return {f.check: f for f in run_checks(_doctor_facts(**kw))}.get("Local Network permission")
+
+    denied = finding(local_network_privacy=True, local_network_probes={"10.77.0.2:29500": errno.EHOSTUNREACH})
+    assert denied.status == FAIL and LOCAL_NETWORK_SETTING in denied.fix and "10.77.0.2:29500" in denied.detail
+    assert finding(local_network_privacy=True, local_network_probes={"10.77.0.2:29500": 0}).status == OK
+    unchecked = finding(local_network_privacy=True)
+    assert unchecked.status == WARN and "MASTER_ADDR" in unchecked.fix and LOCAL_NETWORK_SETTING in unchecked.fix
+    assert finding(local_network_privacy=False) is None  # Linux: nothing to check
+
+
+def test_doctor_probes_master_addr_and_counts_a_refusal_as_reached() -> None:
+    import socket
+
+    from torch_thunderbolt.doctor import probe_addresses, probe_connect
+
+    assert probe_addresses({"MASTER_ADDR": "10.77.0.2", "MASTER_PORT": "29500"}) == [("10.77.0.2", 29500)]
+    assert probe_addresses({"MASTER_ADDR": "127.0.0.1"}) == [] and probe_addresses({}) == []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    assert probe_connect(("127.0.0.1", free)) == 0  # refused by the host: the permission is not the problem
+
+
+def test_doctor_reports_the_socket_buffer_a_stream_really_gets() -> None:
+    from torch_thunderbolt.doctor import OK, WARN, run_checks
+
+    env = {"THUNDERBOLT_SOCKET_BUFFER": str(16 << 20)}
+    found = {f.check: f for f in run_checks(_doctor_facts(env=env, effective_socket_buffer=4 << 20))}
+    assert found["socket buffers"].status == WARN and str(4 << 20) in found["socket buffers"].detail
+    found = {f.check: f for f in run_checks(_doctor_facts(env=env, effective_socket_buffer=16 << 20,
+                                                          max_socket_buffer=0))}
+    assert found["socket buffers"].status == OK and str(16 << 20) in found["socket buffers"].detail
+
+
+def test_doctor_gathers_the_darwin_facts_without_proc(monkeypatch) -> None:
+    """In darwin mode: /proc is not read (a Mac has none), kern.ipc.maxsockbuf comes from sysctl by path,
+    the effective socket buffer is measured and the Local Network probe runs."""
+    from torch_thunderbolt import doctor
+
+    calls: list = []
+
+    class Res:
+        stdout = "8388608\n"
+
+    def run(argv):
+        calls.append(argv)
+        return Res()
+
+    monkeypatch.setattr(doctor, "_read_first", lambda path: pytest.fail(f"read {path} on a Mac"))
+    monkeypatch.setattr(doctor, "probe_connect", lambda target: 65)
+    monkeypatch.setenv("MASTER_ADDR", "10.77.0.2")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    f = doctor.gather_facts(run, DARWIN)
+    assert f.max_socket_buffer == 8388608 and [SYSCTL, "-n", "kern.ipc.maxsockbuf"] in calls
+    assert f.effective_socket_buffer > 0 and f.local_network_probes == {"10.77.0.2:9": 65}
