@@ -204,3 +204,19 @@ def test_doctor_gathers_the_darwin_facts_without_proc(monkeypatch) -> None:
     f = doctor.gather_facts(run, DARWIN)
     assert f.max_socket_buffer == 8388608 and [SYSCTL, "-n", "kern.ipc.maxsockbuf"] in calls
     assert f.effective_socket_buffer > 0 and f.local_network_probes == {"10.77.0.2:9": 65}
+
+
+def test_the_runtime_asks_the_platform_not_sys_platform() -> None:
+    """OS checks live in torch_thunderbolt/platform.py; the runtime layers take a Platform instead, so the
+    macOS paths stay testable on Linux. (The tools — topo, lab, launch, bench — have their own checks.)"""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "torch_thunderbolt"
+    pattern = re.compile(r"sys\.platform|platform\.system\(\)|platform\.machine\(\)")
+    found = [f"{p.relative_to(root)}:{i}" for sub in ("transport", "backend", "algorithms", "protocol", "compression")
+             for p in sorted((root / sub).rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    found += [f"doctor.py:{i}" for i, line in enumerate((root / "doctor.py").read_text().splitlines(), 1)
+              if "platform.system() !=" in line or "sys.platform" in line]
+    assert not found, "use torch_thunderbolt.platform.current() / a Platform argument:\n" + "\n".join(found)

@@ -136,7 +136,7 @@ def effective_socket_buffer(cfg: Config, plat: Platform | None = None) -> int:
 def link_timeout_options(platform: "str | Platform", timeout_ms: int) -> list[tuple[int, int, int]]:
     """(level, option, value) that make the kernel fail a stream whose sent data stays unacknowledged for
     `timeout_ms` (a pulled cable) — the error that starts failover, or PeerLostError with one cable.
-    `platform`: a Platform or a sys.platform value."""
+    `platform`: a Platform, or a system name as Platform.for_system takes ("linux", "darwin")."""
     plat = Platform.for_system(platform) if isinstance(platform, str) else platform
     if plat.link_timeout is None:
         return []

@@ -29,7 +29,7 @@ def loopback_ifname(platform: "str | Platform | None" = None) -> str:
     """The loopback interface's name, for GLOO_SOCKET_IFNAME / THUNDERBOLT_IFNAME in local runs.
 
     Linux calls it `lo`; macOS and the BSDs `lo0`, and gloo fails to start when given a name that does not
-    exist. `platform` is a `sys.platform` value or a Platform (default: this machine's), so both cases are
+    exist. `platform` is a Platform or a system name ("linux", "darwin") (default: this machine's), so both cases are
     testable.
     """
     if platform is None:
