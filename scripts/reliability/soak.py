@@ -5,7 +5,8 @@
 
 The op stream and what it checks: tests/reliability/soak.py. --mixed ends the long run with ranks that
 disagree on the reduce op ("random" or e.g. "sum,max"); --mixed-runs K adds K short runs (--mixed-ops ops
-each, seeds seed+1 ... seed+K) that each end so. Every rank of every such run must raise MismatchError.
+each, seeds seed*1000+1 ... seed*1000+K) that each end so. Every rank of every such run must raise
+MismatchError.
 --transport: tcp (default, or TB_RELIABILITY_TRANSPORT), shm, or auto (shared memory on one host).
 Exit status 1 on any mismatch, error, unsupported (op, dtype) pair not refused cleanly, or mixed op that was
 not a MismatchError on every rank.
@@ -78,9 +79,10 @@ def main() -> int:
         long_wall = round(time.monotonic() - t0, 1)
         mixed_runs = []
         for k in range(1, args.mixed_runs + 1):
-            res = run_soak(args.mixed_ops, args.world, args.seed + k, Path(tmp) / f"mixed{k}", 600,
+            seed = args.seed * 1000 + k  # runs with neighbouring --seed values draw different cases
+            res = run_soak(args.mixed_ops, args.world, seed, Path(tmp) / f"mixed{k}", 600,
                            args.transport, "random", min(args.timeout, 30.0), extra)
-            mixed_runs.append({"seed": args.seed + k, "case": res[0].get("mixed", {}).get("case"),
+            mixed_runs.append({"seed": seed, "case": res[0].get("mixed", {}).get("case"),
                                "mismatches": sum(r["mismatches"] for r in res),
                                "errors": [e for r in res for e in r["errors"]],
                                "failures": mixed_failures(res),

@@ -11,7 +11,7 @@ What is drawn (all from one shared `random.Random` per op):
   all_to_all_single (even splits, or uneven ones), reduce, send/recv on the default group;
 - the in-place forms: reduce_scatter_tensor whose output is this rank's slice of the input,
   all_gather_into_tensor whose input is this rank's slice of the output, all_to_all_single with
-  output is input;
+  output is input; and the stacked forms (all_gather's output, reduce_scatter's input of shape (group, n));
 - shapes: 1 ... 65,536 elements (5 % up to 1 M), 0-d tensors, empty tensors, and for all_reduce, broadcast,
   reduce and send/recv views that are not contiguous (a transposed 2-D tensor, x[::2], the size-1 strided
   `torch.zeros(2)[::2]`), each rank its own layout, with the memory around a view checked untouched;
@@ -108,6 +108,8 @@ def draw(i):
         n = max(1, int(2 ** rng.uniform(0, 20 if big else 16)))
         d["n"] = -(-n // g) * g  # divisible by the group size (reduce_scatter, all_to_all)
         d["inplace"] = kind in ("all_gather", "reduce_scatter", "all_to_all") and rng.random() < 0.5
+        # torch's other form: all_gather's output / reduce_scatter's input as (group size, n) (stacked)
+        d["stacked"] = kind in ("all_gather", "reduce_scatter") and rng.random() < 0.3
     elif shape == "views":
         a, b = rng.randint(2, 300), rng.randint(2, 300)
         d["n"], d["ab"] = a * b, (a, b)
@@ -233,14 +235,15 @@ def issue(i, d):
         return None
     n, part = d["n"], d["n"] // gsize
     if kind == "all_gather":
-        out = torch.full((n * gsize,), 0, dtype=d["dtype"])
+        out = torch.full((gsize, n) if d.get("stacked") else (n * gsize,), 0, dtype=d["dtype"])
         if d["inplace"]:  # the input is this rank's slice of the output
-            out[me * n : (me + 1) * n] = ins[me]
-            x = out[me * n : (me + 1) * n]
+            x = out.view(-1)[me * n : (me + 1) * n]
+            x.copy_(ins[me])
         work = dist.all_gather_into_tensor(out, x, group=g, async_op=a)
-        return work, lambda: [(out, ref.all_gather(ins)[me])]
+        return work, lambda: [(out.reshape(-1), ref.all_gather(ins)[me])]
     if kind == "reduce_scatter":
-        out = x[me * part : (me + 1) * part] if d["inplace"] else torch.empty(part, dtype=d["dtype"])
+        x = x.view(gsize, part) if d.get("stacked") else x
+        out = x.view(-1)[me * part : (me + 1) * part] if d["inplace"] else torch.empty(part, dtype=d["dtype"])
         work = dist.reduce_scatter_tensor(out, x, redop(d), group=g, async_op=a)
         return work, lambda: [(out, reduced(ins, d)[me * part : (me + 1) * part])]
     if kind == "all_to_all":
@@ -258,13 +261,16 @@ def features(d):
         f.append("refused")
     if d["inplace"]:
         f.append(f"inplace:{d['kind']}")
+    if d.get("stacked"):
+        f.append(f"stacked:{d['kind']}")
     if d["async_"]:
         f.append("async")
     f += [f"layout:{lay}" for lay in set(d["layouts"]) if lay != "flat"]
     return f
 
 def describe(i, d):
-    keys = ("kind", "op", "dtype", "n", "members", "shape", "layouts", "inplace", "async_", "factor", "splits")
+    keys = ("kind", "op", "dtype", "n", "members", "shape", "layouts", "inplace", "stacked", "async_", "factor",
+            "splits")
     return f"op {i}: " + ", ".join(f"{k}={d.get(k)}" for k in keys if d.get(k) is not None)
 
 proc = psutil.Process()

@@ -18,6 +18,7 @@ MUST_SEE = (
     [f"kind:{k}" for k in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
                            "all_to_all_v", "reduce", "send_recv")]
     + [f"inplace:{k}" for k in ("all_gather", "reduce_scatter", "all_to_all")]
+    + [f"stacked:{k}" for k in ("all_gather", "reduce_scatter")]
     + [f"layout:{k}" for k in ("t2d", "step2", "size1_strided", "zero_d", "empty_2d")]
     + [f"shape:{k}" for k in ("empty", "one", "views")]
     + [f"dtype:{k}" for k in ("float32", "float64", "bfloat16", "int32", "int64", "bool", "complex64")]
