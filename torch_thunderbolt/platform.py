@@ -42,8 +42,8 @@ class Platform:
     machine: str  # "x86_64", "arm64", "aarch64", ... (platform.machine(), lower case)
     max_socket_io: int = SOCKET_IO_CAP  # bytes per sendmsg/recv_into call (see SOCKET_IO_CAP)
     # What SO_SNDBUF/SO_RCVBUF above the system's limit does: "cap" (Linux clamps silently) or "enobufs"
-    # (XNU refuses the call; the caller must retry with less).
-    sockbuf_over_limit: str = "cap"
+    # (XNU and the BSDs refuse the call; the caller retries with less).
+    sockbuf_over_limit: str = "enobufs"
     # getsockopt(SO_RCVBUF) reports this many times what was set (Linux doubles it for bookkeeping).
     sockbuf_reported_factor: int = 1
     loopback: str = "lo0"  # gloo fails to start when given an interface name that does not exist
@@ -60,7 +60,6 @@ class Platform:
     # macOS 15+ "Local Network" privacy: connections to directly attached subnets fail with EHOSTUNREACH or
     # EPERM when the app the process runs under lacks the permission. Retrying cannot help.
     local_network_privacy: bool = False
-    default_open_files: int = 1024  # typical soft RLIMIT_NOFILE (macOS: 256)
 
     @classmethod
     def for_system(cls, name: str, machine: str | None = None) -> "Platform":
@@ -74,12 +73,12 @@ class Platform:
                        loopback="lo", host_identity="boot-id+netns", has_proc=True, shm_list_dir="/dev/shm",
                        link_timeout=(socket.IPPROTO_TCP,
                                      getattr(socket, "TCP_USER_TIMEOUT", LINUX_TCP_USER_TIMEOUT), 1),
-                       tcp_congestion=True, local_network_privacy=False, default_open_files=1024)
+                       tcp_congestion=True, local_network_privacy=False)
         if name == "darwin":
             return cls(name="darwin", machine=machine, sockbuf_over_limit="enobufs", sockbuf_reported_factor=1,
                        loopback="lo0", host_identity="platform-uuid+boot-session", has_proc=False,
                        shm_list_dir=None, link_timeout=(socket.IPPROTO_TCP, DARWIN_TCP_RXT_CONNDROPTIME, 1000),
-                       tcp_congestion=False, local_network_privacy=True, default_open_files=256)
+                       tcp_congestion=False, local_network_privacy=True)
         return cls(name=name, machine=machine)  # the BSDs and others: conservative defaults
 
     @property

@@ -106,7 +106,7 @@ class SocketTuner:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.buffer)
                 break
             except OSError as exc:
-                if exc.errno != errno.ENOBUFS:
+                if exc.errno != errno.ENOBUFS or self.plat.sockbuf_over_limit != "enobufs":
                     raise
                 # Above the system's limit (macOS: about kern.ipc.maxsockbuf * 8/9): try half.
                 self.buffer = self.buffer // 2 if self.buffer // 2 >= MIN_SOCKET_BUFFER else 0
