@@ -65,3 +65,18 @@ def test_the_soak_checker_catches_a_wrong_element(tmp_path) -> None:
     env = {"TB_OPS": "5", "TB_SEED": "7", "TB_SELFTEST": "1", "THUNDERBOLT_TRANSPORT": "tcp"}
     results = run_ranks(SCRIPT, 2, tmp_path, timeout=120, env=env)
     assert any(r.json()["mismatches"] > 0 for r in results)
+
+
+# One mixed case per collective that reduces, with no op stream before it (TB_OPS=0): the premul-scaled sum
+# against a plain sum, and a reduce (whose non-roots only send) with SUM against MAX.
+MIXED_KINDS = [("all_reduce", "sum,premul_sum", 2, "default"), ("reduce_scatter", "sum,premul_sum", 2, "default"),
+               ("reduce", "sum,max", 3, "tcp")]
+
+
+@pytest.mark.parametrize("kind,ops,world,transport", MIXED_KINDS, ids=[f"{k}-{o}" for k, o, _, _ in MIXED_KINDS])
+def test_mixed_reduce_ops_fail_on_every_rank_of_each_collective(kind, ops, world, transport, tmp_path) -> None:
+    env = {"TB_OPS": "0", "TB_SEED": "1", "TB_MIXED": ops, "TB_MIXED_KIND": kind, "TB_TIMEOUT": "20"}
+    if transport != "default":
+        env["THUNDERBOLT_TRANSPORT"] = transport
+    outs = [r.json()["mixed"] for r in run_ranks(SCRIPT, world, tmp_path, timeout=90, env=env)]
+    assert all(m["ok"] is False and m["type"] == "MismatchError" for m in outs), outs
