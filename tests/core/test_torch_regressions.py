@@ -233,3 +233,29 @@ def test_a_receive_larger_than_the_message_breaks_the_group(transport, tmp_path)
     assert out0["first"]["type"] == "MismatchError", out0
     assert not out0["then"]["ok"] and not out1["then"]["ok"], (out0, out1)
     assert out0["then"]["seconds"] < 20 and out1["then"]["seconds"] < 20, (out0, out1)
+
+
+MONITORED_SCRIPT = PRELUDE + r'''
+import datetime
+dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=30))
+r, w = dist.get_rank(), dist.get_world_size()
+pg = dist.group.WORLD
+first = outcome(lambda: pg.monitored_barrier(datetime.timedelta(seconds=10)))  # everyone arrives
+if r == 1:
+    time.sleep(4)
+    result({"first": first})
+else:
+    second = outcome(lambda: pg.monitored_barrier(datetime.timedelta(seconds=1)))  # rank 1 does not
+    result({"first": first, "second": second})
+'''
+
+
+def test_monitored_barrier_on_the_group_names_the_missing_rank(tmp_path):
+    """torch's dist.monitored_barrier refuses non-gloo backends; called on the group object (as torch's own
+    tests do) it reports like gloo's: the rank that did not arrive within the timeout."""
+    results = run_ranks(MONITORED_SCRIPT, 3, tmp_path, timeout=90, env={"THUNDERBOLT_TRANSPORT": "tcp"},
+                        expect_ok=False)
+    outs = [res.json() for res in results]
+    assert all(o["first"]["ok"] for o in outs), outs
+    assert "Rank 1 failed to pass monitoredBarrier in 1000 ms" in outs[0]["second"]["msg"], outs
+    assert not outs[2]["second"]["ok"], outs

@@ -375,6 +375,11 @@ if MIXED and not errors:
         else:
             dist.reduce_scatter_tensor(torch.empty(m["n"] // w, dtype=m["dtype"]), x, op)
     got = outcome(mixed)
+    if got["ok"] and m["kind"] == "reduce" and r != m["root"]:
+        # A reduce's non-root only sends: like a broadcast's root, it returns before anyone could object,
+        # and is told by the rank that found the mismatch at its next call, which must fail the same way.
+        got = outcome(lambda: dist.barrier())
+        got["at_next_call"] = True
     got["case"] = {k: (str(v) if k == "dtype" else v) for k, v in m.items()} | {"my_op": mine}
     result(dict(summary, mixed=got))
     # Stay until every rank has its outcome (through the store, the group is broken): a rank that exits

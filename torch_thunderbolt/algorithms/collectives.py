@@ -113,7 +113,7 @@ class Communicator:
             sig = self._sigs[key] = encode_sig(what, _dtype_name(like), root, count, op, layout)
         return sig
 
-    def _check_op(self, what: str, op: str, dtype: torch.dtype) -> None:
+    def check_op(self, what: str, op: str, dtype: torch.dtype) -> None:
         """Raise (before any traffic, so the group stays usable) if this rank cannot compute `op` on `dtype`:
         torch lacks some kernels (e.g. add for uint16 on the CPU), and finding out mid-op would leave peers
         waiting on a step that never comes."""
@@ -131,7 +131,7 @@ class Communicator:
 
     # -- collectives ----------------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: str = "sum", premul: object = None) -> None:
-        self._check_op("all_reduce", op, x.dtype)
+        self.check_op("all_reduce", op, x.dtype)
         if op == "premul_sum" and premul is not None:
             x.mul_(premul)
         n, es = x.numel(), x.element_size()
@@ -159,7 +159,7 @@ class Communicator:
         self._run(plan, "broadcast", {"out": x}, None, x, root=root, count=n)
 
     def reduce(self, x: torch.Tensor, root: int, op: str = "sum") -> None:
-        self._check_op("reduce", op, x.dtype)
+        self.check_op("reduce", op, x.dtype)
         n, es = x.numel(), x.element_size()
         plan = self._plan(("rd", n, es, root), lambda: select.reduce_plan(
             self.cfg, self.rank, self.world, root, n, es, self.shape))
@@ -181,7 +181,7 @@ class Communicator:
 
     def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, counts: list[int], op: str = "sum") -> None:
         """Reduce `x` (all ranks' blocks, `counts` long) and keep this rank's block in `out`."""
-        self._check_op("reduce_scatter", op, x.dtype)
+        self.check_op("reduce_scatter", op, x.dtype)
         if _overlap(out, x):  # the in-place form: out is this rank's slice of x, which peers still need
             x = x.clone()
         win = self._window()

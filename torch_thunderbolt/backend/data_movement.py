@@ -3,13 +3,21 @@ all_to_all, barrier and their tensor forms): torch's arguments to flat buffers, 
 the worker."""
 from __future__ import annotations
 
+import time
+from datetime import timedelta
 from typing import Any
 
 import torch
 
+from ..algorithms.plan import tensor_bytes
+from ..errors import CollectiveTimeout
+
 from .tensors import Staged, byte_view, check_same_dtype, flat_cat, rows_to_elems, split_into
 from .host import GroupHost
 from .work import Work
+
+
+MONITORED_BARRIER_TAG = -0x6D62  # a point-to-point tag of our own: user tags are not negative
 
 
 class DataMovementOps(GroupHost):
@@ -157,4 +165,48 @@ class DataMovementOps(GroupHost):
         return self._submit("barrier", run, [], 0)
 
     def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
-        self.barrier(opts).wait()
+        """gloo's monitored barrier, called on the group object (torch's `dist.monitored_barrier` refuses any
+        backend but gloo): every rank reports to rank 0 within the timeout and waits for its release; rank 0
+        names the ranks that did not report (the first, or all with `wait_all_ranks`). A failure leaves the
+        group BROKEN, like any failed point-to-point wait."""
+        timeout = opts if isinstance(opts, timedelta) else getattr(opts, "timeout", None)
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else self._timeout
+        deadline = time.monotonic() + max(0.0, seconds)
+        ms = int(seconds * 1000)
+        # One buffer per peer, kept with the group: a receive left posted by a timeout must never write into a
+        # freed tensor (tensor_bytes is a view that does not own its memory).
+        tokens = [torch.zeros(1, dtype=torch.uint8) for _ in range(self._size)]
+        self._monitored_tokens = tokens
+        token = tokens[self._rank]
+        t = self._transport
+        if self._rank != 0:
+            t.wait([t.isend_p2p(0, MONITORED_BARRIER_TAG, tensor_bytes(token))], deadline,
+                   f"monitored_barrier on rank {self._rank}")
+            try:
+                t.wait([t.irecv_p2p(0, MONITORED_BARRIER_TAG, tensor_bytes(token))], deadline,
+                       f"monitored_barrier on rank {self._rank}")
+            except BaseException as exc:
+                t.abort(exc)
+                raise RuntimeError(f"Rank {self._rank} successfully reached monitoredBarrier, but received errors "
+                                   f"while waiting for send/recv from rank 0: {exc}") from exc
+            return
+        missing: list[int] = []
+        for peer in range(1, self._size):
+            if time.monotonic() >= deadline and not missing:
+                err: BaseException = RuntimeError(f"Rank 0 timed out in monitoredBarrier after {ms} ms")
+                t.abort(err)
+                raise err
+            req = t.irecv_p2p(peer, MONITORED_BARRIER_TAG, tensor_bytes(tokens[peer]))
+            try:
+                t.wait([req], deadline, f"monitored_barrier on rank 0, waiting for rank {peer}")
+            except CollectiveTimeout:
+                missing.append(peer)
+                if not wait_all_ranks:
+                    break
+        if missing:
+            err = RuntimeError(f"Rank {missing[0]} failed to pass monitoredBarrier in {ms} ms" if not wait_all_ranks
+                               else f"Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in {ms} ms")
+            t.abort(err)
+            raise err
+        t.wait([t.isend_p2p(p, MONITORED_BARRIER_TAG, tensor_bytes(token)) for p in range(1, self._size)],
+               time.monotonic() + self._timeout, "monitored_barrier on rank 0, releasing the others")

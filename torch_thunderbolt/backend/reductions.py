@@ -95,8 +95,9 @@ class ReductionOps(GroupHost):
             comm = self._with_timeout(opts)
             for s in staged:
                 if factor is not None:
+                    comm.check_op("reduce", op, s.flat.dtype)  # before scaling: refused with the tensor untouched
                     s.flat.mul_(factor)
-                comm.reduce(s.flat, root, "sum" if op == "premul_sum" else op)
+                comm.reduce(s.flat, root, op)  # premul_sum stays itself: a rank summing plainly is a mismatch
                 s.write_back()
 
         return self._submit("reduce", run, tensors, sum(t.numel() * t.element_size() for t in tensors))
@@ -110,9 +111,10 @@ class ReductionOps(GroupHost):
                 self._check_list(ins, "reduce_scatter input list")
                 flat_in = torch.cat([t.detach().reshape(-1).cpu() for t in ins])
                 if factor is not None:
+                    comm.check_op("reduce_scatter", op, flat_in.dtype)
                     flat_in.mul_(factor)
                 out = Staged(o, read=False)
-                comm.reduce_scatter(out.flat, flat_in, [t.numel() for t in ins], _plain(op))
+                comm.reduce_scatter(out.flat, flat_in, [t.numel() for t in ins], op)
                 out.write_back()
 
         return self._submit("reduce_scatter", run, outputs, inputs=inputs)
@@ -129,9 +131,10 @@ class ReductionOps(GroupHost):
                                  f"expected {self._size} x {output.numel()}")
             flat_in = x.detach().reshape(-1).cpu().clone() if factor is not None else flat_cat([x])
             if factor is not None:
+                self._with_timeout(opts).check_op("reduce_scatter", op, flat_in.dtype)
                 flat_in.mul_(factor)
             out = Staged(output, read=False)
-            self._with_timeout(opts).reduce_scatter(out.flat, flat_in, [output.numel()] * self._size, _plain(op))
+            self._with_timeout(opts).reduce_scatter(out.flat, flat_in, [output.numel()] * self._size, op)
             out.write_back()
 
         return self._submit("reduce_scatter_tensor", run, [output], x.numel() * x.element_size(), inputs=x)
@@ -145,9 +148,10 @@ class ReductionOps(GroupHost):
             for o, x in zip(outputs, inputs):
                 flat_in = x.detach().reshape(-1).cpu().clone()
                 if factor is not None:
+                    comm.check_op("reduce_scatter", op, flat_in.dtype)
                     flat_in.mul_(factor)
                 out = Staged(o, read=False)
-                comm.reduce_scatter(out.flat, flat_in, [o.numel()] * self._size, _plain(op))
+                comm.reduce_scatter(out.flat, flat_in, [o.numel()] * self._size, op)
                 out.write_back()
 
         return self._submit("reduce_scatter_tensor_coalesced", run, outputs, inputs=inputs)
@@ -176,5 +180,3 @@ def _rows_first(idx: torch.Tensor) -> torch.Tensor:
     return idx.t().contiguous().view(-1)
 
 
-def _plain(op: str) -> str:
-    return "sum" if op == "premul_sum" else op
