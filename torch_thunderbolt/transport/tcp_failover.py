@@ -113,8 +113,11 @@ class StreamFailover:
     def _waiting_on(self, tag: int, asker: int) -> int | None:
         """The rank this rank waits on in collective op `tag` (other than `asker`), or the one that rank
         said it waits on: the end of the chain as far as we know it."""
-        peers = sorted({r.peer for r in self.matcher.pending() if not r.is_send and not r.done
-                        and r.key[0] == Space.COLL and r.key[1] == tag and r.peer not in (asker, ANY_SOURCE)})
+        waiting = [r for r in self.matcher.pending() if not r.is_send and not r.done and r.key[0] == Space.COLL
+                   and r.peer not in (asker, ANY_SOURCE)]
+        peers = sorted({r.peer for r in waiting if r.key[1] == tag})
+        if not peers:  # still stuck in an earlier op, so not in the asker's yet: whoever holds us up there
+            peers = sorted({r.peer for r in waiting if r.key[1] < tag})
         for p in peers:
             far = self._waits_on(p, {tag})
             if far is not None and far not in (self.rank, asker, p):
