@@ -26,12 +26,10 @@ MismatchError naming both ranks, never a silently wrong result.
 """
 from __future__ import annotations
 
-import zlib
-
 import torch
 
 from ..errors import MismatchError
-from ..protocol.signature import describe_sig, mix
+from ..protocol.signature import describe_sig
 from ..transport.window import BUFFERS, STEPS, Window
 from .layout import offsets
 from .reduce_ops import make_combiner
@@ -40,10 +38,13 @@ ARRIVED, REDUCED, DONE = 1, 2, 3
 Slices = list[tuple[int, int]]  # (start, length) of each rank's slice in one round
 
 
-def op_word(sig: int, count: int) -> int:
-    """The 64-bit word a rank posts with its data: the op's signature with the element count mixed into its
-    checksum half (the readable half stays, for the error message)."""
-    return mix(sig, count)
+def op_word(sig: int, variant: int = 0) -> int:
+    """The 64-bit word a rank posts with its data: the op's signature (which already covers the count, root,
+    reduce op and block layout: protocol.signature), with `variant` XORed into its digest half for forms of
+    one op that must never pair (one-shot against sliced). A digest is not linear, so two different ops'
+    words cannot be made equal by the XOR of a constant except by a one-in-2**32 accident. No hashing here:
+    this runs on every small op."""
+    return sig ^ variant
 
 
 def describe_word(word: int) -> str:
@@ -116,7 +117,7 @@ def settle(win: Window, deadline: float, what: str) -> None:
     win.post(STEPS * g + DONE)  # no peer rewrites that buffer's word before this post
 
 
-ONE_SHOT = 0x5A  # mixed into the op word: a one-shot rank must never pair with a sliced one
+ONE_SHOT = 0x5A5A0001  # XORed into the op word: a one-shot rank must never pair with a sliced one
 
 
 def all_reduce(win: Window, x: torch.Tensor, op: str, sig: int, deadline: float, what: str,
@@ -129,10 +130,10 @@ def all_reduce(win: Window, x: torch.Tensor, op: str, sig: int, deadline: float,
         return
     settle(win, deadline, what)
     if x.numel() * x.element_size() <= min(one_shot_bytes, win.nbytes):
-        _one_shot_all_reduce(win, x, combine, op_word(mix(sig, ONE_SHOT), x.numel()), deadline, what)
+        _one_shot_all_reduce(win, x, combine, op_word(sig, ONE_SHOT), deadline, what)
         return
     cap = _slice_cap(win, x)
-    word = op_word(sig, x.numel())
+    word = op_word(sig)
     others = _others(win)
     rounds = all_reduce_rounds(x.numel(), n, cap)
     for t, slices in enumerate(rounds):
@@ -187,7 +188,7 @@ def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float
     settle(win, deadline, what)
     total, cap = x.numel(), win.nbytes
     rounds = max(1, -(-total // cap))
-    word = op_word(sig, total)
+    word = op_word(sig)
     others = _others(win)
     for t in range(rounds):
         g = win.rounds + t
@@ -227,8 +228,8 @@ def reduce_scatter(win: Window, out: torch.Tensor, x: torch.Tensor, counts: list
         return
     cap = _slice_cap(win, x)
     settle(win, deadline, what)
-    # Uneven blocks that differ but add up the same must not pair: the whole layout goes into the word.
-    word = op_word(mix(sig, zlib.crc32(repr(counts).encode())), sum(counts))
+    # Uneven blocks that differ but add up the same must not pair: the caller's signature covers the layout.
+    word = op_word(sig)
     others = _others(win)
     rounds = block_rounds(counts, cap)
     for t in range(rounds):

@@ -21,7 +21,6 @@ DTYPES = [
     "complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
 ]
 REDUCE_OPS = ["none", "sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum"]
-MASK64 = (1 << 64) - 1
 
 
 def encode_sig(op: str, dtype: str = "none", root: int = 0, count: int = 0, reduce_op: str = "none",
@@ -35,11 +34,6 @@ def encode_sig(op: str, dtype: str = "none", root: int = 0, count: int = 0, redu
 
 def _digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=4).digest(), "little")
-
-
-def mix(sig: int, salt: int) -> int:
-    """`sig` with its checksum half changed by `salt` (variants of one op that must never pair up)."""
-    return (sig & ~0xFFFFFFFF & MASK64) | _digest(f"{sig & 0xFFFFFFFF}:{salt}".encode())
 
 
 def describe_sig(sig: int) -> str:
