@@ -20,7 +20,7 @@ from torch_thunderbolt.algorithms.collectives import Communicator
 from torch_thunderbolt.config import Config, parse_secret
 from torch_thunderbolt.errors import ConfigError, HandshakeError, PeerLostError
 from torch_thunderbolt.protocol import handshake as hs
-from torch_thunderbolt.transport.bootstrap import connect_tcp, group_key
+from torch_thunderbolt.transport.bootstrap import _recv_exact, connect_tcp, group_key
 
 from .mp import PRELUDE, run_ranks
 
@@ -84,23 +84,13 @@ def stranger_joins_as_rank_1(view, streams: int) -> list[socket.socket]:
             s = socket.create_connection(ep, timeout=10)
             socks.append(s)
             client = hs.ClientHandshake(key, 1, 0, stream, group)
-            s.sendall(client.receive_challenge(_recv(s, hs.CHALLENGE_SIZE)))
-            client.receive_reply(_recv(s, hs.REPLY_SIZE))
+            s.sendall(client.receive_challenge(_recv_exact(s, hs.CHALLENGE_SIZE)))
+            client.receive_reply(_recv_exact(s, hs.REPLY_SIZE))
     except BaseException:
         for s in socks:
             s.close()
         raise
     return socks
-
-
-def _recv(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionResetError("closed")
-        buf += chunk
-    return buf
 
 
 def _all_reduce_exact(transports: dict) -> None:
