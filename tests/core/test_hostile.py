@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torch_thunderbolt.algorithms.collectives import Communicator
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.protocol import handshake as hs
 from torch_thunderbolt.transport.bootstrap import connect_tcp, group_key
+
+from .worlds import all_reduce_on_threads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -75,18 +76,8 @@ def test_hostile_connections_are_refused_and_the_job_runs(caplog) -> None:
     refused = [r.message for r in caplog.records if "refused" in r.message]
     assert len(refused) >= 5, refused
 
-    results = {}
-
-    def run(r: int) -> None:
-        x = torch.full((1000,), float(r + 1))
-        Communicator(transports[r], Config(), timeout=20).all_reduce(x)
-        results[r] = x
-
-    ts = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(30)
+    results = all_reduce_on_threads(transports, lambda r: torch.full((1000,), float(r + 1)))
+    assert set(results) == {0, 1}
     assert all(torch.equal(results[r], torch.full((1000,), 3.0)) for r in (0, 1))
     # listeners are closed once the group is connected: later strangers are refused by the kernel
     with pytest.raises(ConnectionRefusedError):

@@ -16,13 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torch_thunderbolt.algorithms.collectives import Communicator
 from torch_thunderbolt.config import Config, parse_secret
 from torch_thunderbolt.errors import ConfigError, HandshakeError, PeerLostError
 from torch_thunderbolt.protocol import handshake as hs
 from torch_thunderbolt.transport.bootstrap import _recv_exact, connect_tcp, group_key
 
 from .mp import PRELUDE, run_ranks
+from .worlds import all_reduce_on_threads
 
 SECRET = b"0123456789abcdef" * 4  # 64 characters; what `launch` makes is secrets.token_hex(32)
 OTHER = b"fedcba9876543210" * 4
@@ -94,18 +94,7 @@ def stranger_joins_as_rank_1(view, streams: int) -> list[socket.socket]:
 
 
 def _all_reduce_exact(transports: dict) -> None:
-    results: dict[int, torch.Tensor] = {}
-
-    def run(r: int) -> None:
-        x = torch.arange(1000, dtype=torch.float32) * (r + 1)
-        Communicator(transports[r], Config(), timeout=20).all_reduce(x)
-        results[r] = x
-
-    ts = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(30)
+    results = all_reduce_on_threads(transports, lambda r: torch.arange(1000, dtype=torch.float32) * (r + 1))
     expected = torch.arange(1000, dtype=torch.float32) * 3
     assert set(results) == {0, 1}
     assert all(torch.equal(results[r], expected) for r in (0, 1))

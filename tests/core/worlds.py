@@ -36,3 +36,22 @@ def run_world(world: int, fn: Callable[[Communicator], Any], cfg: Config | None 
     if first is not None:
         raise first
     return results
+
+
+def all_reduce_on_threads(transports: dict, make: Callable[[int], "torch.Tensor"],
+                          timeout: float = 30.0) -> dict:
+    """One all_reduce of make(rank) on each transport of an already-connected group, one thread per rank;
+    returns {rank: result} for the ranks that finished within `timeout`."""
+    results: dict = {}
+
+    def run(r: int) -> None:
+        x = make(r)
+        Communicator(transports[r], Config(), timeout=20).all_reduce(x)
+        results[r] = x
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in sorted(transports)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return results
