@@ -91,13 +91,13 @@ class Config:
     # ping-pong over loopback TCP waits ~70 µs per round trip, so a shorter spin ends in a wake-up each time
     link_timeout_ms: int = 3000  # THUNDERBOLT_LINK_TIMEOUT_MS: data unacknowledged this long = link lost
     debug: bool = False  # THUNDERBOLT_DEBUG=1: full per-op signature checks and verbose logs
-    # Shared-memory transport (read by transport/shm_connect.py from the Config it is given):
+    # Shared-memory transport (read by rendezvous/shm.py from the Config it is given):
     shm_slot_bytes: int = 1 << 20  # THUNDERBOLT_SHM_SLOT: payload bytes per ring slot (multiple of 4K, 4K-1G)
     shm_slots: int = 8  # THUNDERBOLT_SHM_SLOTS: slots per directed pair (2-1024)
     shm_spin_us: int | None = None  # THUNDERBOLT_SHM_SPIN_US: spin before blocking; None = automatic (100 µs,
     # or 0 when ranks outnumber cores: see shm.default_spin), so it depends on the rank count, known later
     shm_window_bytes: int | None = None  # THUNDERBOLT_SHM_WINDOW: bytes per shared-window buffer; None =
-    # automatic by rank count (shm_connect.default_window_bytes), 0 = no window (collectives use the rings)
+    # automatic by rank count (rendezvous.shm.default_window_bytes), 0 = no window (collectives use the rings)
     shm_dir: str = ""  # THUNDERBOLT_SHM_DIR: existing writable directory for file-backed segments ("" = POSIX shm)
     autoload: bool = True  # THUNDERBOLT_AUTOLOAD=0: `import torch` does not register the backend
     # THUNDERBOLT_SECRET (or @file): the job's private key for the stream handshake; b"" = derive it from

@@ -200,7 +200,7 @@ def gather_facts(run: Callable[[list[str]], Any] | None = None, plat: Platform |
     plat = plat or current()
     env = dict(os.environ)
     try:
-        from .transport.bootstrap import effective_socket_buffer
+        from .rendezvous.tcp import effective_socket_buffer
 
         effective = effective_socket_buffer(Config.from_env(env), plat)
     except (ConfigError, OSError):

@@ -21,7 +21,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
 
     from torch_thunderbolt.algorithms.collectives import Communicator
     from torch_thunderbolt.config import Config
-    from torch_thunderbolt.transport.shm_connect import ShmOptions, connect_shm
+    from torch_thunderbolt.rendezvous.shm import ShmOptions, connect_shm
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from torch_thunderbolt.errors import ConfigError
-from torch_thunderbolt.transport.bootstrap import stream_routes
+from torch_thunderbolt.rendezvous.tcp import stream_routes
 from torch_thunderbolt.transport.netif import network_of, resolve_ifnames
 
 TABLE = {"lo": ["127.0.0.1"], "en0": ["192.168.1.5"], "en2": ["10.77.0.1"], "en3": ["10.77.0.5"]}

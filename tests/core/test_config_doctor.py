@@ -112,7 +112,7 @@ def test_compression_settings_have_one_parser(env: dict) -> None:
 
 
 def test_a_taken_port_names_thunderbolt_port_and_suggests_0() -> None:
-    from torch_thunderbolt.transport import bootstrap
+    from torch_thunderbolt.rendezvous import tcp as bootstrap
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch_thunderbolt.config import Config, parse_secret
 from torch_thunderbolt.errors import ConfigError, HandshakeError, PeerLostError
 from torch_thunderbolt.protocol import handshake as hs
-from torch_thunderbolt.transport.bootstrap import _recv_exact, connect_tcp, group_key
+from torch_thunderbolt.rendezvous.hosts import recv_exact as _recv_exact
+from torch_thunderbolt.rendezvous.tcp import connect_tcp, group_key
 
 from .mp import PRELUDE, run_ranks
 from .worlds import all_reduce_on_threads
@@ -166,8 +167,8 @@ def test_a_secret_on_one_rank_only_is_a_config_error_naming_the_peer(world, secr
 
 WARN_SCRIPT = PRELUDE + """
 if os.environ.get("TEST_FAKE_HOSTS") == "1":  # two ranks per pretend host: auto picks shm + TCP (hybrid)
-    from torch_thunderbolt.transport import shm_connect
-    shm_connect.host_identity = lambda: "test-host-" + str(int(os.environ["RANK"]) // 2)
+    from torch_thunderbolt.rendezvous import hosts
+    hosts.host_identity = lambda: "test-host-" + str(int(os.environ["RANK"]) // 2)
 dist.init_process_group("thunderbolt")
 w = dist.get_world_size()
 x = torch.arange(1000, dtype=torch.float32) * (dist.get_rank() + 1)

@@ -83,7 +83,7 @@ def test_only_link_errors_count_as_a_lost_cable():
 def test_link_timeout_socket_options_per_platform():
     import socket
 
-    from torch_thunderbolt.transport.bootstrap import DARWIN_TCP_RXT_CONNDROPTIME, link_timeout_options
+    from torch_thunderbolt.rendezvous.tcp import DARWIN_TCP_RXT_CONNDROPTIME, link_timeout_options
 
     (linux,) = link_timeout_options("linux", 3000)
     assert linux[0] == socket.IPPROTO_TCP and linux[1] == getattr(socket, "TCP_USER_TIMEOUT", 18) and linux[2] == 3000

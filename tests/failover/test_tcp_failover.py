@@ -1,5 +1,5 @@
 """Losing one stream of a pair whose streams use two different address pairs (two cables): the transfer
-completes on the other stream with every byte right. Two TcpTransports in one process over loopback
+completes on the other stream with every byte right. Two TCP transports in one process over loopback
 (127.0.0.1 and 127.0.0.2 stand for the two cables); the cut is injected as the ETIMEDOUT a dead cable
 gives, on one side only, at a random moment."""
 from __future__ import annotations
@@ -15,10 +15,11 @@ import torch
 
 from torch_thunderbolt.errors import PeerLostError
 from torch_thunderbolt.protocol.framing import Space
-from torch_thunderbolt.transport.tcp import TcpTransport
+from torch_thunderbolt.transport.engine import Transport
+from torch_thunderbolt.transport.tcp import TcpLinks, tcp_transport
 
 
-def _pair(sources=("127.0.0.1", "127.0.0.2"), stripe=64 << 10) -> tuple[TcpTransport, TcpTransport]:
+def _pair(sources=("127.0.0.1", "127.0.0.2"), stripe=64 << 10) -> tuple[Transport, Transport]:
     lst = socket.create_server(("127.0.0.1", 0))
     port = lst.getsockname()[1]
     client, server = [], []
@@ -30,16 +31,22 @@ def _pair(sources=("127.0.0.1", "127.0.0.2"), stripe=64 << 10) -> tuple[TcpTrans
         client.append(c)
         server.append(s)
     lst.close()
-    return (TcpTransport(0, 2, {1: server}, stripe_bytes=stripe), TcpTransport(1, 2, {0: client}, stripe_bytes=stripe))
+    return (tcp_transport(0, 2, {1: server}, stripe_bytes=stripe), tcp_transport(1, 2, {0: client}, stripe_bytes=stripe))
 
 
-def _cut(t: TcpTransport, stream: int) -> None:
+def _tcp(t: Transport) -> TcpLinks:
+    kind = t.link_kind("tcp")
+    assert isinstance(kind, TcpLinks)
+    return kind
+
+
+def _cut(t: Transport, stream: int) -> None:
     with t._cv:
-        c = t.conns[1 - t.rank][stream]
-        t._conn_error(c, TimeoutError(errno.ETIMEDOUT, "Connection timed out (injected cable cut)"))
+        link = _tcp(t).links[1 - t.rank]
+        link.conn_error(link.streams[stream], TimeoutError(errno.ETIMEDOUT, "Connection timed out (injected cable cut)"))
 
 
-def _exchange(t: TcpTransport, msgs: list[torch.Tensor], results: dict, lazy: bool, seed: int) -> None:
+def _exchange(t: Transport, msgs: list[torch.Tensor], results: dict, lazy: bool, seed: int) -> None:
     rng = random.Random(seed)
     try:
         peer = 1 - t.rank
@@ -57,21 +64,22 @@ def _exchange(t: TcpTransport, msgs: list[torch.Tensor], results: dict, lazy: bo
         results[t.rank] = exc
 
 
-def _cut_mid_frame(victim: TcpTransport, fraction: float, total: int) -> dict:
+def _cut_mid_frame(victim: Transport, fraction: float, total: int) -> dict:
     """Cut stream 0 from inside the victim's own reader, at a payload being read, once `fraction` of the
     bytes arrived: a cut that is sure to catch data in flight."""
-    original, state = victim._read_payload, {"cut": False}
+    link = _tcp(victim).links[1 - victim.rank]
+    original, state = link._read_payload, {"cut": False}
 
     def reading(c):
         # A payload whose header was read is in flight on stream 0 (all of it, or what is left of it).
         if (not state["cut"] and c.stream == 0 and c.inbound is not None
                 and victim.bytes_received >= fraction * total):
             state["cut"] = True
-            victim._conn_error(c, TimeoutError(errno.ETIMEDOUT, "Connection timed out (injected cable cut)"))
+            link.conn_error(c, TimeoutError(errno.ETIMEDOUT, "Connection timed out (injected cable cut)"))
             return None
         return original(c)
 
-    victim._read_payload = reading
+    link._read_payload = reading
     return state
 
 
@@ -109,11 +117,11 @@ def test_transfers_survive_losing_one_of_two_cables(seed):
             for sent, got in zip(msgs[1 - r], results[r]):
                 assert torch.equal(sent, got)
         assert t0.broken is None and t1.broken is None
-        assert (t0, t1)[seed % 2 == 0].resent_bytes > 0  # the peer of the cut side resent what was in flight
+        assert _tcp((t0, t1)[seed % 2 == 0]).resent_bytes > 0  # the peer of the cut side resent what was in flight
         # and the survivors keep working afterwards
         msgs, results = _run(t0, t1, [1 << 20] * 4, cut_at=None, lazy=False, seed=seed + 100, cut_rank=seed % 2)
         assert all(torch.equal(s, g) for r in (0, 1) for s, g in zip(msgs[1 - r], results[r]))
-        assert t0.lost_streams == 1 and t1.lost_streams == 1  # the other side learnt it from the RESYNC
+        assert _tcp(t0).lost_streams == 1 and _tcp(t1).lost_streams == 1  # the other side learnt it from the RESYNC
     finally:
         t0.close()
         t1.close()
@@ -123,7 +131,7 @@ def test_transfers_survive_losing_one_of_two_cables(seed):
 def test_one_cable_has_no_failover_a_cut_is_a_peer_lost_error():
     t0, t1 = _pair(sources=("127.0.0.1", "127.0.0.1"))
     try:
-        assert t0.conns[1][0].log is None
+        assert _tcp(t0).stream(1, 0).log is None
         _cut(t0, 0)
         with pytest.raises(PeerLostError, match="rank 1"):
             t0.wait([t0.irecv(1, (Space.COLL, 1, 1), memoryview(bytearray(4)))], deadline=time.monotonic() + 5)
@@ -137,10 +145,10 @@ def test_a_closed_stream_is_still_a_lost_peer_even_with_two_cables():
     """EOF or reset means the peer process is gone, not a cable: no failover, a clear PeerLostError."""
     t0, t1 = _pair()
     try:
-        t1.conns[0][0].sock.shutdown(socket.SHUT_RDWR)
+        _tcp(t1).stream(0, 0).sock.shutdown(socket.SHUT_RDWR)
         with pytest.raises(PeerLostError, match="rank 1"):
             t0.wait([t0.irecv(1, (Space.COLL, 1, 1), memoryview(bytearray(4)))], deadline=time.monotonic() + 5)
-        assert t0.lost_streams == 0
+        assert _tcp(t0).lost_streams == 0
     finally:
         t0.close()
         t1.close()
@@ -153,12 +161,12 @@ def test_a_rank_waiting_to_receive_pings_its_peer_and_the_peer_ignores_the_pings
     from torch_thunderbolt.errors import CollectiveTimeout
 
     t0, t1 = _pair(sources=("127.0.0.1", "127.0.0.1"))
-    t0.probe_after = 0.2
+    _tcp(t0).probe_after = 0.2
     try:
         late = bytearray(8)
         with pytest.raises(CollectiveTimeout):
             t0.wait([t0.irecv(1, (Space.COLL, 1, 1), memoryview(late))], deadline=time.monotonic() + 1.0)
-        assert t0.probes_sent >= 2
+        assert _tcp(t0).probes_sent >= 2
         got = bytearray(4)
         req = t1.irecv(0, (Space.COLL, 2, 0), memoryview(got))
         t0.wait([t0.isend(1, (Space.COLL, 2, 0), memoryview(b"abcd"))], deadline=time.monotonic() + 5)

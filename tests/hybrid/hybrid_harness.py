@@ -1,5 +1,5 @@
 """Rank scripts for hybrid (shm + TCP) runs on one machine: each rank pretends to live on host `rank // 2`
-(two ranks per emulated host) by replacing `shm_connect.host_identity` in its own process before the group
+(two ranks per emulated host) by replacing `hosts.host_identity` in its own process before the group
 is created, so `auto` picks the hybrid exactly as it would across real hosts."""
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from ..shm.shm_harness import leftovers
 
 HYBRID_PRELUDE = PRELUDE + """
 import signal
-from torch_thunderbolt.transport import shm_connect
+from torch_thunderbolt.rendezvous import hosts
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 PER_HOST = int(os.environ.get("TEST_RANKS_PER_HOST", "2"))
 if os.environ.get("TEST_FAKE_HOSTS") == "1":  # not in the lab: there network namespaces make the hosts
-    shm_connect.host_identity = lambda: f"test-host-{RANK // PER_HOST}"
+    hosts.host_identity = lambda: f"test-host-{RANK // PER_HOST}"
 """
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from torch_thunderbolt.algorithms.shape import shape_from_networks
-from torch_thunderbolt.backend.registration import _choose_transport, hosts_shape
+from torch_thunderbolt.rendezvous.group import choose_transport as _choose_transport, hosts_shape
 
 from ..core.collective_checks import EVERY_COLLECTIVE
 from .hybrid_harness import run_hybrid
@@ -48,8 +48,8 @@ t = pg._comm.t
 W = WORLD
 """ + EVERY_COLLECTIVE + """
 # Same-host pairs only: shm moves the bytes, TCP moves none.
-tcp0 = (t.tcp.bytes_sent, t.tcp.bytes_received)
-shm0 = (t.shm.bytes_sent, t.shm.bytes_received)
+tcp0 = (t.link_kind("tcp").bytes_sent, t.link_kind("tcp").bytes_received)
+shm0 = (t.link_kind("shm").bytes_sent, t.link_kind("shm").bytes_received)
 mate = RANK ^ 1
 for n in (1000, (1 << 18) + 3):
     for first in (0, 1):
@@ -59,8 +59,8 @@ for n in (1000, (1 << 18) + 3):
             got = torch.zeros(n)
             dist.recv(got, src=mate, tag=3)
             check(f"same-host send/recv {mate}->{RANK} {n}", got, data(n, mate))
-same_host = {"tcp": [t.tcp.bytes_sent - tcp0[0], t.tcp.bytes_received - tcp0[1]],
-             "shm": [t.shm.bytes_sent - shm0[0], t.shm.bytes_received - shm0[1]]}
+same_host = {"tcp": [t.link_kind("tcp").bytes_sent - tcp0[0], t.link_kind("tcp").bytes_received - tcp0[1]],
+             "shm": [t.link_kind("shm").bytes_sent - shm0[0], t.link_kind("shm").bytes_received - shm0[1]]}
 
 every_collective()
 
@@ -80,8 +80,8 @@ elif RANK in (1, 2):
 check_barrier(0.3)
 plans = [(key[0], p[0] if isinstance(p, tuple) else p) for key, p in pg._comm._plans.items()]
 hier = sorted({op for op, p in plans if p.algo == "hier"})
-result({"kind": type(t).__name__, "order": pg._comm.shape.order, "bad": bad, "same_host": same_host,
-        "tcp": [t.tcp.bytes_sent, t.tcp.bytes_received], "shm": [t.shm.bytes_sent, t.shm.bytes_received],
+result({"kind": t.kind, "order": pg._comm.shape.order, "bad": bad, "same_host": same_host,
+        "tcp": [t.link_kind("tcp").bytes_sent, t.link_kind("tcp").bytes_received], "shm": [t.link_kind("shm").bytes_sent, t.link_kind("shm").bytes_received],
         "hier": hier})
 dist.destroy_process_group()
 """
@@ -92,7 +92,7 @@ def test_every_collective_is_exact_and_same_host_bytes_stay_off_tcp(tmp_path) ->
     runs = run_hybrid(COLLECTIVES, 4, tmp_path, timeout=100)
     for run in runs:
         got = run.json()
-        assert got["kind"] == "HybridTransport", got
+        assert got["kind"] == "shm+tcp", got
         assert got["bad"] == [], (run.rank, got["bad"])
         assert got["same_host"]["tcp"] == [0, 0], (run.rank, got)
         one_each = 4 * (1000 + (1 << 18) + 3)  # one message of each size sent and one received
@@ -137,7 +137,7 @@ FORCED = """
 dist.init_process_group("thunderbolt", init_method="env://")
 x = torch.full((5,), float(RANK))
 dist.all_reduce(x)
-result({"kind": type(dist.group.WORLD._comm.t).__name__, "sum": x.tolist()})
+result({"kind": dist.group.WORLD._comm.t.kind, "sum": x.tolist()})
 dist.destroy_process_group()
 """
 
@@ -146,14 +146,14 @@ dist.destroy_process_group()
 def test_transport_tcp_forces_tcp_between_same_host_ranks_too(tmp_path) -> None:
     runs = run_hybrid(FORCED, 4, tmp_path, timeout=50, env={"THUNDERBOLT_TRANSPORT": "tcp"})
     for run in runs:
-        assert run.json() == {"kind": "TcpTransport", "sum": [6.0] * 5}, (run.rank, run.json())
+        assert run.json() == {"kind": "tcp", "sum": [6.0] * 5}, (run.rank, run.json())
 
 
 @pytest.mark.timeout(60)
 def test_a_rank_alone_on_its_host_uses_tcp_and_talks_to_hybrid_ranks(tmp_path) -> None:
     runs = run_hybrid(FORCED, 3, tmp_path, timeout=50)  # ranks 0, 1 share a host; rank 2 is alone
     kinds = [run.json()["kind"] for run in runs]
-    assert kinds == ["HybridTransport", "HybridTransport", "TcpTransport"], kinds
+    assert kinds == ["shm+tcp", "shm+tcp", "tcp"], kinds
     assert all(run.json()["sum"] == [3.0] * 5 for run in runs)
 
 

@@ -28,7 +28,7 @@ def test_lab_every_collective_exact_same_host_off_tcp(pair, tmp_path) -> None:
     runs = run_hybrid_lab(pair, COLLECTIVES, tmp_path, timeout=100)
     for run in runs:
         got = run.json()
-        assert got["kind"] == "HybridTransport", got
+        assert got["kind"] == "shm+tcp", got
         assert got["bad"] == [], (run.rank, got["bad"])
         assert got["same_host"]["tcp"] == [0, 0], (run.rank, got)
         assert min(got["same_host"]["shm"]) > 0 and min(got["tcp"]) > 0, (run.rank, got)

@@ -5,7 +5,7 @@ import pytest
 
 from torch_thunderbolt.platform import IOREG, SYSCTL, Platform, current
 from torch_thunderbolt.transport import shm_segment as segs
-from torch_thunderbolt.transport.shm_connect import host_identity
+from torch_thunderbolt.rendezvous.hosts import host_identity
 
 from ..reliability.leftovers import shm_entries
 
@@ -114,7 +114,7 @@ def test_ring_head_and_tail_sit_on_separate_128_byte_cache_lines() -> None:
 def test_shared_memory_is_refused_where_no_full_memory_barrier_is_known(caplog) -> None:
     import logging
 
-    from torch_thunderbolt.backend.registration import _shm_or_tcp
+    from torch_thunderbolt.rendezvous.group import shm_or_tcp as _shm_or_tcp
     from torch_thunderbolt.transport import shm_ring as ring
 
     barrier = lambda: None  # noqa: E731 - stands in for libSystem's OSMemoryBarrier

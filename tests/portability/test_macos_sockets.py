@@ -19,8 +19,9 @@ from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import ConfigError, PeerLostError
 from torch_thunderbolt.platform import INT_MAX, LOCAL_NETWORK_SETTING, SOCKET_IO_CAP, Platform
 from torch_thunderbolt.protocol.framing import Space
-from torch_thunderbolt.transport import bootstrap
-from torch_thunderbolt.transport.tcp import TcpTransport
+from torch_thunderbolt.rendezvous import tcp as bootstrap
+from torch_thunderbolt.transport.engine import Transport
+from torch_thunderbolt.transport.tcp import tcp_transport
 
 DARWIN = Platform.for_system("darwin")
 LINUX = Platform.for_system("linux")
@@ -69,7 +70,7 @@ def test_a_message_over_int_max_bytes_moves_in_calls_macos_accepts() -> None:
         a = socket.create_connection(lst.getsockname())
         b, _ = lst.accept()
     fa, fb = DarwinSocket(a), DarwinSocket(b)
-    t0, t1 = TcpTransport(0, 2, {1: [fa]}), TcpTransport(1, 2, {0: [fb]})
+    t0, t1 = tcp_transport(0, 2, {1: [fa]}), tcp_transport(1, 2, {0: [fb]})
     src = torch.empty(n, dtype=torch.uint8)  # untouched pages stay unallocated; the marks below are checked
     marks = [0, 1, SOCKET_IO_CAP - 1, SOCKET_IO_CAP, INT_MAX, INT_MAX + 1, n - 1]
     for i, pos in enumerate(marks):
@@ -77,7 +78,7 @@ def test_a_message_over_int_max_bytes_moves_in_calls_macos_accepts() -> None:
     dst = torch.zeros(n, dtype=torch.uint8)
     errors: list[BaseException] = []
 
-    def side(t: TcpTransport, send: bool) -> None:
+    def side(t: Transport, send: bool) -> None:
         try:
             key = (Space.COLL, 1, 0)
             req = (t.isend(1, key, memoryview(src.numpy()).cast("B")) if send
@@ -244,7 +245,7 @@ def test_a_receive_posted_after_the_link_timeout_still_gets_a_large_parked_messa
         b, _ = lst.accept()
     for s in (a, b):
         bootstrap.tune_socket(s, cfg, LINUX)
-    t0, t1 = TcpTransport(0, 2, {1: [a]}, probe_after=60), TcpTransport(1, 2, {0: [b]}, probe_after=60)
+    t0, t1 = tcp_transport(0, 2, {1: [a]}, probe_after=60), tcp_transport(1, 2, {0: [b]}, probe_after=60)
     n = 64 << 20  # far more than both socket buffers hold
     src, dst = torch.arange(n, dtype=torch.int64).to(torch.uint8), torch.zeros(n, dtype=torch.uint8)
     errors: list[BaseException] = []

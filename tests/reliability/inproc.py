@@ -10,16 +10,16 @@ from typing import Iterator
 import torch.distributed as dist
 
 from torch_thunderbolt.config import Config
-from torch_thunderbolt.transport.bootstrap import connect_tcp
-from torch_thunderbolt.transport.tcp import TcpTransport
+from torch_thunderbolt.rendezvous.tcp import connect_tcp
+from torch_thunderbolt.transport.engine import Transport
 
 
 @contextlib.contextmanager
-def tcp_world(world: int, cfg: Config | None = None, timeout: float = 30.0) -> Iterator[list[TcpTransport]]:
+def tcp_world(world: int, cfg: Config | None = None, timeout: float = 30.0) -> Iterator[list[Transport]]:
     cfg = cfg or Config(streams=1)
     server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=timeout),
                            wait_for_workers=False)
-    transports: list[TcpTransport | None] = [None] * world
+    transports: list[Transport | None] = [None] * world
     errors: list[BaseException] = []
 
     def rank(r: int) -> None:

@@ -65,8 +65,8 @@ except Exception as exc:
     print("ERROR " + json.dumps({"type": type(exc).__name__, "msg": str(exc)[:400], "t": time.time(),
                                  "peer": getattr(exc, "peer", None), "ops": ops}), flush=True)
     sys.exit(3)
-print("DONE " + json.dumps({"ops": ops, "wrong": wrong, "lost_streams": pg.transport.lost_streams,
-                            "resent": pg.transport.resent_bytes}), flush=True)
+print("DONE " + json.dumps({"ops": ops, "wrong": wrong, "lost_streams": pg.transport.link_kind("tcp").lost_streams,
+                            "resent": pg.transport.link_kind("tcp").resent_bytes}), flush=True)
 """
 
 

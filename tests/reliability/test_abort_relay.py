@@ -24,7 +24,7 @@ def _relay(worlds) -> PeerLostError:
     # rank 1 waits for data from rank 0 (as in a ring step)
     waiting = t1.irecv(0, (Space.COLL, 1, 0), memoryview(bytearray(64)))
     news = PeerLostError("rank 2: lost the connection to rank 3 at 10.0.0.4:1234 (stream 0): reset", rank=2, peer=3)
-    t2.conns[0][0].sock.send(encode_abort(news))  # only rank 0 hears it directly
+    t2.link_kind("tcp").stream(0, 0).sock.send(encode_abort(news))  # only rank 0 hears it directly
     with pytest.raises(PeerLostError) as first:
         t0.wait([t0.irecv(2, (Space.COLL, 1, 0), memoryview(bytearray(64)))], time.monotonic() + 10)
     assert first.value.peer == 3  # rank 0 names the dead rank
@@ -67,7 +67,7 @@ def test_an_abort_behind_a_frame_in_flight_still_reaches_the_peer() -> None:
     n = 32 << 20
     with tcp_world(3) as (t0, t1, t2):
         big = t0.isend(1, (Space.COLL, 1, 0), memoryview(bytearray(n)))
-        out0 = t0.conns[1][0].sendq
+        out0 = t0.link_kind("tcp").stream(1, 0).sendq
         assert out0 and out0[0].sent, "the frame should be partly written (socket buffers are smaller)"
         reqs = [t1.irecv(0, (Space.COLL, 1, 0), memoryview(bytearray(n))),
                 t1.irecv(0, (Space.COLL, 2, 0), memoryview(bytearray(64)))]  # the next step: never comes

@@ -58,7 +58,7 @@ def test_sigstopped_rank_is_named_by_both_survivors_not_the_rank_waiting_on_it(n
 
 DIES_IN_SETUP = PRELUDE + r"""
 import datetime
-import torch_thunderbolt.transport.bootstrap as bootstrap
+import torch_thunderbolt.rendezvous.tcp as bootstrap
 if os.environ["RANK"] == os.environ["TB_DIES"]:
     # Dies right after publishing its endpoint (the acceptor starts just after the store.set).
     bootstrap._Acceptor.start = lambda self: os._exit(3)

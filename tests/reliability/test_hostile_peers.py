@@ -13,7 +13,7 @@ import pytest
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import HandshakeError, MismatchError, ProtocolError
 from torch_thunderbolt.protocol.framing import FrameDecoder, Kind, Space, encode_frame_header
-from torch_thunderbolt.transport import bootstrap as bs
+from torch_thunderbolt.rendezvous import tcp as bs
 
 from .inproc import tcp_world
 
@@ -136,7 +136,7 @@ def test_absurd_lengths_are_protocol_errors_without_allocation(total, kind, spac
 def test_a_huge_collective_header_is_parked_not_allocated_and_mismatches_at_post() -> None:
     with tcp_world(2) as (t0, t1):
         hdr = encode_frame_header(Kind.DATA, Space.COLL, 0, 7, 0, 0, 1 << 39, 1 << 39)
-        t1.conns[0][0].sock.sendall(hdr + b"x" * 1000)  # announces 512 GiB, sends 1000 bytes
+        t1.link_kind("tcp").stream(0, 0).sock.sendall(hdr + b"x" * 1000)  # announces 512 GiB, sends 1000 bytes
         assert _allocated_while(lambda: _drive(t0)) < 1 << 20
         with pytest.raises(MismatchError):
             req = t0.irecv(1, (Space.COLL, 7, 0), memoryview(bytearray(100)))

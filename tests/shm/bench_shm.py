@@ -34,8 +34,8 @@ def rank_main(args: argparse.Namespace) -> None:
 
     from torch_thunderbolt.algorithms.collectives import Communicator
     from torch_thunderbolt.config import Config, parse_size
-    from torch_thunderbolt.transport.bootstrap import connect_tcp
-    from torch_thunderbolt.transport.shm_connect import ShmOptions, connect_shm
+    from torch_thunderbolt.rendezvous.tcp import connect_tcp
+    from torch_thunderbolt.rendezvous.shm import ShmOptions, connect_shm
 
     torch.set_num_threads(1)
     r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -13,7 +13,7 @@ import signal
 from datetime import timedelta
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.transport.base import ANY_SOURCE
-from torch_thunderbolt.transport.shm import connect_shm
+from torch_thunderbolt.rendezvous.shm import connect_shm
 r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"pid_{r}"), "w") as _f:
     _f.write(str(os.getpid()))  # before anything is created: run_shm checks leftovers of these pids only

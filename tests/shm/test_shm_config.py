@@ -12,7 +12,8 @@ def test_shm_settings_reach_the_transport_through_the_config(tmp_path) -> None:
     seg_dir = tmp_path / "segments"
     seg_dir.mkdir()
     script = """
-result({"dir": str(t.own.path.parent) if t.own.path else None, "slot": t.slot_bytes, "spin": t.spin,
+shm = t.link_kind("shm")
+result({"dir": str(shm.own.path.parent) if shm.own.path else None, "slot": shm.slot_bytes, "spin": shm.spin,
         "window": t.window is not None})
 t.close()
 """
@@ -21,3 +22,18 @@ t.close()
     for res in run_shm(script, 2, tmp_path, timeout=100, env=env):
         assert res.json() == {"dir": str(seg_dir), "slot": 8 << 10, "spin": pytest.approx(5e-6), "window": False}
     assert list(seg_dir.iterdir()) == []  # segments unlinked once every rank had mapped them
+
+
+def test_a_group_all_on_this_host_gets_its_shared_window_by_default(tmp_path) -> None:
+    """The shm kind attaches the window to its engine: the windowed collectives must be what runs."""
+    script = """
+from torch_thunderbolt.algorithms.collectives import Communicator
+comm = Communicator(t, Config.from_env(), timeout=30)
+x = torch.full((1000,), float(r + 1))
+comm.all_reduce(x)
+result({"window": t.window is not None and t.window.world == w, "rounds": t.window.rounds if t.window else 0,
+        "sum": x[0].item()})
+t.close()
+"""
+    for res in run_shm(script, 3, tmp_path, timeout=100):
+        assert res.json() == {"window": True, "rounds": 1, "sum": 6.0}

@@ -190,7 +190,7 @@ def test_ranks_with_different_window_settings_get_a_config_error(tmp_path) -> No
     script = PRELUDE + """
 from datetime import timedelta
 from torch_thunderbolt.config import Config
-from torch_thunderbolt.transport.shm_connect import ShmOptions, connect_shm
+from torch_thunderbolt.rendezvous.shm import ShmOptions, connect_shm
 r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), w, r == 0, timeout=timedelta(seconds=30))
 opts = ShmOptions(window_bytes=(2 << 20) if r == 0 else 0)  # as if THUNDERBOLT_SHM_WINDOW differed

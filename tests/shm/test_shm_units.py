@@ -15,8 +15,9 @@ from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import ConfigError
 from torch_thunderbolt.transport import shm_ring as ring
 from torch_thunderbolt.transport import shm_segment as segs
-from torch_thunderbolt.transport.shm_control import BELL, BYE, ControlWire
-from torch_thunderbolt.transport.shm_connect import ShmOptions, host_identity
+from torch_thunderbolt.transport.shm import BELL, BYE, ShmLink
+from torch_thunderbolt.rendezvous.hosts import host_identity
+from torch_thunderbolt.rendezvous.shm import ShmOptions
 
 from ..core.mp import REPO
 
@@ -95,7 +96,7 @@ def test_segments_go_to_the_configured_dir_which_is_never_created(tmp_path) -> N
 
 
 def test_default_window_is_bigger_when_ranks_outnumber_cores(monkeypatch) -> None:
-    from torch_thunderbolt.transport import shm_connect
+    from torch_thunderbolt.rendezvous import shm as shm_connect
     monkeypatch.setattr(shm_connect.os, "cpu_count", lambda: 2)
     assert shm_connect.default_window_bytes(2) == 1 << 20
     assert shm_connect.default_window_bytes(4) == 4 << 20
@@ -160,18 +161,28 @@ def test_host_identity_is_stable() -> None:
     assert host_identity().split("|")[0]
 
 
-class _Wire(ControlWire):
-    """The least of a ShmTransport that its control wire needs, to drive `_read_control` by hand."""
+class _Engine:
+    """The least of an engine that a shm link's control wire needs, to drive `on_event` by hand."""
 
     def __init__(self) -> None:
         self.rank, self.broken, self.failed = 0, None, None
         self.matcher = SimpleNamespace(pending=lambda: [])
 
-    def _read(self, pe) -> bool:
-        return False
+    def fail(self, err, tell_peers=True) -> None:
+        self.failed = err
 
-    def _fail(self, pe, exc, wrap=True) -> None:
-        self.failed = exc
+    def lost(self, peer, where, exc, address=""):
+        return exc
+
+    def peer_left(self, peer, where) -> None:
+        pass
+
+
+def _link(sock: socket.socket) -> tuple[ShmLink, _Engine]:
+    kind = SimpleNamespace(slot_bytes=0, to_ring=set())
+    link = ShmLink(kind, 1, sock, 1, None, None, SimpleNamespace(pending=lambda: False), None)
+    link.engine = _Engine()
+    return link, link.engine
 
 
 def test_a_reset_after_bye_is_an_orderly_close_not_a_lost_peer() -> None:
@@ -184,9 +195,8 @@ def test_a_reset_after_bye_is_an_orderly_close_not_a_lost_peer() -> None:
         theirs.shutdown(socket.SHUT_RDWR)
         theirs.close()
         ours.setblocking(False)
-        pe = SimpleNamespace(rank=1, pid=1, sock=ours, eof=False, bye=False, ctl=bytearray())
-        wire = _Wire()
-        wire._read_control(pe)
+        pe, wire = _link(ours)
+        pe.on_event(ours.fileno())
         assert pe.bye and pe.eof and wire.failed is None
 
 
@@ -196,7 +206,6 @@ def test_a_reset_without_bye_is_a_lost_peer() -> None:
         ours.send(BELL)
         theirs.close()
         ours.setblocking(False)
-        pe = SimpleNamespace(rank=1, pid=1, sock=ours, eof=False, bye=False, ctl=bytearray())
-        wire = _Wire()
-        wire._read_control(pe)
+        pe, wire = _link(ours)
+        pe.on_event(ours.fileno())
         assert wire.failed is not None

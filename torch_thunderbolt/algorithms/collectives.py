@@ -14,7 +14,7 @@ import torch
 from ..config import Config
 from ..errors import CollectiveTimeout, MismatchError
 from ..protocol.signature import describe_sig, encode_sig
-from ..transport.base import Transport
+from ..transport.engine import Transport
 from ..transport.window import Window
 from . import direct, select, windowed
 from .layout import offsets

@@ -17,7 +17,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..protocol.framing import Space
-from ..transport.base import Request, Transport
+from ..transport.base import Request
+from ..transport.engine import Transport
 
 SEND, RECV, REDUCE, COPY = 0, 1, 2, 3
 KIND_NAMES = ("send", "recv", "reduce", "copy")

@@ -8,7 +8,7 @@ import torch
 
 from ..algorithms.collectives import Communicator
 from ..config import Config
-from ..transport.base import Transport
+from ..transport.engine import Transport
 from .work import Work
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..algorithms.collectives import Communicator
 from ..algorithms.shape import Shape
 from ..config import Config
-from ..transport.base import Transport
+from ..transport.engine import Transport
 from .data_movement import DataMovementOps
 from .p2p_ops import PointToPointOps
 from .reductions import ReductionOps
@@ -52,7 +52,7 @@ class ThunderboltProcessGroup(ReductionOps, DataMovementOps, PointToPointOps, di
         if cfg.debug:
             enable_debug_logging()
             log.debug("rank %d: group %r of %d ranks on %s (shape %s); %s", self._rank, description, self._size,
-                      type(transport).__name__, self._comm.shape.kind, cfg)
+                      transport.kind, self._comm.shape.kind, cfg)
 
     # -- identity --------------------------------------------------------------------------------------------
     def getBackendName(self) -> str:

@@ -77,9 +77,8 @@ def _transport_of(kind: str, group: Any) -> str:
     described = getattr(group, "transport", None)
     if isinstance(described, str):
         return described
-    if described is not None:  # a transport object: TcpTransport -> "tcp"
-        name = str(getattr(described, "name", "") or type(described).__name__).lower()
-        return name.removesuffix("transport") or name
+    if described is not None:  # a transport object: what its engine holds ("tcp", "shm", "shm+tcp")
+        return str(getattr(described, "kind", "?"))
     return os.environ.get("THUNDERBOLT_TRANSPORT", "auto") if kind == "thunderbolt" else "?"
 
 

@@ -1,9 +1,8 @@
-"""The transport interface every algorithm is written against.
+"""What the engine is built from: a `Request` (one posted send or receive), a `Link` per peer and a
+`LinkKind` per kind of link (TCP streams, shared-memory rings, in-process delivery).
 
-A transport moves byte buffers between the ranks of one group: `isend`/`irecv` post a message and return a
-`Request`; `wait` drives progress until the requests finish (or raises). Messages are matched by key
-`(space, tag, seq)`; see `protocol.framing.Space`. Once a transport fails it is BROKEN for good: every
-pending and later request gets the same error at once.
+The engine (`engine.Transport`) owns everything the kinds have in common: matching, waiting, BROKEN and
+telling peers why. A new kind of link (an RDMA queue pair) is a Link and a LinkKind, not a new engine.
 """
 from __future__ import annotations
 
@@ -11,16 +10,10 @@ import abc
 import logging
 import re
 import socket
-import threading
-import time
-from collections import defaultdict
-from typing import Callable, Iterable, Sequence
+from typing import Any, Iterable
 
-from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerAbortedError, PeerLostError,
-                      ProtocolError)
+from ..errors import CollectiveTimeout, MismatchError, PeerAbortedError, PeerLostError, ProtocolError
 from ..protocol.framing import Space
-from .names import RankNames
-from .window import Window
 
 Key = tuple[int, int, int]  # (space, tag, seq)
 ANY_SOURCE = -1
@@ -51,225 +44,124 @@ class Request:
         return f"{what} {peer} ({space} {self.key[1]}, message {self.key[2]}, {self.nbytes} bytes)"
 
 
-class Transport(abc.ABC):
-    """Base class: request bookkeeping, p2p sequence numbers, the BROKEN state and `wait`."""
+class Link(abc.ABC):
+    """The engine's view of one peer over one kind of link (gloo's "pair"): TCP streams to a rank on another
+    host, a shared-memory ring pair to a rank on this one, or a rank of the same process. The engine calls
+    every method with its lock held, from whichever thread drives progress.
 
-    _log: "logging.Logger | None" = None  # where entering BROKEN is reported (the in-memory one stays quiet)
-    names: RankNames | None = None  # a subgroup's global ranks, for its error messages (set by the backend)
+    A link moves the bytes of posted requests and delivers arriving parts through the engine's Matcher; it
+    reports what goes wrong to the engine (`engine.fail`), which owns BROKEN and tells the other peers."""
 
-    def __init__(self, rank: int, world: int) -> None:
-        self.rank = rank
-        self.world = world
-        self.broken: BaseException | None = None
-        self.closed = False
-        self._p2p_send_seq: dict[tuple[int, int], int] = defaultdict(int)
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self._cv = threading.Condition(threading.RLock())
-        # Memory every rank can read directly, for the collectives designed for it (ranks on one host).
-        self.window: Window | None = None
+    peer: int
+    engine: "Any"  # the Transport this link belongs to (set by Transport.__init__)
 
-    # -- to implement ------------------------------------------------------------------------------
+    @property
     @abc.abstractmethod
-    def _post_send(self, req: Request) -> None: ...
+    def address(self) -> str:
+        """Where the peer is, for error messages ("10.0.0.2:41234", "shm pid 4242")."""
+
+    def fds(self) -> "Iterable[tuple[int, int]]":
+        """(file descriptor, poll events) to sleep on now; none for a link woken by its peer directly."""
+        return ()
 
     @abc.abstractmethod
-    def _post_recv(self, req: Request) -> None: ...
+    def post_send(self, req: Request) -> None:
+        """Queue a send and start writing it; raise PeerLostError if the peer has left."""
+
+    def posted_recv(self) -> None:
+        """A receive was posted for this peer: read what was held back waiting for one (parked data)."""
 
     @abc.abstractmethod
-    def _progress(self, timeout: float) -> None:
-        """Make progress on posted requests, blocking at most `timeout` seconds."""
+    def pump(self) -> bool:
+        """Write what the peer can take and read what it sent, without blocking; True if anything moved."""
+
+    def on_event(self, fd: int) -> None:
+        """`fd` of this link woke a sleeping poll (control bytes to read before pumping)."""
 
     @abc.abstractmethod
-    def _shutdown(self) -> None: ...
-
-    def peer_address(self, peer: int) -> str:
-        return f"rank {peer}"
-
-    def _waits_on(self, peer: int, tags: "set[int]") -> int | None:
-        """The rank `peer` told us it waits on in one of the ops `tags`, if it did (TCP: PING answers)."""
-        return None
-
-    # -- public API ----------------------------------------------------------------------------------
-    def isend(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
-        self._check_usable()
-        self._check_peer(peer)
-        req = Request(peer, key, sig, _bytes_view(buf), is_send=True)
-        self._post_send(req)
-        return req
-
-    def irecv(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
-        self._check_usable()
-        if peer != ANY_SOURCE:
-            self._check_peer(peer)
-        req = Request(peer, key, sig, _bytes_view(buf), is_send=False)
-        self._post_recv(req)
-        return req
-
-    def isend_p2p(self, peer: int, tag: int, buf: memoryview) -> Request:
-        with self._cv:
-            seq = self._p2p_send_seq[(peer, tag)]
-            self._p2p_send_seq[(peer, tag)] = seq + 1
-        return self.isend(peer, (Space.P2P, tag, seq), buf)
-
-    def irecv_p2p(self, peer: int, tag: int, buf: memoryview) -> Request:
-        """Receive the next message with `tag` from `peer` (or from any peer with ANY_SOURCE)."""
-        # The sequence number is assigned at match time (see matching.Matcher), so -1 here.
-        return self.irecv(peer, (Space.P2P, tag, -1), buf)
-
-    def wait(self, reqs: Sequence[Request], deadline: float | None = None, what: str = "") -> None:
-        """Block until every request is done; raise its error, or CollectiveTimeout at `deadline`."""
-        self._wait_until(reqs, all, deadline, what)
-
-    def wait_any(self, reqs: Sequence[Request], deadline: float | None = None, what: str = "",
-                 arrived: Iterable[int] = ()) -> None:
-        """Block until at least one request is done (raising the first error found). `arrived`: peers
-        already heard from in this op (named as "did not arrive" only if they are not)."""
-        self._wait_until(reqs, any, deadline, what, arrived)
-
-    def _wait_until(self, reqs: Sequence[Request], how: "Callable[[Iterable[bool]], bool]",
-                    deadline: float | None, what: str, arrived: Iterable[int] = ()) -> None:
-        while True:
-            for r in reqs:
-                if r.error is not None:
-                    raise r.error
-            if how(r.done for r in reqs):
-                return
-            if self.broken is not None:
-                raise self.broken
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise self._timeout_error(reqs, what, arrived)
-            self._progress(0.2 if deadline is None else min(0.2, deadline - now))
-
-    def test(self, reqs: Iterable[Request]) -> bool:
-        reqs = list(reqs)
-        if not all(r.done for r in reqs) and self.broken is None:
-            self._progress(0.0)
-        for r in reqs:
-            if r.error is not None:
-                raise r.error
-        return all(r.done for r in reqs)
-
-    def abort(self, error: BaseException) -> None:
-        """Enter the BROKEN state with `error` (and tell peers, where the transport can)."""
-        with self._cv:
-            if self.broken is None:
-                self.broken = error
-            self._cv.notify_all()
+    def gone(self) -> bool:
+        """The peer has left in order (BYE) or is known dead: no more data will come from it."""
 
     def retire(self, tag: int) -> None:
-        """Collective op `tag` finished on this rank: data for it (or older ops) that still arrives is an error."""
+        """Collective op `tag` finished on this rank: data still held for it (or older ops) is an error."""
+
+    @abc.abstractmethod
+    def queued(self) -> "list[Request]":
+        """Sends not fully written, in order (they get the error when the engine breaks)."""
+
+    def abort_writes(self, body: bytes) -> "list[tuple[socket.socket, list[memoryview]]]":
+        """What to write on which socket to tell the peer why the group failed (`body`: "Class: reason"),
+        after the rest of any frame in flight; drops the send queue. Empty when the link has no wire."""
+        return []
+
+    def say_bye(self) -> None:
+        """The orderly end: tell the peer no more data comes (best effort)."""
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self._shutdown()
-
-    # -- helpers for subclasses -------------------------------------------------------------------
-    def _lost(self, peer: int, where: str, exc: BaseException, address: str = "") -> PeerLostError:
-        """What a broken connection to `peer` becomes, with the OS error as its cause: the one place the
-        engines turn a socket error into the error the user sees."""
-        err = PeerLostError(f"rank {self.rank}: lost the connection to rank {peer} {where}: {exc}",
-                            rank=self.rank, peer=peer, address=address)
-        err.__cause__ = exc
-        return err
-
-    def _enter_broken(self, err: BaseException, queued: Iterable[Request]) -> None:
-        """BROKEN for good: every posted receive and every queued send gets `err` at once; later operations
-        get it from `_check_usable`. (Caller holds the lock, closes its sockets and notifies.)"""
-        if self.names is not None:
-            self.names.apply(err)
-        if self._log is not None:
-            self._log.error("%s", err)
-        self.broken = err
-        for r in self.matcher.pending():
-            r.error = err
-        for r in queued:
-            r.error = err
-
-    def _check_usable(self) -> None:
-        if self.broken is not None:
-            raise self.broken
-        if self.closed:
-            raise BackendClosedError(f"rank {self.rank}: the transport is closed")
-
-    def _check_peer(self, peer: int) -> None:
-        if not 0 <= peer < self.world or peer == self.rank:
-            raise ValueError(f"rank {self.rank}: invalid peer rank {peer} (group size {self.world})")
-
-    def _timeout_error(self, reqs: Sequence[Request], what: str, arrived: Iterable[int] = ()) -> CollectiveTimeout:
-        waiting = [r for r in reqs if not r.done]
-        # A rank that sent us anything for this op has arrived; it may only be waiting on someone else.
-        heard = set(arrived) | {r.peer for r in reqs if not r.is_send and (r.done or r.received)}
-        awaited = {r.peer for r in waiting if not r.is_send}
-        missing = sorted(awaited - heard)
-        detail = "; ".join(r.describe() for r in waiting[:4])
-        named = missing or sorted(awaited)
-        # A rank we wait on may only be waiting on another one itself (it said so, answering our probe):
-        # blame that one, not the rank stuck behind it.
-        tags = {r.key[1] for r in waiting if r.key[0] == Space.COLL}
-        via = {p: b for p in named if (b := self._waits_on(p, tags)) is not None and b not in (p, self.rank)}
-        culprits = sorted({via.get(p, p) for p in named})
-        if via:
-            behind = "; ".join(f"rank {p} is itself waiting on rank {b}" for p, b in sorted(via.items()))
-            who = f" ranks that stopped sending: {culprits} ({behind});"
-        elif missing:
-            who = f" ranks that did not arrive: {missing};"
-        else:  # everyone arrived; some stopped part-way (frozen, or waiting on someone themselves)
-            who = f" ranks that arrived but stopped sending: {sorted(awaited)};" if awaited else ""
-        err = CollectiveTimeout(
-            f"rank {self.rank}: Timed out waiting in {what or 'an operation'};{who} pending: {detail}",
-            ranks=culprits)
-        return err if self.names is None else self.names.apply(err)
+        """Close this link's sockets (the engine releases shared resources through the LinkKind)."""
 
 
-def _bytes_view(buf: memoryview | bytearray | bytes) -> memoryview:
+class LinkKind:
+    """What the links of one kind share inside an engine (a kind-wide thread, a segment, counters) and the
+    engine's hooks for it. The defaults do nothing: a kind overrides what it needs."""
+
+    name = "?"
+    log: "logging.Logger | None" = None  # where entering BROKEN is reported (the in-memory kind stays quiet)
+    spin = 0.0  # seconds worth spinning before sleeping, for this kind's latency
+    bytes_sent = 0  # payload bytes moved over this kind's links (each kind counts its own)
+    bytes_received = 0
+    links: "dict[int, Link]"
+    engine: "Any"
+
+    def attach(self, engine: "Any") -> None:
+        """Called once by the engine that owns these links."""
+        self.engine = engine
+        for link in self.links.values():
+            link.engine = engine
+
+    def note_post(self, req: Request) -> None:
+        """A request is being posted (under the lock): publish what op this rank is in, if the kind can."""
+
+    def after_pump(self) -> None:
+        """After a round of pumping or posting: e.g. ring the doorbells of peers that now have work."""
+
+    def ready(self) -> bool | None:
+        """A cheap look without the lock or a system call: could a pump move anything? None: this kind
+        cannot tell without polling its file descriptors."""
+        return None
+
+    def sleep_cap(self, quiet: bool) -> float | None:
+        """Longest single sleep this kind allows (it may miss a wake-up), or None."""
+        return None
+
+    def before_sleep(self) -> None:
+        """About to sleep in poll(): ask peers to wake us (e.g. raise a 'sleeping' flag they check)."""
+
+    def after_sleep(self) -> None:
+        """Back from poll()."""
+
+    def idle(self) -> None:
+        """Nothing moved and a wait goes on (before the engine sleeps): probe peers that went quiet."""
+
+    def quiet(self) -> None:
+        """A whole sleep passed with nothing to do: look for a peer visibly stuck in another op."""
+
+    def waits_on(self, peer: int, tags: "set[int]") -> int | None:
+        """The rank `peer` said it waits on in one of the ops `tags`, if it said so."""
+        return None
+
+    def release(self) -> None:
+        """The engine closed: release what the kind holds (memory maps, segments). Called under the lock."""
+
+    def join(self) -> None:
+        """After release, without the lock: wait for the kind's own threads."""
+
+
+def bytes_view(buf: memoryview | bytearray | bytes) -> memoryview:
     mv = buf if isinstance(buf, memoryview) else memoryview(buf)
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
     return mv
-
-
-class DrivenTransport(Transport):
-    """A transport whose progress engine is driven by whichever thread waits: one thread at a time runs
-    `_drive`, the others sleep on the condition until it reports completions (or 50 ms pass)."""
-
-    def __init__(self, rank: int, world: int) -> None:
-        super().__init__(rank, world)
-        self._progress_lock = threading.Lock()
-        # A doorbell for the driving thread while it sleeps in poll(): other threads ring it when they
-        # post work it must pick up. `_polling` says whether anyone is asleep there.
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._polling = False
-
-    def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-
-    @abc.abstractmethod
-    def _drive(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
-        """Move data, blocking at most `timeout` seconds; called by one thread at a time. `until`: one more
-        condition worth returning early for (a shared window's counters); transports without a window
-        ignore it."""
-
-    def _progress(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
-        if not self._progress_lock.acquire(blocking=False):
-            with self._cv:  # another thread drives the engine; it notifies on completions
-                if timeout > 0:
-                    self._cv.wait(min(timeout, 0.05 if until is None else 0.001))
-            return
-        try:
-            self._drive(timeout, until)
-        finally:
-            self._progress_lock.release()
-            with self._cv:
-                self._cv.notify_all()
 
 
 _REMOTE_ERRORS = {"MismatchError": MismatchError, "CollectiveTimeout": CollectiveTimeout,

@@ -3,7 +3,7 @@
 Layout, after the rings (`shm_ring.rings_end`): a 4096-byte control block with the progress counter at
 byte 0 and the op words at byte 64 (a cache line of their own), then BUFFERS buffers of `nbytes`.
 
-Waiting goes through the transport's progress engine (`ShmTransport._drive` with `until`): it spins
+Waiting goes through the group's progress engine (`Transport.progress` with `until`): it spins
 briefly, then sleeps in poll() on the doorbell sockets with its "sleeping" flag set; a rank that posts a
 counter rings the bell of every sleeper. So a window wait keeps the rings moving (point-to-point traffic
 of other threads), notices a dead peer (EOF on its socket) and an ABORT, exactly like a receive.
@@ -11,15 +11,13 @@ of other threads), notices a dead peer (EOF on its socket) and an ABORT, exactly
 from __future__ import annotations
 
 from contextlib import suppress
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 from ..errors import MismatchError
 from ..protocol.signature import describe_sig
 from . import shm_ring as ring
+from .engine import Transport
 from .window import BUFFERS, Window
-
-if TYPE_CHECKING:
-    from .shm import ShmTransport
 
 CTL_BYTES = 4096
 WORDS_OFFSET = 64
@@ -31,9 +29,11 @@ def area_bytes(nbytes: int) -> int:
 
 
 class ShmWindow(Window):
-    def __init__(self, transport: "ShmTransport", areas: dict[int, memoryview], nbytes: int) -> None:
-        super().__init__(transport.rank, transport.world, nbytes)
-        self._t = transport
+    def __init__(self, engine: Transport, links: Any, areas: dict[int, memoryview], nbytes: int) -> None:
+        """`links`: the engine's shared-memory links (shm.ShmLinks: wake_sleepers, parked_collective)."""
+        super().__init__(engine.rank, engine.world, nbytes)
+        self._t = engine
+        self._links = links
         self._ctr = {p: mv[:8].cast("Q") for p, mv in areas.items()}
         self._words = {p: mv[WORDS_OFFSET : WORDS_OFFSET + 8 * BUFFERS].cast("Q") for p, mv in areas.items()}
         self._bufs = {(p, k): mv[CTL_BYTES + k * nbytes : CTL_BYTES + (k + 1) * nbytes]
@@ -56,7 +56,7 @@ class ShmWindow(Window):
             self._words[self.rank][k] = word
         ring.publish_fence()  # arm64: payload and word stores before the counter store
         self._ctr[self.rank][0] = value
-        self._t.wake_sleepers()
+        self._links.wake_sleepers()
 
     def _check(self) -> None:
         self._t._check_usable()
@@ -65,13 +65,13 @@ class ShmWindow(Window):
         t = self._t
         if t.broken is not None:
             raise t.broken
-        t._progress(timeout, until=ready)
+        t.progress(timeout, until=ready)
         if t.broken is not None:
             raise t.broken
         # A rank we wait for that sends ring data of a collective has skipped this op: had it run it, it
         # would have posted the step we wait for before sending anything later (counters only grow). So
         # its counter is read again *after* its ring data was seen: a post that came first shows by then.
-        stray = t.parked_collective([p for p in range(self.world) if p != self.rank and behind(p)])
+        stray = self._links.parked_collective([p for p in range(self.world) if p != self.rank and behind(p)])
         ring.publish_fence()
         if stray is not None and behind(stray[0]):
             peer, sig = stray

@@ -1,180 +1,146 @@
-"""TCP transport: several streams per peer, striped large messages, one progress engine per group.
+"""TCP links: several streams per peer, large messages striped over them, failover between cables.
 
-Design: non-blocking sockets and a progress engine driven by whichever thread waits (MPI style), so a
-receive is read by the very thread that needs it — no hand-off to a receiver thread on the latency path.
-Posting a send writes inline when the socket has room; a collective frame whose receive is not posted yet
-is *parked*: its stream is simply not read until the receive arrives, so TCP flow control holds the bytes
-and nothing is copied twice. Any socket error or EOF puts the whole transport into the BROKEN state —
-except a link error on one of a peer's streams while others over another cable live: then the stream is
-dropped and its unconsumed bytes are sent again on the others (tcp_failover.py, failover.py).
+Non-blocking sockets driven by the engine (engine.py): a receive is read by the very thread that needs it,
+with no hand-off to a receiver thread on the latency path. Posting a send writes inline when the socket has
+room. A collective frame whose receive is not posted yet is *parked*: its stream is simply not read until
+the receive arrives, so TCP flow control holds the bytes and nothing is copied twice.
+
+Any socket error or EOF breaks the whole group, except a link error on one of a peer's streams while
+others over another cable live: then the stream is dropped and its unconsumed bytes are sent again on the
+others (bookkeeping in failover.py). With failover on, a keeper thread acknowledges and answers RESYNCs
+while no thread waits. A rank that only waits to receive sends PING probes after a quiet spell; each names
+the op it waits for, so a peer that ran that op differently (another root or collective) detects the
+mismatch, and its answer says whom it waits on itself (a timeout then blames the end of the chain).
 """
 from __future__ import annotations
 
-import time
+import errno
 import logging
 import select
 import socket
-from typing import Callable
+import threading
+import time
+from collections import deque
 
-from ..errors import MismatchError, PeerLostError, ThunderboltError
+from ..errors import MismatchError, ProtocolError, ThunderboltError
 from ..platform import SOCKET_IO_CAP
-from ..protocol.framing import FRAME_HEADER_SIZE, Frame, Kind, Space, encode_control, encode_frame_header
+from ..protocol.framing import (FRAME_HEADER_SIZE, Frame, FrameDecoder, Kind, Space, encode_control,
+                                encode_frame_header)
 from ..protocol.signature import describe_sig
-from .base import ANY_SOURCE, DrivenTransport, Request
-from .failover import Fields
-from .tcp_conn import ABORT_PAYLOAD, Stream, Outgoing
-from .tcp_failover import StreamFailover
-from .tcp_lifecycle import StreamLifecycle
+from .base import ANY_SOURCE, Link, LinkKind, Request, remote_error
+from .engine import Transport
+from .failover import Fields, RxCount, StreamLog, is_link_failure
 from .layout import split_aligned
-from .matching import Matcher
-from .spin import SpinGuard
 
 log = logging.getLogger("torch_thunderbolt.tcp")
+OPS_REMEMBERED = 256  # a PING names an op the peer waits for now: one this far behind us is long settled
+_STAGING = 1 << 16
+ABORT_PAYLOAD = object()  # marks an inbound ABORT payload
 
 
-class TcpTransport(StreamLifecycle, StreamFailover, DrivenTransport):
-    _log = log
-    def __init__(self, rank: int, world: int, conns: dict[int, list[socket.socket]], *,
-                 stripe_bytes: int = 256 << 10, max_message: int = 1 << 40, spin_us: int = 0,
-                 probe_after: float = 1.5) -> None:
-        super().__init__(rank, world)
-        self.matcher = Matcher(rank)
-        self.stripe_bytes = stripe_bytes
-        self.conns: dict[int, list[Stream]] = {
-            p: [Stream(s, p, i, max_message) for i, s in enumerate(socks)] for p, socks in conns.items()
-        }
-        self._all = [c for cs in self.conns.values() for c in cs]
-        self._by_fd = {c.fd: c for c in self._all}
-        self.spin_seconds = spin_us / 1e6
-        self._spinner = SpinGuard()
-        self._init_failover(probe_after)
+class Outgoing:
+    """One frame queued on a stream: header, payload view, the request it serves (None for control
+    frames and resends of completed parts), bytes written, and its failover log entry."""
 
-    retired = 0  # every collective op up to this tag has finished on this rank
+    __slots__ = ("hdr", "payload", "req", "sent", "fields", "entry")
 
-    def retire(self, tag: int) -> None:
-        with self._cv:
-            self.retired = max(self.retired, tag)
-            for c in self._all:
-                if c.parked is not None and c.parked.tag <= tag and self.broken is None:
-                    self._fail(c, self._stray(c, c.parked), wrap=False)
-            if self.broken is not None:
-                raise self.broken
+    def __init__(self, hdr: bytes, payload: memoryview, req: Request | None, fields: Fields | None = None) -> None:
+        self.hdr, self.payload, self.req, self.sent, self.fields, self.entry = hdr, payload, req, 0, fields, None
 
-    def _stray(self, c: Stream, frame: Frame) -> MismatchError:
-        return MismatchError(
-            f"rank {self.rank}: rank {c.peer} sent {describe_sig(frame.sig)} data for op #{frame.tag}, which this "
-            f"rank finished without expecting data from rank {c.peer} (different collectives, roots or order)")
 
-    def peer_address(self, peer: int) -> str:
-        cs = self.conns.get(peer)
-        return cs[0].addr if cs else "?"
+def _control_frame(hdr: bytes) -> Outgoing:
+    return Outgoing(hdr, memoryview(b""), None)
+
+
+class Stream:
+    """One socket to a peer and what is in flight on it."""
+
+    __slots__ = ("sock", "fd", "peer", "stream", "addr", "local", "decoder", "sendq", "inbound", "parked", "bye",
+                 "staging", "dead", "log", "rx")
+
+    def __init__(self, sock: socket.socket, peer: int, stream: int, max_message: int) -> None:
+        sock.setblocking(False)
+        self.sock, self.fd, self.peer, self.stream = sock, sock.fileno(), peer, stream
+        try:
+            self.addr = "%s:%d" % sock.getpeername()[:2]
+            self.local = sock.getsockname()[0]  # one local address per cable
+        except OSError:
+            self.addr = self.local = "?"
+        self.decoder = FrameDecoder(max_message)
+        self.sendq: deque[Outgoing] = deque()
+        self.inbound: list | None = None  # [dest view, target, frame, bytes done]
+        self.parked: Frame | None = None
+        self.bye = False
+        self.dead = False  # lost its cable; the peer's other streams carry on
+        self.staging = bytearray(_STAGING)
+        self.log: StreamLog | None = None  # set when failover is on for this peer
+        self.rx: RxCount | None = None
+
+    @property
+    def where(self) -> str:
+        return f"at {self.addr} (stream {self.stream})"
+
+
+class TcpLink(Link):
+    """A peer reached over TCP: its streams (one or more per cable), striping and failover between them."""
+
+    def __init__(self, kind: "TcpLinks", peer: int, socks: list[socket.socket], max_message: int) -> None:
+        self.kind = kind
+        self.peer = peer
+        self.streams = [Stream(s, peer, i, max_message) for i, s in enumerate(socks)]
+        # Streams over two or more cables (address pairs; the set looks the same from both ends) fail over.
+        self.failover = len({(c.local, c.addr.rpartition(":")[0]) for c in self.streams}) > 1
+        if self.failover:
+            for c in self.streams:
+                c.log, c.rx = StreamLog(), RxCount()
+        # A parked frame stops its stream, and a RESYNC behind it could wait for data that only the RESYNC
+        # brings back: with failover (or after a lost stream), early frames are buffered instead.
+        self.no_park = self.failover
+
+    @property
+    def address(self) -> str:
+        return self.streams[0].addr if self.streams else "?"
+
+    def fds(self) -> "list[tuple[int, int]]":
+        out = []
+        for c in self.streams:
+            if c.dead:  # a stream that lost its cable: never read again
+                continue
+            ev = (select.POLLIN if c.parked is None and not c.bye else 0) | (select.POLLOUT if c.sendq else 0)
+            if ev:
+                out.append((c.fd, ev))
+        return out
 
     # -- posting ------------------------------------------------------------------------------------------
-    def _post_send(self, req: Request) -> None:
+    def post_send(self, req: Request) -> None:
         space, tag, seq = req.key
         n = req.nbytes
-        with self._cv:
-            self._check_usable()
-            self._note_op(req.key, req.sig)
-            conns = [c for c in self.conns[req.peer] if not c.dead]
-            parts = split_aligned(n, len(conns)) if n >= self.stripe_bytes and len(conns) > 1 else [(0, n)]
-            req.pending = len(parts)
-            for i, (off, ln) in enumerate(parts):
-                fields = Fields(space, req.sig, tag, seq, off, ln, n)
-                self._enqueue(conns[i], Outgoing(self._header(fields), req.buf[off : off + ln], req, fields))
-            if not req.done and self._polling:
-                self._wake()
+        conns = [c for c in self.streams if not c.dead]
+        parts = split_aligned(n, len(conns)) if n >= self.kind.stripe_bytes and len(conns) > 1 else [(0, n)]
+        req.pending = len(parts)
+        for i, (off, ln) in enumerate(parts):
+            fields = Fields(space, req.sig, tag, seq, off, ln, n)
+            self.enqueue(conns[i], Outgoing(_header(fields), req.buf[off : off + ln], req, fields))
 
-    @staticmethod
-    def _header(f: Fields) -> bytes:
-        return encode_frame_header(Kind.DATA, Space(f.space), f.sig, f.tag, f.seq, f.offset, f.length, f.total)
+    def posted_recv(self) -> None:
+        for c in self.streams:
+            if c.parked is not None and not c.dead:
+                self._read(c)
 
-    def _enqueue(self, conn: Stream, out: Outgoing, front: bool = False) -> None:
+    def enqueue(self, c: Stream, out: Outgoing, front: bool = False) -> None:
         """Queue a frame (with `front`: right after the frame being written, if any) and try to write."""
-        if front and conn.sendq:
-            conn.sendq.insert(1 if conn.sendq[0].sent else 0, out)
+        if front and c.sendq:
+            c.sendq.insert(1 if c.sendq[0].sent else 0, out)
         else:
-            conn.sendq.append(out)
-        if conn.sendq[0] is out:
-            self._flush(conn)
+            c.sendq.append(out)
+        if c.sendq[0] is out:
+            self._flush(c)
 
-    def _post_recv(self, req: Request) -> None:
-        with self._cv:
-            self._check_usable()
-            self._note_op(req.key, req.sig)
-            self.matcher.post(req)  # it may match a message that arrived before the peer said BYE
-            if not req.done and req.peer != ANY_SOURCE and all(c.bye or c.dead for c in self.conns[req.peer]):
-                self.matcher.posted.pop((req.peer, req.key), None)
-                raise PeerLostError(f"rank {self.rank}: rank {req.peer} has shut down its connections",
-                                    rank=self.rank, peer=req.peer, address=self.peer_address(req.peer))
-            peers = self.conns.values() if req.peer == ANY_SOURCE else [self.conns[req.peer]]
-            for conns in peers:
-                for c in conns:
-                    if c.parked is not None and not c.dead:
-                        self._read(c)
-            if req.done:
-                self._cv.notify_all()
-            elif self._polling:
-                self._wake()
-
-    # -- the engine ---------------------------------------------------------------------------------------
-    def _drive(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
-        with self._cv:
-            moved = self._pump()
-            if moved:
-                self._last_traffic = time.monotonic()
-            if moved or timeout <= 0 or self.broken is not None:
-                return
-            self._probe_if_quiet()
-            ready = self._poll_set() if self.spin_seconds > 0 else None
-        if ready is not None and self._spin(min(timeout, self.spin_seconds), ready):
-            return
-        with self._cv:
-            poller = self._poll_set()
-            self._polling = True
-        try:
-            poller.poll(timeout * 1000.0)
-        finally:
-            self._polling = False
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except OSError:
-            pass
-        with self._cv:
-            if self._pump():
-                self._last_traffic = time.monotonic()
-
-    def _spin(self, seconds: float, ready: "select.poll") -> bool:
-        """Busy-poll briefly before sleeping: a cross-core wake-up costs more than a small message. Each look
-        is one poll(0) over the streams, and the streams are read only once it reports news: an empty
-        read raises BlockingIOError per stream, which costs more than the poll."""
-        return self._spinner.spin(seconds, lambda: bool(ready.poll(0)) and self._pump_locked())
-
-    def _pump_locked(self) -> bool:
-        with self._cv:
-            return self._pump() or self.broken is not None
-
-    def _poll_set(self) -> "select.poll":
-        poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
-        for c in self._all:
-            if c.dead:
-                continue
-            ev = 0
-            if c.parked is None and not c.bye:
-                ev |= select.POLLIN
-            if c.sendq:
-                ev |= select.POLLOUT
-            if ev:
-                poller.register(c.fd, ev)
-        return poller
-
-    def _pump(self) -> bool:
-        """Flush every send queue and read every readable stream; True if anything moved."""
+    def pump(self) -> bool:
         moved = False
-        for c in self._all:
-            if self.broken is not None:
+        engine = self.engine
+        for c in self.streams:
+            if engine.broken is not None:
                 return True
             if c.dead:
                 continue
@@ -184,8 +150,27 @@ class TcpTransport(StreamLifecycle, StreamFailover, DrivenTransport):
                 moved |= self._read(c)
         return moved
 
+    def gone(self) -> bool:
+        return all(c.bye or c.dead for c in self.streams)
+
+    def retire(self, tag: int) -> None:
+        for c in self.streams:
+            if c.parked is not None and c.parked.tag <= tag and self.engine.broken is None:
+                self.engine.fail(self._stray(c, c.parked))
+
+    def _stray(self, c: Stream, frame: Frame) -> MismatchError:
+        rank = self.engine.rank
+        return MismatchError(
+            f"rank {rank}: rank {c.peer} sent {describe_sig(frame.sig)} data for op #{frame.tag}, which this "
+            f"rank finished without expecting data from rank {c.peer} (different collectives, roots or order)")
+
+    def queued(self) -> list[Request]:
+        return [out.req for c in self.streams for out in c.sendq if out.req is not None]
+
+    # -- writing --------------------------------------------------------------------------------------------
     def _flush(self, c: Stream) -> bool:
         moved = False
+        engine = self.engine
         while c.sendq and not c.dead:
             out = c.sendq[0]
             hl = len(out.hdr)
@@ -199,7 +184,7 @@ class TcpTransport(StreamLifecycle, StreamFailover, DrivenTransport):
             except OSError as exc:
                 if c.parked is None and not c.bye:
                     self._read(c)  # an ABORT waiting in the receive buffer names the real cause
-                self._conn_error(c, exc)  # no-op if that read already failed the transport
+                self.conn_error(c, exc)  # no-op if that read already failed the transport
                 return True
             moved = True
             if out.sent == 0 and k and c.log is not None:  # its first byte is on this stream now
@@ -213,19 +198,21 @@ class TcpTransport(StreamLifecycle, StreamFailover, DrivenTransport):
             c.sendq.popleft()
             if out.entry is not None:
                 c.log.completed(out.entry)
-            self.bytes_sent += len(out.payload)
+            self.kind.bytes_sent += len(out.payload)
             req = out.req
             if req is not None:
                 req.pending -= 1
                 if req.pending == 0:
                     req.done = True
-                    self._cv.notify_all()
+                    engine._cv.notify_all()
         return moved
 
+    # -- reading --------------------------------------------------------------------------------------------
     def _read(self, c: Stream) -> bool:
         moved = False
+        engine = self.engine
         try:
-            while self.broken is None:
+            while engine.broken is None:
                 if c.inbound is not None:
                     step = self._read_payload(c)
                     if step is None:
@@ -240,13 +227,14 @@ class TcpTransport(StreamLifecycle, StreamFailover, DrivenTransport):
                 if frame is None:
                     k = c.sock.recv_into(c.staging)
                     if k == 0:
-                        return self._eof(c) or True
+                        self._eof(c)
+                        return True
                     c.decoder.feed(memoryview(c.staging)[:k])
                     moved = True
                     continue
                 c.parked = None
                 if frame.kind is Kind.PING:
-                    self._check_probe(c, frame)
+                    self.kind.check_probe(self, c, frame)
                     continue
                 if frame.kind is Kind.ACK or frame.kind is Kind.RESYNC:
                     self._control(c, frame)
@@ -256,11 +244,12 @@ class TcpTransport(StreamLifecycle, StreamFailover, DrivenTransport):
                     continue
                 if frame.kind is Kind.BYE:
                     c.bye = True
-                    self._peer_said_bye(c)
+                    if self.gone():
+                        engine.peer_left(self.peer, c.where)
                     return True
-                if frame.space == Space.COLL and frame.tag <= self.retired:
+                if frame.space == Space.COLL and frame.tag <= engine.retired:
                     raise self._stray(c, frame)  # its op is over here: no receive can be waiting for it
-                target = self.matcher.match(c.peer, frame, allow_park=c.peer not in self.no_park)
+                target = engine.matcher.match(c.peer, frame, allow_park=not self.no_park)
                 if target is None:
                     c.parked = frame
                     return moved
@@ -269,13 +258,13 @@ class TcpTransport(StreamLifecycle, StreamFailover, DrivenTransport):
         except (BlockingIOError, InterruptedError):
             return moved
         except ThunderboltError as exc:  # mismatch or protocol violation: the stream is unusable now
-            self._fail(c, exc, wrap=False)
+            engine.fail(exc)
         except OSError as exc:
-            self._conn_error(c, exc)
+            self.conn_error(c, exc)
         finally:
-            if c.rx is not None and c.rx.ack_due() and not c.dead and self.broken is None:
+            if c.rx is not None and c.rx.ack_due() and not c.dead and engine.broken is None:
                 c.rx.acked = c.rx.consumed
-                self._enqueue(c, Outgoing(encode_control(Kind.ACK, c.rx.consumed), memoryview(b""), None), front=True)
+                self.enqueue(c, _control_frame(encode_control(Kind.ACK, c.rx.consumed)), front=True)
         return True
 
     def _read_payload(self, c: Stream) -> bool | None:
@@ -300,10 +289,234 @@ class TcpTransport(StreamLifecycle, StreamFailover, DrivenTransport):
             c.inbound[3] = got
             return True
         c.inbound = None
+        engine = self.engine
         if target is ABORT_PAYLOAD:
-            self._remote_abort(c, bytes(dest).decode(errors="replace"))
+            engine.remote_abort(c.peer, remote_error(engine.rank, c.peer, bytes(dest).decode(errors="replace")))
             return None
-        self.bytes_received += frame.length
-        if self.matcher.part_done(c.peer, frame.key, target, frame.length):
-            self._cv.notify_all()
+        self.kind.bytes_received += frame.length
+        if engine.matcher.part_done(c.peer, frame.key, target, frame.length):
+            engine._cv.notify_all()
         return True
+
+    def _eof(self, c: Stream) -> None:
+        self._fail(c, ConnectionResetError(errno.ECONNRESET, "connection closed by peer"))
+
+    def _fail(self, c: Stream, exc: BaseException) -> None:
+        self.engine.fail(self.engine.lost(c.peer, c.where, exc, c.addr))
+
+    # -- failover -------------------------------------------------------------------------------------------
+    def conn_error(self, c: Stream, exc: BaseException) -> None:
+        """A socket error on stream `c`: a cable's failure with others left fails over, anything else fails."""
+        if c.log is not None and is_link_failure(exc) and self.engine.broken is None:
+            self._kill_stream(c, exc)  # fails the transport itself when no other stream is left
+        else:
+            self._fail(c, exc)
+
+    def _survivors(self, c: Stream) -> list[Stream]:
+        """The peer's other live streams, those on other cables first."""
+        live = [x for x in self.streams if x is not c and not x.dead]
+        return sorted(live, key=lambda x: x.local == c.local)
+
+    def _kill_stream(self, c: Stream, exc: BaseException) -> None:
+        """Stop using stream `c`; tell the peer how much of it we consumed (it resends the rest)."""
+        if c.dead:
+            return
+        survivors = self._survivors(c)
+        if not survivors:
+            self._fail(c, exc)
+            return
+        c.dead = True
+        self.kind.lost_streams += 1
+        self.no_park = True
+        log.warning("rank %d: lost stream %d to rank %d (%s -> %s): %s; continuing on %s", self.engine.rank,
+                    c.stream, c.peer, c.local, c.addr, exc,
+                    ", ".join(f"stream {x.stream} ({x.local})" for x in survivors))
+        if c.inbound is not None:  # payload bytes already in place count: the resend starts after them
+            dest, target, frame, got = c.inbound
+            if target is not ABORT_PAYLOAD and got and self.engine.matcher.part_done(c.peer, frame.key, target, got):
+                self.engine._cv.notify_all()
+        c.inbound, c.parked = None, None
+        unstarted = [o for o in c.sendq if o.entry is None and o.fields is not None]
+        c.sendq.clear()  # started frames are in the log and go again when the peer's RESYNC says from where
+        self.enqueue(survivors[0], _control_frame(encode_control(Kind.RESYNC, c.rx.consumed, c.stream)), front=True)
+        for i, out in enumerate(unstarted):
+            self.enqueue(survivors[i % len(survivors)], out)
+        for x in survivors:  # frames parked there may wait for data that will now come after them
+            if x.parked is not None:
+                self._read(x)
+
+    def _control(self, c: Stream, frame: Frame) -> None:
+        if c.log is None:
+            raise ProtocolError(f"rank {c.peer} sent {frame.kind.name} on a stream without failover")
+        if frame.kind is Kind.ACK:
+            c.log.ack(frame.offset)
+            return
+        if not 0 <= frame.tag < len(self.streams) or self.streams[frame.tag] is c:
+            raise ProtocolError(f"rank {c.peer} sent RESYNC for stream {frame.tag} on stream {c.stream}")
+        lost = self.streams[frame.tag]
+        self._kill_stream(lost, ConnectionAbortedError(errno.ECONNABORTED, f"rank {c.peer} lost this stream"))
+        survivors = self._survivors(lost)
+        parts = lost.log.replay(frame.offset)
+        for i, part in reversed(list(enumerate(parts))):  # each goes to the front: oldest first in the end
+            owner = part.owner
+            out = Outgoing(_header(part.fields), memoryview(part.payload), owner.req if owner else None,
+                           part.fields)
+            self.kind.resent_bytes += len(out.payload)
+            self.enqueue(survivors[i % len(survivors)], out, front=True)
+
+    # -- ending ---------------------------------------------------------------------------------------------
+    def abort_writes(self, body: bytes) -> "list[tuple[socket.socket, list[memoryview]]]":
+        frame = memoryview(encode_frame_header(Kind.ABORT, Space.COLL, 0, 0, 0, 0, len(body), len(body)) + body)
+        writes = []
+        for c in self.streams:
+            if c.dead:
+                continue
+            bufs: list[memoryview] = []
+            if c.sendq and c.sendq[0].sent:  # the peer would read an ABORT written now as payload
+                out, hl = c.sendq[0], len(c.sendq[0].hdr)
+                bufs = ([memoryview(out.hdr)[out.sent:], out.payload] if out.sent < hl
+                        else [out.payload[out.sent - hl:]])
+            c.sendq.clear()
+            writes.append((c.sock, bufs + [frame]))
+        return writes
+
+    def say_bye(self) -> None:
+        bye = encode_frame_header(Kind.BYE, Space.COLL, 0, 0, 0, 0, 0, 0)
+        for c in self.streams:
+            if not c.sendq and not c.dead:
+                try:
+                    c.sock.send(bye)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        for c in self.streams:
+            c.sendq.clear()
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.sock.close()
+
+
+class TcpLinks(LinkKind):
+    """The TCP links of one engine and what they share: the ops this rank posted (to answer PINGs), the
+    peers' answers, probe timing, failover counters and the keeper thread."""
+
+    name = "tcp"
+
+    def __init__(self, conns: dict[int, list[socket.socket]], *, stripe_bytes: int = 256 << 10,
+                 max_message: int = 1 << 40, spin_us: int = 0, probe_after: float = 1.5) -> None:
+        self.log = log
+        self.stripe_bytes = stripe_bytes
+        self.links: dict[int, TcpLink] = {p: TcpLink(self, p, socks, max_message) for p, socks in conns.items()}
+        self.spin = spin_us / 1e6
+        self.lost_streams = 0
+        self.resent_bytes = 0  # payload sent again after a lost stream
+        # A rank that only waits to receive has no unacknowledged data, so the kernel's link timeout never
+        # fires for it; after this long without traffic it sends a PING to the peers it waits on.
+        self.probe_after = probe_after
+        self._last_probe = time.monotonic()
+        self.probes_sent = 0
+        # The signature of each recent collective op this rank posted messages for (tag -> sig), to answer
+        # the op a peer's PING says it waits for.
+        self.op_sigs: dict[int, int] = {}
+        # peer -> (op tag, rank it waits on), from the peers' answers to our probes.
+        self.peer_waits: dict[int, tuple[int, int]] = {}
+        self._keeper: threading.Thread | None = None
+
+    def attach(self, engine: Transport) -> None:
+        super().attach(engine)
+        if any(link.failover for link in self.links.values()):
+            self._keeper = threading.Thread(target=self._keep_going, name=f"tb-failover-r{engine.rank}",
+                                            daemon=True)
+            self._keeper.start()
+
+    def stream(self, peer: int, i: int) -> Stream:
+        return self.links[peer].streams[i]
+
+    def _keep_going(self) -> None:
+        """With failover on, acknowledge and answer RESYNCs even while no thread waits on this transport:
+        a peer may be waiting for data that only our answer brings back."""
+        while self.engine.broken is None:
+            time.sleep(0.05)
+            self.engine.pump_if_idle()
+
+    def join(self) -> None:
+        if self._keeper is not None and self._keeper is not threading.current_thread():
+            self._keeper.join(1.0)
+
+    def note_post(self, req: Request) -> None:
+        if req.key[0] == Space.COLL and req.sig:
+            tag = req.key[1]
+            if tag not in self.op_sigs:
+                self.op_sigs[tag] = req.sig
+                self.op_sigs.pop(tag - OPS_REMEMBERED, None)
+
+    def idle(self) -> None:
+        """Probe the peers we wait on once nothing moved for `probe_after` seconds."""
+        now = time.monotonic()
+        if now - max(self.engine.last_traffic, self._last_probe) < self.probe_after:
+            return
+        self._last_probe = now
+        pending = self.engine.matcher.pending()
+        peers = set(self.links) if any(r.peer == ANY_SOURCE for r in pending) else {r.peer for r in pending}
+        # Each PING names the collective op we wait for from that peer (tag and signature): a peer that ran
+        # that op differently (another root, another collective) answers nothing, since it sends us nothing,
+        # and would otherwise only be found by the group timeout. The peer compares and fails the group.
+        waiting = {r.peer: r for r in pending if not r.is_send and r.key[0] == Space.COLL and r.sig}
+        for p in peers & set(self.links):
+            link = self.links[p]
+            live = [c for c in link.streams if not c.dead and not c.bye]
+            if live:
+                self.probes_sent += 1
+                req = waiting.get(p)
+                hdr = (encode_frame_header(Kind.PING, Space.COLL, req.sig, req.key[1], 0, 0, 0, 0) if req is not None
+                       else encode_control(Kind.PING, 0))
+                link.enqueue(live[0], _control_frame(hdr))
+
+    def check_probe(self, link: TcpLink, c: Stream, frame: Frame) -> None:
+        """A peer waits for our part of collective op `frame.tag` with signature `frame.sig`: if we ran that
+        op with another signature, neither of us will ever send the other anything for it."""
+        rank = self.engine.rank
+        mine = self.op_sigs.get(frame.tag) if frame.sig else None
+        if mine is not None and mine != frame.sig:
+            raise MismatchError(
+                f"rank {rank}: mismatched operation with rank {c.peer} (op #{frame.tag}): rank {c.peer} waits "
+                f"for rank {rank}'s part of {describe_sig(frame.sig)}, but rank {rank} ran "
+                f"{describe_sig(mine)} (different roots, collectives or order)")
+        if frame.seq:  # an answer to our probe: the peer waits on rank seq - 1 in that op itself
+            self.peer_waits[c.peer] = (frame.tag, frame.seq - 1)
+        elif frame.sig:  # a probe: if we wait on another rank in that op ourselves, say on whom
+            behind = self._waiting_on(frame.tag, c.peer)
+            if behind is not None:
+                hdr = encode_frame_header(Kind.PING, Space.COLL, frame.sig, frame.tag, behind + 1, 0, 0, 0)
+                link.enqueue(c, _control_frame(hdr), front=True)
+
+    def _waiting_on(self, tag: int, asker: int) -> int | None:
+        """The rank this rank waits on in collective op `tag` (other than `asker`), or the one that rank
+        said it waits on: the end of the chain as far as we know it."""
+        waiting = [r for r in self.engine.matcher.pending() if not r.is_send and not r.done
+                   and r.key[0] == Space.COLL and r.peer not in (asker, ANY_SOURCE)]
+        peers = sorted({r.peer for r in waiting if r.key[1] == tag})
+        if not peers:  # still stuck in an earlier op, so not in the asker's yet: whoever holds us up there
+            peers = sorted({r.peer for r in waiting if r.key[1] < tag})
+        for p in peers:
+            far = self.waits_on(p, {tag})
+            if far is not None and far not in (self.engine.rank, asker, p):
+                return far
+        return peers[0] if peers else None
+
+    def waits_on(self, peer: int, tags: "set[int]") -> int | None:
+        known = self.peer_waits.get(peer)
+        return known[1] if known is not None and known[0] in tags else None
+
+
+def _header(f: Fields) -> bytes:
+    return encode_frame_header(Kind.DATA, Space(f.space), f.sig, f.tag, f.seq, f.offset, f.length, f.total)
+
+
+def tcp_transport(rank: int, world: int, conns: dict[int, list[socket.socket]], **options: float) -> Transport:
+    """A transport over already connected, authenticated sockets (`conns[peer]`: that peer's streams);
+    `options` as TcpLinks takes them."""
+    return Transport(rank, world, [TcpLinks(conns, **options)])

@@ -1,4 +1,4 @@
-"""Building a TCP transport for one group: addresses and a group nonce through the rendezvous store,
+"""Setting up the TCP links of one group: addresses and a group nonce through the rendezvous store,
 listeners on the chosen addresses only, authenticated streams to every peer.
 
 Rank r connects to every lower rank and accepts from every higher one; each stream is authenticated with
@@ -25,8 +25,11 @@ from ..errors import ConfigError, HandshakeError, PeerLostError
 from ..platform import (DARWIN_TCP_RXT_CONNDROPTIME, LINUX_TCP_USER_TIMEOUT, LOCAL_NETWORK_SETTING,  # noqa: F401
                         Platform, current)
 from ..protocol import handshake as hs
-from .netif import choose_addresses, network_of
-from .tcp import TcpTransport
+from ..transport.engine import Transport
+from ..transport.netif import choose_addresses, network_of
+from ..transport.tcp import TcpLinks
+from . import hosts
+from .hosts import recv_exact
 
 log = logging.getLogger("torch_thunderbolt.bootstrap")
 # The no-secret warning goes on the package's top logger: it is about the whole job, not a set-up detail.
@@ -180,16 +183,6 @@ def _nodelay(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionResetError("connection closed during the handshake")
-        buf += chunk
-    return buf
-
-
 class _Acceptor:
     """Accepts and authenticates the streams of every higher rank, each handshake on its own thread."""
 
@@ -258,7 +251,7 @@ class _Acceptor:
             if not head:  # closed before a word: a waiting rank checking that we are alive (_refuses)
                 sock.close()
                 return
-            result = server.receive(head + _recv_exact(sock, hs.HELLO_SIZE - len(head)))
+            result = server.receive(head + recv_exact(sock, hs.HELLO_SIZE - len(head)))
             sock.sendall(server.reply)
         except (HandshakeError, OSError) as exc:
             self.rejected += 1
@@ -365,8 +358,8 @@ def _connect(rank: int, peer: int, stream: int, target: tuple[str, int], source:
             sock.settimeout(10.0)
             sock.connect(target)
             client = hs.ClientHandshake(secret, rank, peer, stream, group_id)
-            sock.sendall(client.receive_challenge(_recv_exact(sock, hs.CHALLENGE_SIZE)))
-            client.receive_reply(_recv_exact(sock, hs.REPLY_SIZE))
+            sock.sendall(client.receive_challenge(recv_exact(sock, hs.CHALLENGE_SIZE)))
+            client.receive_reply(recv_exact(sock, hs.REPLY_SIZE))
             _nodelay(sock)
             return sock
         except HandshakeError as exc:
@@ -460,10 +453,19 @@ def _wait_for_higher(acceptor: "_Acceptor", store: Any, rank: int, members: list
     return True, None
 
 
-def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float,
-                peers: "list[int] | None" = None) -> TcpTransport:
-    """`peers`: connect only to these ranks (default every other one), e.g. the other hosts' ranks of a
-    hybrid job; the transport keeps global rank numbers."""
+def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) -> Transport:
+    """A transport over TCP alone, to every other rank of the group."""
+    links, networks = connect_tcp_links(store, rank, world, cfg, timeout)
+    transport = Transport(rank, world, [links])
+    transport.networks = networks
+    return transport
+
+
+def connect_tcp_links(store: Any, rank: int, world: int, cfg: Config, timeout: float,
+                      peers: "list[int] | None" = None) -> "tuple[TcpLinks, list[list[str]]]":
+    """This group's TCP links, and every rank's networks (the backend derives the cluster shape from
+    them). `peers`: connect only to these ranks (default every other one), e.g. the other hosts' ranks of
+    a multi-host job with several ranks per host; rank numbers stay the group's."""
     members = sorted(set(range(world) if peers is None else peers) - {rank})
     deadline = time.monotonic() + min(timeout, cfg.connect_timeout)
     tuner = SocketTuner(cfg, rank=rank)
@@ -480,7 +482,7 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float,
             security_log.warning(NO_SECRET_WARNING, rank)
         endpoints = [[a, lst.getsockname()[1]] for a, lst in zip(addrs, listeners)]
         nets = [network_of(a) for a in addrs]
-        store.set(f"tb/ep/{rank}", json.dumps({"endpoints": endpoints, "nets": nets, "host": socket.gethostname(),
+        store.set(f"tb/ep/{rank}", json.dumps({"endpoints": endpoints, "nets": nets, "host": hosts.host_identity(),
                                                "auth": auth}))
         # Accept before waiting for anyone: peers may connect as soon as we published our endpoint.
         acceptor = _Acceptor(listeners, rank, world, cfg.streams, secret, group_id,
@@ -516,14 +518,12 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float,
             conns.setdefault(p, []).append(sock)
         every = [None if p == rank else infos.get(p) or json.loads(store.get(f"tb/ep/{p}")) for p in range(world)]
         all_nets = [nets if e is None else e.get("nets", []) for e in every]
-        here = socket.gethostname()
+        here = hosts.host_identity()
         local_ranks = sum(1 for e in every if e is None or e.get("host") == here)
         # Spinning only pays while every local rank has a core of its own.
         spin = cfg.spin_us if local_ranks <= (os.cpu_count() or 1) else 0
-        transport = TcpTransport(rank, world, conns, stripe_bytes=cfg.stripe_bytes, spin_us=spin,
-                                 probe_after=cfg.link_timeout_ms / 3000)
-        transport.networks = all_nets  # the backend derives the cluster shape from these
-        return transport
+        links = TcpLinks(conns, stripe_bytes=cfg.stripe_bytes, spin_us=spin, probe_after=cfg.link_timeout_ms / 3000)
+        return links, all_nets
     except BaseException:
         for sock in [x for socks in conns.values() for x in socks] + [
                 x for x in (acceptor.conns.values() if acceptor else []) if x is not None]:

@@ -1,4 +1,4 @@
-"""Building a shared-memory transport for one group through the rendezvous store.
+"""Setting up the shared-memory links of one group through the rendezvous store.
 
 Every rank creates its inbound segment and a Unix-socket listener, publishes both (plus its host identity)
 under `tbshm/<rank>`, connects a doorbell socket to every lower rank (authenticated with a per-group token
@@ -14,23 +14,22 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import socket
 import struct
-import subprocess
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from ..config import Config
 from ..errors import ConfigError, HandshakeError, PeerLostError
-from ..platform import IOREG, SYSCTL, Platform, current
-from . import shm_ring as ring
-from . import shm_segment as segs
-from .shm import ShmTransport
-from .shm_window import area_bytes
+from ..transport import shm_ring as ring
+from ..transport import shm_segment as segs
+from ..transport.engine import Transport
+from ..transport.shm import ShmLinks
+from ..transport.shm_window import area_bytes
+from . import hosts
+from .hosts import recv_exact
 
 _HELLO = struct.Struct("<I16s")
 
@@ -64,49 +63,6 @@ def default_window_bytes(local_ranks: int) -> int:
     return (4 << 20) if local_ranks > (os.cpu_count() or 1) else (1 << 20)
 
 
-def _run_tool(argv: list[str]) -> str:
-    """stdout of a system tool (run by absolute path), or "" when it is missing or fails."""
-    try:
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return res.stdout if res.returncode == 0 else ""
-
-
-_IOPLATFORM_UUID = re.compile(r'"IOPlatformUUID"\s*=\s*"([^"]+)"')
-
-
-def host_identity(plat: Platform | None = None, run: Callable[[list[str]], str] = _run_tool) -> str:
-    """Who shares memory with whom: the hostname, plus what tells machines and boots apart on `plat`.
-
-    Linux: boot id and network namespace; the namespace makes the emulated Macs of `torch-thunderbolt lab`
-    (one netns each, same kernel) count as different hosts, so they keep talking TCP over their emulated
-    cables. macOS: the hardware's IOPlatformUUID and kern.bootsessionuuid (no /proc), since two Macs may
-    well share a hostname. `run` runs a system tool and returns its stdout ("" on failure), for tests."""
-    plat = plat or current()
-    parts = [socket.gethostname()]
-    if plat.host_identity == "boot-id+netns":
-        try:
-            parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
-        except OSError:
-            pass
-        try:
-            parts.append(os.readlink("/proc/self/ns/net"))
-        except OSError:
-            pass
-    elif plat.host_identity == "platform-uuid+boot-session":
-        found = _IOPLATFORM_UUID.search(run([IOREG, "-rd1", "-c", "IOPlatformExpertDevice"]))
-        parts.append(found.group(1) if found else "")
-        parts.append(run([SYSCTL, "-n", "kern.bootsessionuuid"]).strip())
-    return "|".join(parts)
-
-
-def host_map(store: Any, rank: int, world: int) -> list[str]:
-    """Every rank's host identity (publishes ours); for choosing shm, tcp or a mix."""
-    store.set(f"tbshm/host/{rank}", host_identity())
-    return [store.get(f"tbshm/host/{p}").decode() for p in range(world)]
-
-
 def _listen() -> tuple[socket.socket, str]:
     d = segs.marker_dir()
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -119,16 +75,6 @@ def _listen() -> tuple[socket.socket, str]:
     return lst, path
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionResetError("connection closed during the shm handshake")
-        buf += chunk
-    return buf
-
-
 def _connect(rank: int, peer: int, path: str, token: bytes, deadline: float) -> socket.socket:
     last: Exception | None = None
     while time.monotonic() < deadline:
@@ -137,7 +83,7 @@ def _connect(rank: int, peer: int, path: str, token: bytes, deadline: float) -> 
             sock.settimeout(max(0.1, deadline - time.monotonic()))
             sock.connect(path)
             sock.sendall(_HELLO.pack(rank, token))
-            if _recv_exact(sock, 1) != b"\x01":
+            if recv_exact(sock, 1) != b"\x01":
                 raise HandshakeError(f"rank {peer} refused our shm doorbell connection")
             return sock
         except (FileNotFoundError, ConnectionRefusedError) as exc:
@@ -166,7 +112,7 @@ def _accept(lst: socket.socket, rank: int, higher: set[int], token: bytes, deadl
             continue
         try:
             sock.settimeout(5.0)
-            peer, their = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+            peer, their = _HELLO.unpack(recv_exact(sock, _HELLO.size))
             if not secrets.compare_digest(their, token) or peer not in higher or peer in got:
                 raise HandshakeError(f"bad shm hello (rank {peer})")
             sock.sendall(b"\x01")
@@ -178,10 +124,16 @@ def _accept(lst: socket.socket, rank: int, higher: set[int], token: bytes, deadl
 
 
 def connect_shm(store: Any, rank: int, world: int, cfg: Config, timeout: float,
-                opts: ShmOptions | None = None, peers: "Sequence[int] | None" = None) -> ShmTransport:
-    """The shm transport of this group; every rank must be on this host (see `host_map`). `peers`: only
-    these ranks (all on this host; default every other rank), e.g. a host's share of a multi-host job.
+                opts: ShmOptions | None = None) -> Transport:
+    """A transport over shared memory alone: every rank of the group on this host (see `hosts.host_map`).
     `opts`: sizes overriding the Config's (benchmarks, tests)."""
+    return Transport(rank, world, [connect_shm_links(store, rank, world, cfg, timeout, opts)])
+
+
+def connect_shm_links(store: Any, rank: int, world: int, cfg: Config, timeout: float,
+                      opts: ShmOptions | None = None, peers: "Sequence[int] | None" = None) -> ShmLinks:
+    """This group's shared-memory links. `peers`: only these ranks (all on this host; default every other
+    rank), e.g. a host's share of a multi-host job."""
     why = ring.shm_refusal()
     if why is not None:
         raise ConfigError(f"rank {rank}: shared memory is not safe on this machine ({why}); set "
@@ -214,7 +166,7 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Config, timeout: float,
         ring.write_header(own_mv, world, rank, opts.slots, opts.slot_bytes, area)
         own_mv.release()
         me = {"name": own.name, "path": str(own.path) if own.path else None, "sock": path, "pid": os.getpid(),
-              "host": host_identity()}
+              "host": hosts.host_identity()}
         store.set(f"tbshm/{rank}", json.dumps(me))
         infos = {p: json.loads(store.get(f"tbshm/{p}")) for p in members}
         for p, info in infos.items():
@@ -248,8 +200,8 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Config, timeout: float,
             store.get(f"tbshm/ready/{p}")
         own.unlink()  # every peer has it mapped
         spin = None if opts.spin_us is None else opts.spin_us * 1e-6
-        return ShmTransport(rank, world, own, peers, slots=opts.slots, slot_bytes=opts.slot_bytes, spin=spin,
-                            window_bytes=window)
+        return ShmLinks(rank, world, own, peers, slots=opts.slots, slot_bytes=opts.slot_bytes, spin=spin,
+                        window_bytes=window)
     except BaseException as exc:
         # Before our segment disappears: a peer that can't attach it any more learns why from the store.
         try:

@@ -1,0 +1,107 @@
+"""Connecting one group: which links each rank gets, and the cluster shape the algorithms plan for.
+
+`connect` is all the backend asks of the set-up: given the rendezvous store, this rank, the group size and
+the Config, it returns a connected transport and the shape. `auto` picks shared memory when the whole group
+shares one host, TCP between hosts, and both in one engine when hosts run several ranks each.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ..algorithms.shape import Shape, shape_from_networks
+from ..config import Config
+from ..transport import shm_ring
+from ..transport.engine import Transport
+from ..transport.memory import MemoryHub
+from ..transport.shm import default_spin
+from .hosts import host_map
+from .shm import ShmOptions, connect_shm, connect_shm_links
+from .tcp import connect_tcp, connect_tcp_links
+
+log = logging.getLogger("torch_thunderbolt")
+
+
+@dataclass
+class Connected:
+    transport: Transport
+    shape: Shape | None  # None: derive it from the group size alone (one host, or nothing known)
+
+
+def connect(store: Any, rank: int, world: int, cfg: Config, timeout: float) -> Connected:
+    """Connect this rank to every other rank of the group (all ranks call this together)."""
+    if world == 1:
+        return Connected(MemoryHub(1).transports[0], None)
+    hosts = None if cfg.transport != "auto" else host_map(store, rank, world)
+    kind = choose_transport(cfg.transport, rank, hosts)
+    if kind in ("shm", "hybrid"):
+        kind = shm_or_tcp(kind, rank)
+    if kind == "shm":
+        return Connected(connect_shm(store, rank, world, cfg, timeout), None)
+    if kind == "hybrid" and hosts is not None:
+        transport = connect_hybrid(store, rank, world, cfg, timeout, hosts)
+    else:
+        transport = connect_tcp(store, rank, world, cfg, timeout)
+    nets = transport.networks
+    if hosts is not None and 1 < len(set(hosts)) < len(hosts):  # several hosts, some with several ranks
+        return Connected(transport, hosts_shape(nets, hosts))
+    return Connected(transport, shape_from_networks(nets) if nets else None)
+
+
+def connect_hybrid(store: Any, rank: int, world: int, cfg: Config, timeout: float, hosts: list[str]) -> Transport:
+    """Shared memory among the ranks whose host identity (`hosts[r]`) equals ours, TCP for the rest: one
+    engine holding both kinds of links. Every rank of the group must call this together."""
+    local = [p for p in range(world) if p != rank and hosts[p] == hosts[rank]]
+    opts = ShmOptions.from_config(cfg)
+    # TCP first: every rank takes part in it, so the shm set-up below cannot wait on a rank stuck in TCP's.
+    remote = [p for p in range(world) if p != rank and p not in local]
+    tcp, networks = connect_tcp_links(store, rank, world, cfg, timeout, peers=remote)
+    try:
+        shm = connect_shm_links(store, rank, world, cfg, timeout, opts, peers=local)
+    except BaseException:
+        for link in tcp.links.values():
+            link.close()
+        raise
+    if opts.spin_us is None:  # spin by how many ranks share this host, not by the whole group
+        shm.spin = default_spin(len(local) + 1)
+    transport = Transport(rank, world, [shm, tcp])
+    transport.networks = networks
+    return transport
+
+
+def choose_transport(setting: str, rank: int, hosts: list[str] | None) -> str:
+    """tcp, shm or hybrid for this rank. `auto`: shm when the whole group shares one host; shm to this
+    host's peers plus TCP to the others when both exist; TCP for a rank alone on its host (its peers
+    reach it over TCP whatever they chose)."""
+    if setting != "auto" or hosts is None:
+        return setting if setting in ("tcp", "shm") else "tcp"
+    if len(set(hosts)) == 1:
+        return "shm"
+    return "hybrid" if hosts.count(hosts[rank]) > 1 else "tcp"
+
+
+def shm_or_tcp(kind: str, rank: int, plat: Any = None, lookup: Any = None) -> str:
+    """`kind`, or "tcp" with a warning where shared memory is unsafe (no full memory barrier is known; see
+    shm_ring.shm_refusal). Every rank of a host decides alike, and other hosts reach it over TCP anyway."""
+    why = shm_ring.shm_refusal(plat) if lookup is None else shm_ring.shm_refusal(plat, lookup)
+    if why is None:
+        return kind
+    log.warning("rank %d: not using shared memory (%s): TCP over loopback instead, which is slower", rank, why)
+    return "tcp"
+
+
+def hosts_shape(nets: list[list[str]] | None, hosts: list[str]) -> Shape | None:
+    """The cluster shape when hosts run several ranks: derived from the hosts' networks (a 3-Mac chain
+    stays a chain, however many ranks each Mac runs), each host's ranks next to each other in the
+    ring/line order, so a ring crosses each cable once rather than once per rank. Pure."""
+    if not nets:
+        return None
+    names = list(dict.fromkeys(hosts))  # hosts in the order of their lowest rank
+    members = {h: [r for r, x in enumerate(hosts) if x == h] for h in names}
+    host_nets = [sorted({n for r in members[h] for n in nets[r]}) for h in names]
+    by_host = shape_from_networks(host_nets)
+    order = [r for i in by_host.order for r in members[names[i]]]
+    kind = "mesh" if by_host.kind in ("single", "pair") else by_host.kind  # 2 hosts: everyone reaches everyone
+    groups = [members[names[i]] for i in by_host.order]
+    return Shape(kind, order, shape_from_networks(nets).neighbours, groups)

@@ -1,0 +1,66 @@
+"""Who runs where: one idea of "host" for every decision about sharing memory, and the small socket
+helper the set-up handshakes share."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any, Callable
+
+from ..platform import IOREG, SYSCTL, Platform, current
+
+
+def _run_tool(argv: list[str]) -> str:
+    """stdout of a system tool (run by absolute path), or "" when it is missing or fails."""
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return res.stdout if res.returncode == 0 else ""
+
+
+_IOPLATFORM_UUID = re.compile(r'"IOPlatformUUID"\s*=\s*"([^"]+)"')
+
+
+def host_identity(plat: Platform | None = None, run: Callable[[list[str]], str] = _run_tool) -> str:
+    """Who shares memory with whom: the hostname, plus what tells machines and boots apart on `plat`.
+
+    Linux: boot id and network namespace; the namespace makes the emulated Macs of `torch-thunderbolt lab`
+    (one netns each, same kernel) count as different hosts, so they keep talking TCP over their emulated
+    cables. macOS: the hardware's IOPlatformUUID and kern.bootsessionuuid (no /proc), since two Macs may
+    well share a hostname. `run` runs a system tool and returns its stdout ("" on failure), for tests."""
+    plat = plat or current()
+    parts = [socket.gethostname()]
+    if plat.host_identity == "boot-id+netns":
+        try:
+            parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+        except OSError:
+            pass
+        try:
+            parts.append(os.readlink("/proc/self/ns/net"))
+        except OSError:
+            pass
+    elif plat.host_identity == "platform-uuid+boot-session":
+        found = _IOPLATFORM_UUID.search(run([IOREG, "-rd1", "-c", "IOPlatformExpertDevice"]))
+        parts.append(found.group(1) if found else "")
+        parts.append(run([SYSCTL, "-n", "kern.bootsessionuuid"]).strip())
+    return "|".join(parts)
+
+
+def host_map(store: Any, rank: int, world: int) -> list[str]:
+    """Every rank's host identity (publishes ours); for choosing shm, tcp or a mix."""
+    store.set(f"tbshm/host/{rank}", host_identity())  # looked up at call time: tests emulate hosts by patching it
+    return [store.get(f"tbshm/host/{p}").decode() for p in range(world)]
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly `n` bytes from a blocking set-up socket (a handshake), or ConnectionResetError at EOF."""
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionResetError("connection closed during the handshake")
+        buf += chunk
+    return buf

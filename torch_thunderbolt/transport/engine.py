@@ -1,0 +1,490 @@
+"""The one progress engine: every group's transport, whatever mix of links it holds.
+
+A transport moves byte buffers between the ranks of one group: `isend`/`irecv` post a message and return a
+`Request`; `wait` drives progress until the requests finish (or raises). Messages are matched by key
+`(space, tag, seq)` (see `protocol.framing.Space`) in one Matcher, whichever link delivers them. The links
+(`base.Link`, one per peer) move bytes; this engine decides when:
+
+- **Driving.** Whichever thread waits drives progress (MPI style), one at a time: it pumps every link,
+  spins briefly while traffic flows, then sleeps in one poll() over every link's file descriptors plus a
+  wake-up socket that threads posting new work ring. Other waiting threads sleep on the condition until
+  the driver reports completions.
+- **BROKEN.** Any error a link reports (`fail`) breaks the whole group for good: every pending and later
+  request gets the same error, every peer is told the root cause (an ABORT on each link that has a wire),
+  and only then are the sockets closed, so no peer blames this rank for closing them.
+- **Closing.** BYE on every link, then the kinds release what they hold (segments, threads).
+
+A job with ranks on several hosts and several ranks per host is one engine holding TCP and shared-memory
+links; the in-memory transport of the tests is one more kind of link.
+"""
+from __future__ import annotations
+
+import errno
+import select
+import socket
+import threading
+import time
+from collections import defaultdict
+from typing import Callable, Iterable, Sequence
+
+from ..errors import BackendClosedError, CollectiveTimeout, PeerLostError
+from ..protocol.framing import Space, abort_body
+from .base import ANY_SOURCE, Key, Link, LinkKind, Request, bytes_view
+from .matching import Matcher
+from .names import RankNames
+from .spin import SpinGuard
+from .window import Window
+
+# How long a failing rank spends getting its ABORT to the peers before it closes its sockets. Normally a few
+# milliseconds (finish the frame in flight, write the ABORT, wait for each peer to close); only a peer that
+# reads nothing (frozen, or itself stuck) uses it all.
+ABORT_GRACE = 2.0
+_SINK = 1 << 16  # bytes read (and dropped) per call while waiting for the peers to close
+
+
+def _never() -> bool:
+    return False
+
+
+class Transport:
+    """The engine of one group: the links to every peer (`kinds`, each a LinkKind with its links by peer)."""
+
+    names: RankNames | None = None  # a subgroup's global ranks, for its error messages (set by the backend)
+    # Each host's network addresses by rank, when the set-up learnt them (TCP): the backend derives the
+    # cluster's shape from them.
+    networks: "list[list[str]] | None" = None
+
+    def __init__(self, rank: int, world: int, kinds: Sequence[LinkKind],
+                 cv: threading.Condition | None = None) -> None:
+        self.rank = rank
+        self.world = world
+        self.kinds = list(kinds)
+        self.broken: BaseException | None = None
+        self.closed = False
+        self.retired = 0  # every collective op up to this tag has finished on this rank
+        self.last_traffic = time.monotonic()
+        self.matcher = Matcher(rank)
+        # One lock for the engine; the in-memory kind passes one shared by its whole world.
+        self._cv = cv or threading.Condition(threading.RLock())
+        self._p2p_send_seq: dict[tuple[int, int], int] = defaultdict(int)
+        # Memory every rank can read directly, for the collectives designed for it (ranks on one host); a
+        # kind that has one sets it when it attaches.
+        self.window: Window | None = None
+        self._route: dict[int, Link] = {}
+        for kind in self.kinds:
+            for peer, link in kind.links.items():
+                link.peer = peer
+                self._route[peer] = link
+            kind.attach(self)
+        self._links = [self._route[p] for p in sorted(self._route)]
+        self._by_fd: dict[int, Link] = {}
+        self._progress_lock = threading.Lock()
+        # A doorbell for the driving thread while it sleeps in poll(): other threads ring it when they post
+        # work it must pick up. `_polling` says whether anyone is asleep there.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._polling = False
+        self._quiet = False  # the last sleep passed with nothing to do
+        self._spinner = SpinGuard()
+        self.spin = max((k.spin for k in self.kinds), default=0.0)
+        # Kinds that can tell cheaply whether a pump would move anything; for the others a spin polls fds.
+        self._lookers = [k for k in self.kinds if k.ready() is not None]
+        self._polled = len(self._lookers) < len(self.kinds)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank has sent, over every kind of link."""
+        return sum(k.bytes_sent for k in self.kinds)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(k.bytes_received for k in self.kinds)
+
+    @property
+    def kind(self) -> str:
+        """What this group runs over: "tcp", "shm", "memory", or "shm+tcp" for a multi-host job."""
+        return "+".join(sorted(k.name for k in self.kinds)) or "none"
+
+    def link_kind(self, name: str) -> LinkKind | None:
+        for k in self.kinds:
+            if k.name == name:
+                return k
+        return None
+
+    # -- posting --------------------------------------------------------------------------------------------
+    def isend(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
+        self._check_usable()
+        self._check_peer(peer)
+        req = Request(peer, key, sig, bytes_view(buf), is_send=True)
+        link = self._route[peer]
+        with self._cv:
+            self._check_usable()
+            for kind in self.kinds:
+                kind.note_post(req)
+            link.post_send(req)
+            self._quiet = False
+            for kind in self.kinds:
+                kind.after_pump()
+            if not req.done and self._polling:
+                self._wake()
+        return req
+
+    def irecv(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
+        self._check_usable()
+        if peer != ANY_SOURCE:
+            self._check_peer(peer)
+        req = Request(peer, key, sig, bytes_view(buf), is_send=False)
+        with self._cv:
+            self._check_usable()
+            for kind in self.kinds:
+                kind.note_post(req)
+            self.matcher.post(req)  # it may match a message that arrived before the peer said BYE
+            self._quiet = False
+            for link in self._links if peer == ANY_SOURCE else (self._route[peer],):
+                link.posted_recv()
+            for kind in self.kinds:
+                kind.after_pump()
+            if not req.done and self.broken is None and peer != ANY_SOURCE and self._route[peer].gone():
+                self.matcher.posted.pop((peer, req.key), None)
+                raise PeerLostError(f"rank {self.rank}: rank {peer} has shut down its process group",
+                                    rank=self.rank, peer=peer, address=self.peer_address(peer))
+            if req.done:
+                self._cv.notify_all()
+            elif self._polling:
+                self._wake()
+        return req
+
+    def isend_p2p(self, peer: int, tag: int, buf: memoryview) -> Request:
+        with self._cv:
+            seq = self._p2p_send_seq[(peer, tag)]
+            self._p2p_send_seq[(peer, tag)] = seq + 1
+        return self.isend(peer, (Space.P2P, tag, seq), buf)
+
+    def irecv_p2p(self, peer: int, tag: int, buf: memoryview) -> Request:
+        """Receive the next message with `tag` from `peer` (or from any peer with ANY_SOURCE)."""
+        # The sequence number is assigned at match time (see matching.Matcher), so -1 here.
+        return self.irecv(peer, (Space.P2P, tag, -1), buf)
+
+    # -- waiting --------------------------------------------------------------------------------------------
+    def wait(self, reqs: Sequence[Request], deadline: float | None = None, what: str = "") -> None:
+        """Block until every request is done; raise its error, or CollectiveTimeout at `deadline`."""
+        self._wait_until(reqs, all, deadline, what)
+
+    def wait_any(self, reqs: Sequence[Request], deadline: float | None = None, what: str = "",
+                 arrived: Iterable[int] = ()) -> None:
+        """Block until at least one request is done (raising the first error found). `arrived`: peers
+        already heard from in this op (named as "did not arrive" only if they are not)."""
+        self._wait_until(reqs, any, deadline, what, arrived)
+
+    def _wait_until(self, reqs: Sequence[Request], how: "Callable[[Iterable[bool]], bool]",
+                    deadline: float | None, what: str, arrived: Iterable[int] = ()) -> None:
+        while True:
+            for r in reqs:
+                if r.error is not None:
+                    raise r.error
+            if how(r.done for r in reqs):
+                return
+            if self.broken is not None:
+                raise self.broken
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise self._timeout_error(reqs, what, arrived)
+            self.progress(0.2 if deadline is None else min(0.2, deadline - now))
+
+    def test(self, reqs: Iterable[Request]) -> bool:
+        reqs = list(reqs)
+        if not all(r.done for r in reqs) and self.broken is None:
+            self.progress(0.0)
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
+        return all(r.done for r in reqs)
+
+    def progress(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
+        """Move data, blocking at most `timeout` seconds. `until`: one more condition worth returning early
+        for (a shared window's counters). One thread drives at a time; the others sleep until it reports
+        completions (or 50 ms pass)."""
+        if not self._progress_lock.acquire(blocking=False):
+            with self._cv:  # another thread drives the engine; it notifies on completions
+                if timeout > 0:
+                    self._cv.wait(min(timeout, 0.05 if until is None else 0.001))
+            return
+        try:
+            self._drive(timeout, until or _never)
+        finally:
+            self._progress_lock.release()
+            with self._cv:
+                self._cv.notify_all()
+
+    def pump_if_idle(self) -> None:
+        """Pump once if no thread drives the engine now (a kind's own thread keeping its protocol going)."""
+        if not self._progress_lock.acquire(blocking=False):
+            return
+        try:
+            with self._cv:
+                if self.broken is None:
+                    self._pump()
+        finally:
+            self._progress_lock.release()
+            with self._cv:  # a waiter that found the engine taken sleeps until notified
+                self._cv.notify_all()
+
+    def _drive(self, timeout: float, done: Callable[[], bool]) -> None:
+        with self._cv:
+            if self._pump() or timeout <= 0 or self.broken is not None or done():
+                self._quiet = False
+                return
+            for kind in self.kinds:
+                kind.idle()
+            spin_poll = self._poll_set() if self._polled and not self._quiet and self.spin > 0 else None
+        # Spin only when traffic is flowing; a rank that already slept through a whole poll is waiting for
+        # something slow (a late peer, the user's compute) and spinning would just burn CPU.
+        if not self._quiet and self._spinner.spin(min(self.spin, timeout), lambda: self._look(done, spin_poll)):
+            return
+        with self._cv:
+            for kind in self.kinds:
+                kind.before_sleep()
+            if self._pump() or self.broken is not None or done():
+                for kind in self.kinds:
+                    kind.after_sleep()
+                return
+            poller = self._poll_set()
+            self._polling = True
+        caps = [c for k in self.kinds if (c := k.sleep_cap(self._quiet)) is not None]
+        try:
+            events = poller.poll(min([timeout, *caps]) * 1000.0)
+        finally:
+            self._polling = False
+            for kind in self.kinds:
+                kind.after_sleep()
+        self._drain_wake()
+        with self._cv:
+            for fd, _ in events:
+                link = self._by_fd.get(fd)
+                if link is not None:
+                    link.on_event(fd)
+            moved = self._pump()
+            self._quiet = not moved and not events
+            if self._quiet and self.broken is None:
+                for kind in self.kinds:
+                    kind.quiet()
+
+    def _look(self, done: Callable[[], bool], poller: "select.poll | None") -> bool:
+        """One look while spinning: cheap checks first (no lock, no system call), then pump if worth it."""
+        if done():
+            return True
+        if not any(k.ready() for k in self._lookers) and not (poller is not None and poller.poll(0)):
+            return False
+        with self._cv:
+            return self._pump() or self.broken is not None
+
+    def _pump(self) -> bool:
+        """Every link writes and reads what it can without blocking; True if anything moved (or broke)."""
+        moved = False
+        for link in self._links:
+            if self.broken is not None:
+                return True
+            moved |= link.pump()
+        for kind in self.kinds:
+            kind.after_pump()
+        if moved:
+            self.last_traffic = time.monotonic()
+        return moved
+
+    def _poll_set(self) -> "select.poll":
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        by_fd = {}
+        for link in self._links:
+            for fd, events in link.fds():
+                poller.register(fd, events)
+                by_fd[fd] = link
+        self._by_fd = by_fd
+        return poller
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:
+            pass
+
+    # -- life cycle -----------------------------------------------------------------------------------------
+    def retire(self, tag: int) -> None:
+        """Collective op `tag` finished on this rank: data for it (or older ops) that still arrives is an error."""
+        with self._cv:
+            self.retired = max(self.retired, tag)
+            for link in self._links:
+                if self.broken is None:
+                    link.retire(tag)
+            if self.broken is not None:
+                raise self.broken
+
+    def abort(self, error: BaseException) -> None:
+        """Enter the BROKEN state with `error` and tell every peer why, so they fail fast and clearly too."""
+        self.fail(error)
+
+    def lost(self, peer: int, where: str, exc: BaseException, address: str = "") -> PeerLostError:
+        """What a broken connection to `peer` becomes, with the OS error as its cause: the one place a
+        socket error turns into the error the user sees."""
+        err = PeerLostError(f"rank {self.rank}: lost the connection to rank {peer} {where}: {exc}",
+                            rank=self.rank, peer=peer, address=address)
+        err.__cause__ = exc
+        return err
+
+    def fail(self, err: BaseException, tell_peers: bool = True) -> None:
+        """Enter BROKEN for good: every pending and queued request gets `err` at once, later operations get
+        it from `_check_usable`, peers learn the root cause, then every link closes."""
+        with self._cv:
+            if self.broken is not None:
+                return
+            if self.names is not None:
+                self.names.apply(err)
+            for kind in self.kinds:  # once, through the first kind that reports (each has its logger)
+                if kind.log is not None:
+                    kind.log.error("%s", err)
+                    break
+            self.broken = err
+            for r in self.matcher.pending():
+                r.error = err
+            writes = []
+            for link in self._links:
+                for r in link.queued():
+                    r.error = err
+            self._cv.notify_all()
+            if tell_peers:
+                body = abort_body(err)
+                for link in self._links:
+                    writes += link.abort_writes(body)
+                _deliver(writes)
+            for link in self._links:
+                link.close()
+            self._cv.notify_all()
+
+    def remote_abort(self, peer: int, err: BaseException) -> None:
+        """`peer` told us why it failed: fail with its reason, and forward it (our closing sockets must not
+        reach a peer before the reason does)."""
+        self.fail(err)
+
+    def peer_left(self, peer: int, where: str) -> None:
+        """`peer` said BYE (on all its streams): fine unless we still expect data from it."""
+        if any(r.peer == peer and not r.is_send for r in self.matcher.pending()):
+            exc = ConnectionAbortedError(errno.ECONNABORTED, "the peer shut down its process group while this "
+                                         "rank still expected data from it")
+            self.fail(self.lost(peer, where, exc, self.peer_address(peer)))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with self._cv:
+            if self.broken is None:
+                for link in self._links:
+                    link.say_bye()
+                for link in self._links:
+                    link.close()
+                self.broken = BackendClosedError(f"rank {self.rank}: the process group was shut down")
+            for s in (self._wake_r, self._wake_w):
+                s.close()
+            for kind in self.kinds:
+                kind.release()
+            self._cv.notify_all()
+        for kind in self.kinds:
+            kind.join()
+
+    # -- checks and errors ----------------------------------------------------------------------------------
+    def peer_address(self, peer: int) -> str:
+        link = self._route.get(peer)
+        return link.address if link is not None else f"rank {peer}"
+
+    def _check_usable(self) -> None:
+        if self.broken is not None:
+            raise self.broken
+        if self.closed:
+            raise BackendClosedError(f"rank {self.rank}: the transport is closed")
+
+    def _check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self.world or peer == self.rank or peer not in self._route:
+            raise ValueError(f"rank {self.rank}: invalid peer rank {peer} (group size {self.world})")
+
+    def _waits_on(self, peer: int, tags: "set[int]") -> int | None:
+        for kind in self.kinds:
+            found = kind.waits_on(peer, tags)
+            if found is not None:
+                return found
+        return None
+
+    def _timeout_error(self, reqs: Sequence[Request], what: str, arrived: Iterable[int] = ()) -> CollectiveTimeout:
+        waiting = [r for r in reqs if not r.done]
+        # A rank that sent us anything for this op has arrived; it may only be waiting on someone else.
+        heard = set(arrived) | {r.peer for r in reqs if not r.is_send and (r.done or r.received)}
+        awaited = {r.peer for r in waiting if not r.is_send}
+        missing = sorted(awaited - heard)
+        detail = "; ".join(r.describe() for r in waiting[:4])
+        named = missing or sorted(awaited)
+        # A rank we wait on may only be waiting on another one itself (it said so, answering our probe):
+        # blame that one, not the rank stuck behind it.
+        tags = {r.key[1] for r in waiting if r.key[0] == Space.COLL}
+        via = {p: b for p in named if (b := self._waits_on(p, tags)) is not None and b not in (p, self.rank)}
+        culprits = sorted({via.get(p, p) for p in named})
+        if via:
+            behind = "; ".join(f"rank {p} is itself waiting on rank {b}" for p, b in sorted(via.items()))
+            who = f" ranks that stopped sending: {culprits} ({behind});"
+        elif missing:
+            who = f" ranks that did not arrive: {missing};"
+        else:  # everyone arrived; some stopped part-way (frozen, or waiting on someone themselves)
+            who = f" ranks that arrived but stopped sending: {sorted(awaited)};" if awaited else ""
+        err = CollectiveTimeout(
+            f"rank {self.rank}: Timed out waiting in {what or 'an operation'};{who} pending: {detail}",
+            ranks=culprits)
+        return err if self.names is None else self.names.apply(err)
+
+
+def _deliver(writes: "list[tuple[socket.socket, list[memoryview]]]") -> None:
+    """Write each socket's bytes (the rest of a frame in flight, then the ABORT), then FIN; close nothing
+    until each peer has closed its end too (it read the ABORT) or ABORT_GRACE passed, reading and dropping
+    whatever the peers send meanwhile: closing a socket with unread bytes makes the kernel send a reset and
+    throw away what is still queued, the ABORT included, and the peer would then report "lost the
+    connection" to us instead of the reason."""
+    todo = {s.fileno(): (s, [b for b in bufs if len(b)]) for s, bufs in writes if s.fileno() >= 0}
+    sink = bytearray(_SINK)
+    deadline = time.monotonic() + ABORT_GRACE
+    while todo:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        poller = select.poll()
+        for fd, (_, bufs) in todo.items():
+            poller.register(fd, select.POLLIN | (select.POLLOUT if bufs else 0))
+        for fd, ev in poller.poll(left * 1000.0):
+            sock, bufs = todo[fd]
+            try:
+                if bufs and ev & select.POLLOUT:
+                    _consume(bufs, sock.send(bufs[0]))
+                    if not bufs:
+                        sock.shutdown(socket.SHUT_WR)
+                if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                    while sock.recv_into(sink):
+                        pass
+                    del todo[fd]  # the peer closed its end: it has read all we sent
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                todo.pop(fd, None)  # gone (the dead rank, or a peer that reset): nothing more to do
+
+
+def _consume(bufs: list[memoryview], k: int) -> None:
+    """Drop the first `k` bytes of the buffer list `bufs` (after a partial write)."""
+    while k and bufs:
+        if k >= len(bufs[0]):
+            k -= len(bufs.pop(0))
+        else:
+            bufs[0] = bufs[0][k:]
+            k = 0
