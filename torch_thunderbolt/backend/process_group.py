@@ -1,9 +1,15 @@
-"""The torch ProcessGroup: identity, the worker thread and lifecycle. The calls themselves are in
-reductions.py and data_movement.py (collectives, run on the worker thread) and p2p_ops.py."""
+"""The torch ProcessGroup: one class for one group, whatever torch calls on it.
+
+Collectives turn torch's arguments into flat CPU buffers (tensors.py) and run the Communicator in issue order
+on the group's worker thread (worker.py); point-to-point calls post their message at once and are driven by
+the thread that waits on the work (work.py). Registration with torch is in registration.py."""
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import threading
+import time
 import weakref
 from datetime import timedelta
 from typing import Any, Callable
@@ -12,18 +18,21 @@ import torch
 import torch.distributed as dist
 
 from ..algorithms.collectives import Communicator
+from ..algorithms.plan import tensor_bytes
 from ..algorithms.shape import Shape
+from ..compression.allreduce import compressed_all_reduce
 from ..config import Config
+from ..errors import CollectiveTimeout
+from ..transport.base import ANY_SOURCE
 from ..transport.engine import Transport
-from .data_movement import DataMovementOps
-from .p2p_ops import PointToPointOps
-from .reductions import ReductionOps
-from .tensors import on_device
+from .tensors import (Staged, byte_view, check_same_dtype, flat_cat, on_device, reduce_op, rows_to_elems,
+                      split_into)
 from .work import Work
 from .worker import Worker
 
 log = logging.getLogger("torch_thunderbolt")
 DEVICE_TYPES = ("cpu", "mps", "cuda")  # cpu first: torch runs object collectives on the first listed
+MONITORED_BARRIER_TAG = -0x6D62  # a point-to-point tag of our own: user tags are not negative
 _live_groups: "weakref.WeakSet[ThunderboltProcessGroup]" = weakref.WeakSet()
 
 
@@ -34,7 +43,7 @@ def _timeout_s(opts: Any, default: float) -> float:
     return default
 
 
-class ThunderboltProcessGroup(ReductionOps, DataMovementOps, PointToPointOps, dist.ProcessGroup):
+class ThunderboltProcessGroup(dist.ProcessGroup):
     def __init__(self, transport: Transport, cfg: Config, timeout: float, description: str = "",
                  shape: Shape | None = None) -> None:
         super().__init__(transport.rank, transport.world)
@@ -48,6 +57,8 @@ class ThunderboltProcessGroup(ReductionOps, DataMovementOps, PointToPointOps, di
         self._group_desc = description
         self._closed = False
         self._close_lock = threading.Lock()
+        # monitored_barrier's receive buffers, kept past the call (see there)
+        self._monitored_tokens: list[torch.Tensor] = []
         _live_groups.add(self)
         if cfg.debug:
             enable_debug_logging()
@@ -111,6 +122,389 @@ class ThunderboltProcessGroup(ReductionOps, DataMovementOps, PointToPointOps, di
             raise ValueError(f"rank {self._rank}: {what} has {len(tensors)} tensors, expected one per rank "
                              f"({self._size})")
 
+    # -- reducing collectives (through the worker, in issue order) -------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if any(t.is_sparse for t in tensors):
+            return self._sparse_allreduce(tensors, op, opts)
+        staged = [Staged(t) for t in tensors]
+
+        def run() -> None:
+            comm = self._with_timeout(opts)
+            for s in staged:
+                if self._compress(s.flat, op):
+                    compressed_all_reduce(s.flat, self._cfg.compression, block_size=self._cfg.compression_block,
+                                          average=op == "avg", exchange=_CommExchange(comm))
+                else:
+                    comm.all_reduce(s.flat, op, factor)
+                s.write_back()
+
+        return self._submit("all_reduce", run, tensors, sum(t.numel() * t.element_size() for t in tensors))
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str, opts: Any) -> Work:
+        """Sparse COO tensors (e.g. nn.Embedding(sparse=True) gradients under DDP), summed like gloo does:
+        every rank's indices and values are gathered, the sum is coalesced and copied into each tensor."""
+        if op not in ("sum", "avg") or not all(t.is_sparse for t in tensors):
+            raise ValueError(f"rank {self._rank}: sparse all_reduce supports ReduceOp.SUM and AVG on sparse "
+                             f"COO tensors only (got {op.upper()}, layouts {[str(t.layout) for t in tensors]})")
+
+        def run() -> None:
+            comm = self._with_timeout(opts)
+            for t in tensors:
+                s = t.detach().to("cpu").coalesce()
+                idx, val = s.indices().contiguous(), s.values().contiguous()
+                nnz = torch.tensor([idx.shape[1]], dtype=torch.int64)
+                every = torch.empty(self._size, dtype=torch.int64)
+                comm.all_gather(every, nnz)
+                counts = [int(c) for c in every]
+                per_value = math.prod(val.shape[1:])  # elements per entry (dense dimensions)
+                all_idx = torch.empty(idx.shape[0] * sum(counts), dtype=idx.dtype)
+                comm.all_gather(all_idx, _rows_first(idx), [idx.shape[0] * c for c in counts])
+                all_val = torch.empty(per_value * sum(counts), dtype=val.dtype)
+                comm.all_gather(all_val, val.reshape(-1), [per_value * c for c in counts])
+                indices = torch.cat([blk.view(-1, idx.shape[0]).t() for blk in
+                                     all_idx.split([idx.shape[0] * c for c in counts])], dim=1)
+                total = torch.sparse_coo_tensor(indices, all_val.view(sum(counts), *val.shape[1:]), s.shape)
+                total = total.coalesce()
+                if op == "avg":
+                    total = total / self._size
+                with torch.no_grad():  # a sparse tensor's detached alias would take the new indices, not `t`
+                    t.copy_(total.to(t.device))
+
+        return self._submit("sparse_all_reduce", run, tensors)
+
+    def _compress(self, flat: torch.Tensor, op: str) -> bool:
+        """THUNDERBOLT_COMPRESSION applies to float SUM/AVG all_reduce above the small-message size."""
+        return (self._cfg.compression != "none" and op in ("sum", "avg") and flat.is_floating_point()
+                and flat.numel() * flat.element_size() > self._cfg.small_bytes and self._size > 1)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+
+        def run() -> None:
+            comm = self._with_timeout(opts)
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for t in tensors:
+                by_dtype.setdefault(t.dtype, []).append(t)
+            for group in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1).cpu() for t in group])
+                comm.all_reduce(flat, op, factor)
+                split_into(flat, group)
+
+        return self._submit("all_reduce_coalesced", run, tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
+        op, factor = reduce_op(opts.reduceOp)
+        root = opts.rootRank
+        staged = [Staged(t) for t in tensors]
+
+        def run() -> None:
+            comm = self._with_timeout(opts)
+            for s in staged:
+                if factor is not None:
+                    comm.check_op("reduce", op, s.flat.dtype)  # before scaling: refused with the tensor untouched
+                    s.flat.mul_(factor)
+                comm.reduce(s.flat, root, op)  # premul_sum stays itself: a rank summing plainly is a mismatch
+                s.write_back()
+
+        return self._submit("reduce", run, tensors, sum(t.numel() * t.element_size() for t in tensors))
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Work:
+        op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+
+        def run() -> None:
+            comm = self._with_timeout(opts)
+            for o, ins in zip(outputs, inputs):
+                self._check_list(ins, "reduce_scatter input list")
+                flat_in = torch.cat([t.detach().reshape(-1).cpu() for t in ins])
+                if factor is not None:
+                    comm.check_op("reduce_scatter", op, flat_in.dtype)
+                    flat_in.mul_(factor)
+                out = Staged(o, read=False)
+                comm.reduce_scatter(out.flat, flat_in, [t.numel() for t in ins], op)
+                out.write_back()
+
+        return self._submit("reduce_scatter", run, outputs, inputs=inputs)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> Work:
+        return self.reduce_scatter_single(output, x, opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> Work:
+        op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+
+        def run() -> None:
+            if x.numel() != output.numel() * self._size:
+                raise ValueError(f"rank {self._rank}: reduce_scatter_tensor: input has {x.numel()} elements, "
+                                 f"expected {self._size} x {output.numel()}")
+            flat_in = x.detach().reshape(-1).cpu().clone() if factor is not None else flat_cat([x])
+            if factor is not None:
+                self._with_timeout(opts).check_op("reduce_scatter", op, flat_in.dtype)
+                flat_in.mul_(factor)
+            out = Staged(output, read=False)
+            self._with_timeout(opts).reduce_scatter(out.flat, flat_in, [output.numel()] * self._size, op)
+            out.write_back()
+
+        return self._submit("reduce_scatter_tensor", run, [output], x.numel() * x.element_size(), inputs=x)
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Work:
+        op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+
+        def run() -> None:
+            comm = self._with_timeout(opts)
+            for o, x in zip(outputs, inputs):
+                flat_in = x.detach().reshape(-1).cpu().clone()
+                if factor is not None:
+                    comm.check_op("reduce_scatter", op, flat_in.dtype)
+                    flat_in.mul_(factor)
+                out = Staged(o, read=False)
+                comm.reduce_scatter(out.flat, flat_in, [o.numel()] * self._size, op)
+                out.write_back()
+
+        return self._submit("reduce_scatter_tensor_coalesced", run, outputs, inputs=inputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- data-moving collectives (through the worker, in issue order) ----------------------------------
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
+        root = opts.rootRank
+        staged = [Staged(t, read=self._rank == root) for t in tensors]
+
+        def run() -> None:
+            comm = self._with_timeout(opts)
+            for s in staged:
+                comm.broadcast(s.flat, root)
+                s.write_back()
+
+        return self._submit("broadcast", run, tensors, sum(t.numel() * t.element_size() for t in tensors))
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        def run() -> None:
+            comm = self._with_timeout(opts)
+            for outs, x in zip(outputs, inputs):
+                self._check_list(outs, "all_gather output list")
+                check_same_dtype(outs + [x], "all_gather", self._rank)
+                counts = [o.numel() for o in outs]
+                flat = torch.empty(sum(counts), dtype=x.dtype)
+                comm.all_gather(flat, flat_cat([x]), counts)
+                split_into(flat, outs)
+
+        return self._submit("all_gather", run, outputs, inputs=inputs)
+
+    def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> Work:
+        """`outputs[q][j]` receives rank q's `inputs[j]`: every input travels in one all_gather of their
+        bytes (so dtypes may differ, complex and empty tensors included)."""
+        self._check_list(outputs, "all_gather_coalesced output list")
+        for q, outs in enumerate(outputs):
+            if len(outs) != len(inputs) or any(o.numel() != x.numel() or o.dtype != x.dtype
+                                               for o, x in zip(outs, inputs)):
+                raise ValueError(f"rank {self._rank}: all_gather_coalesced: output list {q} must match the "
+                                 f"inputs' sizes and dtypes {[(x.dtype, x.numel()) for x in inputs]}, got "
+                                 f"{[(o.dtype, o.numel()) for o in outs]}")
+
+        def run() -> None:
+            mine = torch.cat([byte_view(x) for x in inputs]) if inputs else torch.empty(0, dtype=torch.uint8)
+            n = mine.numel()
+            flat = torch.empty(n * self._size, dtype=torch.uint8)
+            self._with_timeout(opts).all_gather(flat, mine)
+            for q, outs in enumerate(outputs):
+                off = q * n
+                for o in outs:
+                    nb = o.numel() * o.element_size()
+                    o.detach().copy_(flat[off : off + nb].view(o.dtype).view(o.shape))
+                    off += nb
+
+        return self._submit("all_gather_coalesced", run, outputs, inputs=inputs)
+
+    def _allgather_base(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> Work:
+        return self.all_gather_single(output, x, opts)
+
+    def all_gather_single(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> Work:
+        out = Staged(output, read=False)
+
+        def run() -> None:
+            if output.numel() != x.numel() * self._size:
+                raise ValueError(f"rank {self._rank}: all_gather_into_tensor: output has {output.numel()} "
+                                 f"elements, expected {self._size} x {x.numel()}")
+            self._with_timeout(opts).all_gather(out.flat, flat_cat([x]))
+            out.write_back()
+
+        return self._submit("all_gather_into_tensor", run, [output], output.numel() * output.element_size(),
+                            inputs=x)
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> Work:
+        def run() -> None:
+            comm = self._with_timeout(opts)
+            for o, x in zip(outputs, inputs):
+                out = Staged(o, read=False)
+                comm.all_gather(out.flat, flat_cat([x]))
+                out.write_back()
+
+        return self._submit("all_gather_into_tensor_coalesced", run, outputs, inputs=inputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Work:
+        root = opts.rootRank
+
+        def run() -> None:
+            x = inputs[0]
+            n = x.numel()
+            if self._rank == root:
+                outs = outputs[0]
+                self._check_list(outs, "gather_list")
+                flat = torch.empty(n * self._size, dtype=x.dtype)
+                self._with_timeout(opts).gather(flat, flat_cat([x]), root, [n] * self._size)
+                split_into(flat, outs)
+            else:
+                self._with_timeout(opts).gather(None, flat_cat([x]), root, [n] * self._size)
+
+        return self._submit("gather", run, outputs, inputs=inputs)
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:
+        root = opts.rootRank
+
+        def run() -> None:
+            out = Staged(outputs[0], read=False)
+            n = out.flat.numel()
+            src = None
+            if self._rank == root:
+                self._check_list(inputs[0], "scatter_list")
+                src = flat_cat(inputs[0])
+            self._with_timeout(opts).scatter(out.flat, src, root, [n] * self._size)
+            out.write_back()
+
+        return self._submit("scatter", run, outputs, inputs=inputs)
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        def run() -> None:
+            self._check_list(outputs, "all_to_all output list")
+            self._check_list(inputs, "all_to_all input list")
+            flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=outputs[0].dtype)
+            self._with_timeout(opts).all_to_all(flat_out, flat_cat(inputs), [t.numel() for t in inputs],
+                                                [o.numel() for o in outputs])
+            split_into(flat_out, outputs)
+
+        return self._submit("all_to_all", run, outputs, inputs=inputs)
+
+    def all_to_all_single(self, output: torch.Tensor, x: torch.Tensor, out_splits: list[int],
+                          in_splits: list[int], opts: Any = None) -> Work:
+        def run() -> None:
+            r, w = self._rank, self._size
+            send = rows_to_elems(x, list(in_splits), w, "all_to_all_single input", r)
+            recv = rows_to_elems(output, list(out_splits), w, "all_to_all_single output", r)
+            out = Staged(output, read=False)
+            self._with_timeout(opts).all_to_all(out.flat, flat_cat([x]), send, recv)
+            out.write_back()
+
+        return self._submit("all_to_all_single", run, [output], inputs=x)
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts: Any = None) -> Work:
+        def run() -> None:
+            self._with_timeout(opts).barrier()
+
+        return self._submit("barrier", run, [], 0)
+
+    def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier, called on the group object (torch's `dist.monitored_barrier` refuses any
+        backend but gloo): every rank reports to rank 0 within the timeout and waits for its release; rank 0
+        names the ranks that did not report (the first, or all with `wait_all_ranks`). A failure leaves the
+        group BROKEN, like any failed point-to-point wait."""
+        timeout = opts if isinstance(opts, timedelta) else getattr(opts, "timeout", None)
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else self._timeout
+        deadline = time.monotonic() + max(0.0, seconds)
+        ms = int(seconds * 1000)
+        # One buffer per peer, kept with the group: a receive left posted by a timeout must never write into a
+        # freed tensor (tensor_bytes is a view that does not own its memory).
+        tokens = [torch.zeros(1, dtype=torch.uint8) for _ in range(self._size)]
+        self._monitored_tokens = tokens
+        token = tokens[self._rank]
+        t = self._transport
+        if self._rank != 0:
+            t.wait([t.isend_p2p(0, MONITORED_BARRIER_TAG, tensor_bytes(token))], deadline,
+                   f"monitored_barrier on rank {self._rank}")
+            try:
+                t.wait([t.irecv_p2p(0, MONITORED_BARRIER_TAG, tensor_bytes(token))], deadline,
+                       f"monitored_barrier on rank {self._rank}")
+            except BaseException as exc:
+                t.abort(exc)
+                raise RuntimeError(f"Rank {self._rank} successfully reached monitoredBarrier, but received errors "
+                                   f"while waiting for send/recv from rank 0: {exc}") from exc
+            return
+        missing: list[int] = []
+        for peer in range(1, self._size):
+            if time.monotonic() >= deadline and not missing:
+                err: BaseException = RuntimeError(f"Rank 0 timed out in monitoredBarrier after {ms} ms")
+                t.abort(err)
+                raise err
+            req = t.irecv_p2p(peer, MONITORED_BARRIER_TAG, tensor_bytes(tokens[peer]))
+            try:
+                t.wait([req], deadline, f"monitored_barrier on rank 0, waiting for rank {peer}")
+            except CollectiveTimeout:
+                missing.append(peer)
+                if not wait_all_ranks:
+                    break
+        if missing:
+            err = RuntimeError(f"Rank {missing[0]} failed to pass monitoredBarrier in {ms} ms" if not wait_all_ranks
+                               else f"Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in {ms} ms")
+            t.abort(err)
+            raise err
+        t.wait([t.isend_p2p(p, MONITORED_BARRIER_TAG, tensor_bytes(token)) for p in range(1, self._size)],
+               time.monotonic() + self._timeout, "monitored_barrier on rank 0, releasing the others")
+
+    # -- point-to-point: posted at once, driven by the thread that waits on the work --------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work:
+        flat = flat_cat(tensors)
+        req = self._transport.isend_p2p(dst, tag, tensor_bytes(flat))
+        return self._p2p_work("send to", dst, tag, req, tensors, keep=flat)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work:
+        return self._recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
+        return self._recv(tensors, ANY_SOURCE, tag)
+
+    def _recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work:
+        if len(tensors) == 1:
+            staged = Staged(tensors[0], read=False)
+            flat, done = staged.flat, (staged.write_back if staged.copied else None)
+        else:
+            flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
+            done = functools.partial(split_into, flat, tensors)
+        req = self._transport.irecv_p2p(src, tag, tensor_bytes(flat))
+        return self._p2p_work("recv from", src, tag, req, tensors, keep=flat, on_done=done)
+
+    def _p2p_work(self, verb: str, peer: int, tag: int, req: Any, result: Any, keep: Any,
+                  on_done: Callable[[], None] | None = None) -> Work:
+        who = "any rank" if peer == ANY_SOURCE else f"rank {peer}"
+        what = f"{verb} {who} (tag {tag}) on rank {self._rank}"
+
+        def wait_fn(work: Work, seconds: float | None) -> None:
+            budget = seconds if seconds is not None else self._timeout
+            try:
+                self._transport.wait([req], time.monotonic() + budget, what)
+            except BaseException as exc:
+                # The receive is still posted (a timeout) or the stream is out of step (a size mismatch): a
+                # later message would be written into this buffer after the caller gave up on it. BROKEN
+                # instead, as for a collective, and peers are told why.
+                self._transport.abort(exc)
+                raise
+            _ = keep  # the buffer must stay alive until the transfer is done
+            if on_done is not None:
+                on_done()
+            work._source = req.source
+            work.finish()
+
+        work = Work(what, result, wait_fn)
+        work.device = on_device(result)
+        if req.done and req.error is None:
+            wait_fn(work, None)
+        return work
+
     # -- lifecycle ---------------------------------------------------------------------------------------
     def shutdown(self) -> None:
         with self._close_lock:
@@ -128,6 +522,27 @@ class ThunderboltProcessGroup(ReductionOps, DataMovementOps, PointToPointOps, di
             self.shutdown()
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
+
+
+class _CommExchange:
+    """The compression layer's two byte-moving calls, served by our own Communicator (no re-entry)."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.world_size = comm.world
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        c = inp.shape[1]
+        self.comm.all_to_all(out.view(-1), inp.reshape(-1), [c] * self.world_size, [c] * self.world_size)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.comm.all_gather(out.view(-1), inp.reshape(-1))
+
+
+def _rows_first(idx: torch.Tensor) -> torch.Tensor:
+    """A (sparse_dim, nnz) index matrix as nnz rows of sparse_dim indices, flat: one entry per element,
+    so each rank's block is whole entries."""
+    return idx.t().contiguous().view(-1)
 
 
 def enable_debug_logging() -> None:

@@ -26,11 +26,11 @@ def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
     cfg = Config.from_env()
     rank, size = dist_opts.group_rank, dist_opts.group_size
     timeout = dist_opts.timeout.total_seconds() if isinstance(dist_opts.timeout, timedelta) else 1800.0
-    group = connect(dist_opts.store, rank, size, cfg, timeout)
     # In a subgroup, "rank 0" in an error is a group rank: name the global one too. torch gives an extended
     # backend's creator the group's global ranks (none for the default group, whose ranks are global).
-    group.transport.names = RankNames.for_group(getattr(dist_opts, "global_ranks_in_group", None), size,
-                                                str(getattr(dist_opts, "group_id", "") or "?"))
+    names = RankNames.for_group(getattr(dist_opts, "global_ranks_in_group", None), size,
+                                str(getattr(dist_opts, "group_id", "") or "?"))
+    group = connect(dist_opts.store, rank, size, cfg, timeout, names=names)
     return ThunderboltProcessGroup(group.transport, cfg, timeout, description=str(getattr(dist_opts, "group_id", "")),
                                    shape=group.shape)
 

@@ -15,6 +15,7 @@ from ..config import Config
 from ..transport import shm_ring
 from ..transport.engine import Transport
 from ..transport.memory import MemoryHub
+from ..transport.names import RankNames
 from ..transport.shm import default_spin
 from .hosts import host_map
 from .shm import ShmOptions, connect_shm, connect_shm_links
@@ -29,8 +30,17 @@ class Connected:
     shape: Shape | None  # None: derive it from the group size alone (one host, or nothing known)
 
 
-def connect(store: Any, rank: int, world: int, cfg: Config, timeout: float) -> Connected:
-    """Connect this rank to every other rank of the group (all ranks call this together)."""
+def connect(store: Any, rank: int, world: int, cfg: Config, timeout: float,
+            names: RankNames | None = None) -> Connected:
+    """Connect this rank to every other rank of the group (all ranks call this together). `names`: how the
+    transport's errors name the ranks of a subgroup (None when its ranks are the global ones), given to the
+    transport before it is handed out, so every error of the group's operations names global ranks too."""
+    connected = _connect(store, rank, world, cfg, timeout)
+    connected.transport.names = names
+    return connected
+
+
+def _connect(store: Any, rank: int, world: int, cfg: Config, timeout: float) -> Connected:
     if world == 1:
         return Connected(MemoryHub(1).transports[0], None)
     hosts = None if cfg.transport != "auto" else host_map(store, rank, world)
