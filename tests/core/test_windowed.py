@@ -13,9 +13,9 @@ import torch
 from torch_thunderbolt.algorithms import reference as ref
 from torch_thunderbolt.algorithms import windowed
 from torch_thunderbolt.errors import CollectiveTimeout, MismatchError, PeerLostError
-from torch_thunderbolt.transport.memory import MemoryWindow
+from torch_thunderbolt.transport.memory import MemoryWindowMemory
 
-from .worlds import run_world
+from torch_thunderbolt.testing.worlds import memory_world as run_world
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
@@ -37,7 +37,7 @@ def test_rounds_cover_every_element_once_within_the_cap(world: int, cap: int) ->
 def jitter(monkeypatch):
     """Every post sleeps a random moment first: ranks drift apart by up to a round, so a buffer reused too
     early (before every peer is done with it) would corrupt results."""
-    post = MemoryWindow._publish
+    post = MemoryWindowMemory.publish
     rng = random.Random(7)
     lock = threading.Lock()
 
@@ -47,7 +47,7 @@ def jitter(monkeypatch):
         time.sleep(pause)
         post(self, value, k, word)
 
-    monkeypatch.setattr(MemoryWindow, "_publish", slow)
+    monkeypatch.setattr(MemoryWindowMemory, "publish", slow)
 
 
 @pytest.mark.timeout(120)

@@ -99,8 +99,9 @@ def test_every_collective_is_exact_and_same_host_bytes_stay_off_tcp(tmp_path) ->
         assert got["same_host"]["shm"] == [one_each, one_each], (run.rank, got)
         assert min(got["tcp"]) > 0 and min(got["shm"]) > 0, (run.rank, got)
         assert got["order"] in ([0, 1, 2, 3], [2, 3, 0, 1], [1, 0, 3, 2], [3, 2, 1, 0]), got["order"]
-        # the large all_reduce, all_gather and reduce_scatter above ran hierarchically (and were exact)
-        assert got["hier"] == ["ag", "ar", "rs"], (run.rank, got["hier"])
+        # the large all_reduce, all_gather, broadcast and reduce_scatter above ran hierarchically (and were
+        # exact)
+        assert got["hier"] == ["ag", "ar", "bc", "rs"], (run.rank, got["hier"])
 
 
 KILL = """

@@ -14,7 +14,7 @@ def test_shm_settings_reach_the_transport_through_the_config(tmp_path) -> None:
     script = """
 shm = t.link_kind("shm")
 result({"dir": str(shm.own.path.parent) if shm.own.path else None, "slot": shm.slot_bytes, "spin": shm.spin,
-        "window": t.window is not None})
+        "window": t.window_memory is not None})
 t.close()
 """
     env = {"THUNDERBOLT_SHM_DIR": str(seg_dir), "THUNDERBOLT_SHM_SLOT": "8K", "THUNDERBOLT_SHM_SPIN_US": "5",
@@ -31,8 +31,8 @@ from torch_thunderbolt.algorithms.collectives import Communicator
 comm = Communicator(t, Config.from_env(), timeout=30)
 x = torch.full((1000,), float(r + 1))
 comm.all_reduce(x)
-result({"window": t.window is not None and t.window.world == w, "rounds": t.window.rounds if t.window else 0,
-        "sum": x[0].item()})
+result({"window": comm.window is not None and comm.window.world == w,
+        "rounds": comm.window.rounds if comm.window else 0, "sum": x[0].item()})
 t.close()
 """
     for res in run_shm(script, 3, tmp_path, timeout=100):

@@ -1,7 +1,13 @@
-"""Collectives on flat tensors over a transport: picks a plan, runs it, applies the op's final touches.
+"""Collectives on flat tensors over a transport: picks how each op runs, runs it, applies its final touches.
 
 `Communicator` knows nothing about torch.distributed: the backend layer flattens torch's arguments into
 contiguous 1-D tensors and calls these methods, one at a time, in the same order on every rank.
+
+An op runs one of three ways: on the shared window when the whole group shares one host's memory; as a
+plan of sends and receives over the engine (`select`); or, where that plan is hierarchical (a multi-host
+job whose hosts run several ranks each) and this host's ranks share a window, with the per-host phases
+on the window and only the plan's cable phase over the engine (`hierarchy.cable_*`: the same messages
+as the full plan, so hosts may differ in how they run their own phases).
 """
 from __future__ import annotations
 
@@ -15,12 +21,12 @@ from ..config import Config
 from ..errors import CollectiveTimeout, MismatchError
 from ..protocol.signature import describe_sig, encode_sig
 from ..transport.engine import Transport
-from ..transport.window import Window
-from . import direct, select, windowed
+from . import direct, hierarchy, select, windowed
 from .layout import offsets
 from .plan import Plan, run_plan
 from .reduce_ops import make_combiner, make_reducer
 from .shape import Shape
+from .window import Window
 
 
 log = logging.getLogger("torch_thunderbolt.ops")
@@ -48,6 +54,17 @@ class Communicator:
         self._full: torch.Tensor | None = None  # reduce-scatter's working copy, reused like _scratch
         self._checked: set[tuple[str, torch.dtype]] = set()
         self._sigs: dict[tuple, int] = {}  # (reduce op, dtype) pairs this rank can compute
+        # The shared window of this host's ranks, if the transport has window memory for them. The windowed
+        # collectives replace plans only when no algorithm is forced: over the whole group (`_flat`), or
+        # for the per-host phases of hierarchical plans (`_per_host`: the window spans this host's ranks).
+        memory = transport.window_memory
+        self.window = Window(transport, memory) if memory is not None else None
+        auto = self.window is not None and cfg.algo == "auto"
+        self._flat = auto and self.window.world == self.world
+        host = next((g for g in self.shape.groups if self.rank in g), None)
+        self._per_host = auto and not self._flat and host is not None and self.window.spans(host)
+        # The window position of this host's leader (the first rank of its group), which the cables reach.
+        self._leader = self.window.members.index(host[0]) if self._per_host else 0
 
     # -- machinery -----------------------------------------------------------------------------------------
     def _plan(self, key: tuple, build: Callable[[], Plan]) -> Plan:
@@ -84,24 +101,34 @@ class Communicator:
             raise
         self.t.retire(self.seq)
 
-    def _window(self) -> Window | None:
-        """The transport's shared window, when it spans the whole group and no algorithm is forced."""
-        win = self.t.window
-        return win if win is not None and win.world == self.world and self.cfg.algo == "auto" else None
-
     def _run_window(self, body: Callable[[int, float, str], None], what: str, like: torch.Tensor,
-                    root: int = 0, count: int = 0, op: str = "none", layout: object = None) -> None:
+                    root: int = 0, count: int = 0, op: str = "none", layout: object = None,
+                    cables: bool = False) -> None:
+        """Run `body(sig, deadline, what)`: a windowed op, or (`cables`) a hierarchical one whose cable
+        phase posts messages under this op's tag."""
         self.seq += 1
         sig = self._sig(what, like, root, count, op, layout)
         if self.cfg.debug:
-            log.debug("rank %d: op #%d %s on the shared window, signature %016x", self.rank, self.seq,
-                      describe_sig(sig), sig)
+            log.debug("rank %d: op #%d %s %s, signature %016x", self.rank, self.seq, describe_sig(sig),
+                      "in hierarchy (per-host phases on the shared window)" if cables else "on the shared window",
+                      sig)
         try:
             body(sig, time.monotonic() + self.timeout,
                  f"{what} (op #{self.seq}, {_dtype_name(like)}, {count} elements)")
         except BaseException as exc:
             self.t.abort(exc)  # peers may be waiting on this rank's next step: tell them why it won't come
             raise
+        if cables:
+            self.t.retire(self.seq)
+
+    def _cables(self, plan: Plan, bufs: dict[str, torch.Tensor], op: str | None, like: torch.Tensor, sig: int,
+                deadline: float, what: str) -> None:
+        """The cable phase of a hierarchical op: `plan` among one rank per host, under this op's tag."""
+        if not plan.steps:
+            return
+        bufs["tmp"] = self._tmp(plan.tmp, like)
+        run_plan(plan, self.t, bufs, make_reducer(op, like.dtype) if op else _noop, tag=self.seq, sig=sig,
+                 deadline=deadline, what=what)
 
     def _sig(self, what: str, like: torch.Tensor, root: int, count: int, op: str, layout: object) -> int:
         """The op's signature, cached: hashing it costs a few µs, as much as a small message's Python steps."""
@@ -135,28 +162,53 @@ class Communicator:
         if op == "premul_sum" and premul is not None:
             x.mul_(premul)
         n, es = x.numel(), x.element_size()
-        win = self._window()
-        if win is not None:
+        if self._flat:
             self._run_window(lambda sig, deadline, what: windowed.all_reduce(
-                win, x, op, sig, deadline, what, self.cfg.small_bytes), "all_reduce", x, count=n, op=op)
+                self.window, x, op, sig, deadline, what, self.cfg.small_bytes), "all_reduce", x, count=n, op=op)
         else:
             plan = self._plan(("ar", n, es), lambda: select.allreduce_plan(
                 self.cfg, self.rank, self.world, n, es, self.shape))
-            self._run(plan, "all_reduce", {"in": x, "out": x}, op, x, count=n)
+            if self._per_host and plan.algo == "hier":
+                self._run_window(lambda sig, deadline, what: self._hier_all_reduce(x, op, sig, deadline, what),
+                                 "all_reduce", x, count=n, op=op, cables=True)
+            else:
+                self._run(plan, "all_reduce", {"in": x, "out": x}, op, x, count=n)
         if op == "avg":
             x.div_(self.world)
 
+    def _hier_all_reduce(self, x: torch.Tensor, op: str, sig: int, deadline: float, what: str) -> None:
+        """Reduce within the host on its window, all-reduce among the hosts' leaders over the cables, then
+        the leader's result to its host's ranks on the window."""
+        win, n, es = self.window, x.numel(), x.element_size()
+        windowed.all_reduce(win, x, op, sig, deadline, what)
+        plan = self._plan(("ar-cables", n, es), lambda: hierarchy.cable_allreduce(
+            self.rank, self.shape.groups, n, select.chunk_elems(self.cfg, es), self.shape.is_line))
+        self._cables(plan, {"in": x, "out": x}, op, x, sig, deadline, what)
+        windowed.broadcast(win, _bytes(x), self._leader, sig, deadline, what)
+
     def broadcast(self, x: torch.Tensor, root: int) -> None:
         n, es = x.numel(), x.element_size()
-        win = self._window()
-        if win is not None:
-            raw = x.view(torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-            self._run_window(lambda sig, deadline, what: windowed.broadcast(win, raw, root, sig, deadline, what),
-                             "broadcast", x, root=root, count=n)
+        if self._flat:
+            self._run_window(lambda sig, deadline, what: windowed.broadcast(
+                self.window, _bytes(x), root, sig, deadline, what), "broadcast", x, root=root, count=n)
             return
         plan = self._plan(("bc", n, es, root), lambda: select.broadcast_plan(
             self.cfg, self.rank, self.world, root, n, es, self.shape))
-        self._run(plan, "broadcast", {"out": x}, None, x, root=root, count=n)
+        if self._per_host and plan.algo == "hier":
+            self._run_window(lambda sig, deadline, what: self._hier_broadcast(x, root, sig, deadline, what),
+                             "broadcast", x, root=root, count=n, cables=True)
+        else:
+            self._run(plan, "broadcast", {"out": x}, None, x, root=root, count=n)
+
+    def _hier_broadcast(self, x: torch.Tensor, root: int, sig: int, deadline: float, what: str) -> None:
+        """The root to one rank per host over the cables (itself for its own host, the leader for the
+        others), then that rank to its host's ranks on the window."""
+        n, es = x.numel(), x.element_size()
+        plan = self._plan(("bc-cables", n, es, root), lambda: hierarchy.cable_broadcast(
+            self.rank, self.shape.groups, root, n, select.chunk_elems(self.cfg, es, n), self.shape.is_line))
+        self._cables(plan, {"out": x}, None, x, sig, deadline, what)
+        entry = next(e for e in hierarchy.broadcast_entries(self.shape.groups, root) if e in self.window.members)
+        windowed.broadcast(self.window, _bytes(x), self.window.members.index(entry), sig, deadline, what)
 
     def reduce(self, x: torch.Tensor, root: int, op: str = "sum") -> None:
         self.check_op("reduce", op, x.dtype)
@@ -177,28 +229,62 @@ class Communicator:
         es = x.element_size()
         plan = self._plan(("ag", tuple(counts), es), lambda: select.all_gather_plan(
             self.cfg, self.rank, self.world, counts, es, self.shape))
-        self._run(plan, "all_gather", {"out": out}, None, out, count=sum(counts), layout=tuple(counts))
+        if self._per_host and plan.algo == "hier":
+            self._run_window(lambda sig, deadline, what: self._hier_all_gather(out, counts, sig, deadline, what),
+                             "all_gather", out, count=sum(counts), layout=tuple(counts), cables=True)
+        else:
+            self._run(plan, "all_gather", {"out": out}, None, out, count=sum(counts), layout=tuple(counts))
+
+    def _hier_all_gather(self, out: torch.Tensor, counts: list[int], sig: int, deadline: float, what: str) -> None:
+        """The host's blocks to each other on the window, whole host blocks among the leaders over the
+        cables, then the leader's full result to its host's ranks on the window."""
+        win, es = self.window, out.element_size()
+        starts = offsets(counts)
+        raw = _bytes(out)
+        windowed.all_gather(win, raw, [(starts[p] * es, counts[p] * es) for p in win.members], sig, deadline, what)
+        plan = self._plan(("ag-cables", tuple(counts), es), lambda: hierarchy.cable_all_gather(
+            self.rank, self.shape.groups, counts, select.chunk_elems(self.cfg, es)))
+        self._cables(plan, {"out": out}, None, out, sig, deadline, what)
+        windowed.broadcast(win, raw, self._leader, sig, deadline, what)
 
     def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, counts: list[int], op: str = "sum") -> None:
         """Reduce `x` (all ranks' blocks, `counts` long) and keep this rank's block in `out`."""
         self.check_op("reduce_scatter", op, x.dtype)
         if _overlap(out, x):  # the in-place form: out is this rank's slice of x, which peers still need
             x = x.clone()
-        win = self._window()
-        if win is not None:
+        if self._flat:
             self._run_window(lambda sig, deadline, what: windowed.reduce_scatter(
-                win, out, x, counts, op, sig, deadline, what), "reduce_scatter", x, count=sum(counts), op=op,
-                layout=tuple(counts))
+                self.window, out, x, counts, op, sig, deadline, what), "reduce_scatter", x, count=sum(counts),
+                op=op, layout=tuple(counts))
         else:
             self._reduce_scatter_plan(out, x, counts, op)
         if op == "avg":
             out.div_(self.world)
 
+    def _hier_reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, counts: list[int], op: str, sig: int,
+                             deadline: float, what: str) -> None:
+        """Reduce a working copy within the host on its window, reduce-scatter whole host blocks among the
+        leaders over the cables, then the leader's host blocks to its host's ranks on the window."""
+        win, es = self.window, x.element_size()
+        starts = offsets(counts)
+        work = self._tmp_full(x)
+        windowed.all_reduce(win, work, op, sig, deadline, what)
+        plan = self._plan(("rs-cables", tuple(counts), es), lambda: hierarchy.cable_reduce_scatter(
+            self.rank, self.shape.groups, counts, select.chunk_elems(self.cfg, es)))
+        self._cables(plan, {"in": work, "out": work}, op, x, sig, deadline, what)
+        lo, hi = starts[win.members[0]], starts[win.members[-1]] + counts[win.members[-1]]
+        windowed.broadcast(win, _bytes(work[lo:hi]), self._leader, sig, deadline, what)
+        out.copy_(work[starts[self.rank] : starts[self.rank] + counts[self.rank]])
+
     def _reduce_scatter_plan(self, out: torch.Tensor, x: torch.Tensor, counts: list[int], op: str) -> None:
         es = x.element_size()
         plan, in_place = self._plan(("rs", tuple(counts), es), lambda: select.reduce_scatter_plan(
             self.cfg, self.rank, self.world, counts, es, self.shape))
-        if in_place:  # ring, hierarchy: reduce a full working copy ("in" and "out"), then keep our block
+        if self._per_host and plan.algo == "hier":
+            self._run_window(lambda sig, deadline, what: self._hier_reduce_scatter(
+                out, x, counts, op, sig, deadline, what), "reduce_scatter", x, count=sum(counts), op=op,
+                layout=tuple(counts), cables=True)
+        elif in_place:  # ring, hierarchy: reduce a full working copy ("in" and "out"), then keep our block
             work = self._tmp_full(x)
             self._run(plan, "reduce_scatter", {"in": work, "out": work}, op, x, count=sum(counts),
                       layout=tuple(counts))
@@ -256,6 +342,11 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     pa, pb = a.data_ptr(), b.data_ptr()
     return pa < pb + nb and pb < pa + na
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """The bytes of the 1-D contiguous `x`, for the byte-wise window collectives."""
+    return x.view(torch.uint8) if x.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def _at_least(buf: torch.Tensor | None, nbytes: int) -> torch.Tensor:

@@ -4,6 +4,9 @@ all_reduce: reduce within each host to its leader (shared memory), all-reduce am
 cables), broadcast within each host. Each byte crosses the cables 2(H-1)/H times for H hosts instead of
 2(W-1)/W for W ranks, and the same-host phases never touch the network.
 
+broadcast: the root to one rank per host over the cables (itself for its own host, the leader for the
+others), then a pipelined chain within each host: the message crosses each cable once.
+
 all_gather: gather within each host to its leader, all-gather of whole host blocks among the leaders,
 broadcast of the result within each host: a cable carries (H-1)/H of the output instead of (W-1)/W.
 reduce_scatter: the mirror image: reduce within each host to its leader, reduce-scatter of host blocks
@@ -12,6 +15,11 @@ among the leaders, each leader hands its ranks their blocks.
 The three phases run one after the other on each rank (a zero-length join step between them), so their
 scratch can be shared; a leader's cable phase starts as soon as its own host is done, without waiting
 for the other hosts. Pure plan builders.
+
+Where a host's ranks share a window (shared memory), the Communicator runs that host's phases on it
+(`windowed.py`) and only the cable phase as a plan: the `cable_*` builders give exactly the middle phase
+of the full plans (same steps, same message ids), so hosts that run their phases on a window and hosts
+that run the full plan (a host with one rank, or without a window) take part in one op together.
 """
 from __future__ import annotations
 
@@ -63,6 +71,16 @@ def leaders_allreduce(rank: int, leaders: list[int], count: int, chunk: int, lin
     return relabel(plan, leaders)
 
 
+def shifted(plan: Plan, msg_shift: int) -> Plan:
+    """`plan` with its message ids moved by `msg_shift` (a phase of a hierarchical plan, run alone)."""
+    return then(Plan(plan.rank, plan.world, plan.algo), plan, msg_shift)
+
+
+def cable_allreduce(rank: int, groups: list[list[int]], count: int, chunk: int, line: bool = False) -> Plan:
+    """The cable phase of `hierarchical_allreduce`, alone."""
+    return shifted(leaders_allreduce(rank, [g[0] for g in groups], count, chunk, line), PHASE_MSG)
+
+
 def hierarchical_allreduce(rank: int, groups: list[list[int]], count: int, chunk: int, line: bool = False) -> Plan:
     """`groups`: each host's ranks, hosts in cable order, the first rank of each group its leader."""
     mine = next(g for g in groups if rank in g)
@@ -94,14 +112,24 @@ def hierarchical_all_gather(rank: int, groups: list[list[int]], counts: list[int
     else:
         for p in mine[1:]:
             local_gather.recv(p, "out", starts[p], counts[p], 0)
-    across = _leaders_ring(ring.ring_all_gather, rank, groups, starts, counts, chunk)
+    across = leaders_ring(ring.ring_all_gather, rank, groups, starts, counts, chunk)
     local_bcast = chain.chain_broadcast(rank, mine, leader, sum(counts), chunk)
     plan = then(then(local_gather, across, PHASE_MSG), local_bcast, 2 * PHASE_MSG)
     plan.world, plan.algo = world, "hier"
     return plan
 
 
-def _leaders_ring(build: Callable[[int, list[int], Segments, int], Plan], rank: int, groups: list[list[int]],
+def cable_all_gather(rank: int, groups: list[list[int]], counts: list[int], chunk: int) -> Plan:
+    """The cable phase of `hierarchical_all_gather`, alone."""
+    return shifted(leaders_ring(ring.ring_all_gather, rank, groups, offsets(counts), counts, chunk), PHASE_MSG)
+
+
+def cable_reduce_scatter(rank: int, groups: list[list[int]], counts: list[int], chunk: int) -> Plan:
+    """The cable phase of `hierarchical_reduce_scatter`, alone."""
+    return shifted(leaders_ring(ring.ring_reduce_scatter, rank, groups, offsets(counts), counts, chunk), PHASE_MSG)
+
+
+def leaders_ring(build: Callable[[int, list[int], Segments, int], Plan], rank: int, groups: list[list[int]],
                   starts: list[int], counts: list[int], chunk: int) -> Plan:
     """A ring all-gather or reduce-scatter (`build`) among the leaders, each host's blocks as one segment."""
     leaders = [g[0] for g in groups]
@@ -119,7 +147,7 @@ def hierarchical_reduce_scatter(rank: int, groups: list[list[int]], counts: list
     starts = offsets(counts)
     world = sum(len(g) for g in groups)
     local_reduce = chain.chain_reduce(rank, mine, leader, sum(counts), chunk)
-    across = _leaders_ring(ring.ring_reduce_scatter, rank, groups, starts, counts, chunk)
+    across = leaders_ring(ring.ring_reduce_scatter, rank, groups, starts, counts, chunk)
     local_scatter = Plan(rank, world, "scatter")
     if rank == leader:
         for p in mine[1:]:
@@ -127,5 +155,36 @@ def hierarchical_reduce_scatter(rank: int, groups: list[list[int]], counts: list
     else:
         local_scatter.recv(leader, "out", starts[rank], counts[rank], 0)
     plan = then(then(local_reduce, across, PHASE_MSG), local_scatter, 2 * PHASE_MSG)
+    plan.world, plan.algo = world, "hier"
+    return plan
+
+
+def broadcast_entries(groups: list[list[int]], root: int) -> list[int]:
+    """The rank of each host that receives a broadcast over the cables: the root on its own host, the
+    leader on the others."""
+    return [root if root in g else g[0] for g in groups]
+
+
+def cable_broadcast(rank: int, groups: list[list[int]], root: int, count: int, chunk: int, line: bool) -> Plan:
+    """Broadcast from `root` among the hosts' entries (`broadcast_entries`), in cable order: along the line
+    on a chain of hosts, both ways round a ring of three or more, pipelined in every case. Ranks that are
+    no entry have nothing to do. (The first phase of `hierarchical_broadcast`, alone.)"""
+    entries = broadcast_entries(groups, root)
+    if rank not in entries or len(entries) == 1:
+        return Plan(rank, len(entries), "none")
+    if not line and len(entries) >= 3 and count >= 2:
+        return chain.two_way_ring_broadcast(rank, entries, root, count, chunk)
+    return chain.chain_broadcast(rank, entries, root, count, chunk)
+
+
+def hierarchical_broadcast(rank: int, groups: list[list[int]], root: int, count: int, chunk: int,
+                           line: bool = False) -> Plan:
+    """`cable_broadcast`, then a pipelined chain from the entry within each host."""
+    mine = next(g for g in groups if rank in g)
+    entry = root if root in mine else mine[0]
+    world = sum(len(g) for g in groups)
+    across = cable_broadcast(rank, groups, root, count, chunk, line)
+    local_bcast = chain.chain_broadcast(rank, mine, entry, count, chunk)
+    plan = then(across, local_bcast, PHASE_MSG)
     plan.world, plan.algo = world, "hier"
     return plan

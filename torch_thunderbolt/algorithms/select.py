@@ -13,7 +13,7 @@ MIN_PIPELINE_PIECES = 8
 MIN_CHUNK_BYTES = 64 << 10
 
 
-def _chunk_elems(cfg: Config, elem: int, count: int | None = None) -> int:
+def chunk_elems(cfg: Config, elem: int, count: int | None = None) -> int:
     """Pipeline piece size; with `count`, small enough for MIN_PIPELINE_PIECES pieces (down to 64 KB), so a
     1 MB message on a line of hosts is pipelined too instead of crossing each cable in one piece."""
     chunk = max(1, cfg.chunk_bytes // max(1, elem))
@@ -47,11 +47,11 @@ def _hierarchical(cfg: Config, world: int, shape: Shape) -> bool:
 def allreduce_plan(cfg: Config, rank: int, world: int, count: int, elem: int, shape: Shape) -> Plan:
     if world == 1 or _small(cfg, count * elem) or count < world:
         return direct.direct_allreduce(rank, world, count)
-    chunk = _chunk_elems(cfg, elem)
+    chunk = chunk_elems(cfg, elem)
     if cfg.algo == "auto" and len(shape.groups) > 1 and len(shape.groups) < world:
         return hierarchy.hierarchical_allreduce(rank, shape.groups, count, chunk, line=shape.is_line)
     if cfg.algo == "chain" or (cfg.algo == "auto" and shape.is_line):
-        return chain.chain_allreduce(rank, shape.order, count, _chunk_elems(cfg, elem, count))
+        return chain.chain_allreduce(rank, shape.order, count, chunk_elems(cfg, elem, count))
     if cfg.algo == "biring" or (cfg.algo == "auto" and world > 2 and count >= 2 * world):
         return ring.bidirectional_ring_allreduce(rank, shape.order, count, chunk)
     return ring.ring_allreduce(rank, shape.order, split_even(count, world), chunk)
@@ -64,8 +64,8 @@ def reduce_scatter_plan(cfg: Config, rank: int, world: int, counts: list[int], e
     if world == 1 or _small(cfg, sum(counts) * elem):
         return direct.direct_reduce_scatter(rank, world, segs), False
     if _hierarchical(cfg, world, shape):
-        return hierarchy.hierarchical_reduce_scatter(rank, shape.groups, counts, _chunk_elems(cfg, elem)), True
-    return ring.ring_reduce_scatter(rank, shape.order, segs, _chunk_elems(cfg, elem)), True
+        return hierarchy.hierarchical_reduce_scatter(rank, shape.groups, counts, chunk_elems(cfg, elem)), True
+    return ring.ring_reduce_scatter(rank, shape.order, segs, chunk_elems(cfg, elem)), True
 
 
 def all_gather_plan(cfg: Config, rank: int, world: int, counts: list[int], elem: int, shape: Shape) -> Plan:
@@ -73,14 +73,16 @@ def all_gather_plan(cfg: Config, rank: int, world: int, counts: list[int], elem:
     if world == 1 or _small(cfg, sum(counts) * elem):
         return direct.direct_all_gather(rank, world, segs)
     if _hierarchical(cfg, world, shape):
-        return hierarchy.hierarchical_all_gather(rank, shape.groups, counts, _chunk_elems(cfg, elem))
-    return ring.ring_all_gather(rank, shape.order, segs, _chunk_elems(cfg, elem))
+        return hierarchy.hierarchical_all_gather(rank, shape.groups, counts, chunk_elems(cfg, elem))
+    return ring.ring_all_gather(rank, shape.order, segs, chunk_elems(cfg, elem))
 
 
 def broadcast_plan(cfg: Config, rank: int, world: int, root: int, count: int, elem: int, shape: Shape) -> Plan:
     if cfg.algo != "chain" and (world <= 2 or _small(cfg, count * elem)):
         return direct.flat_broadcast(rank, world, root, count)
-    chunk = _chunk_elems(cfg, elem, count)
+    chunk = chunk_elems(cfg, elem, count)
+    if cfg.algo == "auto" and 1 < len(shape.groups) < world:
+        return hierarchy.hierarchical_broadcast(rank, shape.groups, root, count, chunk, line=shape.is_line)
     if cfg.algo != "chain" and not shape.is_line and world >= 3 and count >= 2:
         return chain.two_way_ring_broadcast(rank, shape.order, root, count, chunk)
     return chain.chain_broadcast(rank, _line_from(shape, root), root, count, chunk)
@@ -89,4 +91,4 @@ def broadcast_plan(cfg: Config, rank: int, world: int, root: int, count: int, el
 def reduce_plan(cfg: Config, rank: int, world: int, root: int, count: int, elem: int, shape: Shape) -> Plan:
     if _small(cfg, count * elem) and cfg.algo != "chain":
         return direct.direct_reduce(rank, world, root, count)
-    return chain.chain_reduce(rank, _line_from(shape, root), root, count, _chunk_elems(cfg, elem, count))
+    return chain.chain_reduce(rank, _line_from(shape, root), root, count, chunk_elems(cfg, elem, count))

@@ -1,4 +1,7 @@
-"""Collectives for ranks that share memory, run on a `transport.window.Window` instead of send/recv.
+"""Collectives for ranks that share memory, run on a shared window (`window.Window`) instead of send/recv.
+
+The window's members are numbered 0..n-1 here (positions; `Window.members` maps them to group ranks):
+a group all on one host runs these over every rank, a multi-host job over each host's ranks.
 
 all_reduce goes through the tensor in rounds of up to world x cap elements (cap: one buffer / world), and
 rank r owns slice r of each round:
@@ -18,6 +21,9 @@ instead of three.
 broadcast: the root copies a round into its buffer and posts; the others copy it out. The root does not
 wait for them at the end: it checks their op words when its next windowed op starts (`settle`).
 
+all_gather: every rank copies a buffer's worth of its block into its buffer and posts; the others copy it
+out (the per-host phase of a multi-host all_gather).
+
 reduce_scatter: like all_reduce's first two steps, with each rank's block (uneven blocks allowed) in
 place of its slice, and the result written straight into the output: nothing to copy out.
 
@@ -30,7 +36,7 @@ import torch
 
 from ..errors import MismatchError
 from ..protocol.signature import describe_sig
-from ..transport.window import BUFFERS, STEPS, Window
+from .window import BUFFERS, STEPS, Window
 from .layout import offsets
 from .reduce_ops import make_combiner
 
@@ -99,9 +105,10 @@ def _check_words(win: Window, peers: list[int], k: int, word: int) -> None:
     for p in peers:
         theirs = win.word(p, k)
         if theirs != word:
+            me, peer = win.members[win.rank], win.members[p]
             raise MismatchError(
-                f"rank {win.rank}: mismatched operation with rank {p} (shared-memory collective): rank {p} "
-                f"is in {describe_word(theirs)}, but rank {win.rank} expected {describe_word(word)}")
+                f"rank {me}: mismatched operation with rank {peer} (shared-memory collective): rank {peer} "
+                f"is in {describe_word(theirs)}, but rank {me} expected {describe_word(word)}")
 
 
 def settle(win: Window, deadline: float, what: str) -> None:
@@ -113,7 +120,6 @@ def settle(win: Window, deadline: float, what: str) -> None:
     others = _others(win)
     win.wait(STEPS * g + ARRIVED, others, deadline, what)
     _check_words(win, others, g % BUFFERS, word)
-    win.unchecked = None
     win.post(STEPS * g + DONE)  # no peer rewrites that buffer's word before this post
 
 
@@ -136,8 +142,9 @@ def all_reduce(win: Window, x: torch.Tensor, op: str, sig: int, deadline: float,
     word = op_word(sig)
     others = _others(win)
     rounds = all_reduce_rounds(x.numel(), n, cap)
+    base = win.rounds
     for t, slices in enumerate(rounds):
-        g = win.rounds + t
+        g = base + t
         k = g % BUFFERS
         win.wait(free_step(g), others, deadline, what)
         mine = _view(win, r, k, x.dtype)
@@ -159,7 +166,6 @@ def all_reduce(win: Window, x: torch.Tensor, op: str, sig: int, deadline: float,
             s, m = slices[p]
             x[s : s + m].copy_(_view(win, p, k, x.dtype)[p * cap : p * cap + m])
         win.post(STEPS * g + DONE)
-    win.rounds += len(rounds)
 
 
 def _one_shot_all_reduce(win: Window, x: torch.Tensor, combine, word: int, deadline: float, what: str) -> None:
@@ -177,7 +183,6 @@ def _one_shot_all_reduce(win: Window, x: torch.Tensor, combine, word: int, deadl
         combine(x, acc, _view(win, p, k, x.dtype)[:m])
         acc = x
     win.post(STEPS * g + DONE)
-    win.rounds += 1
 
 
 def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float, what: str) -> None:
@@ -190,8 +195,9 @@ def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float
     rounds = max(1, -(-total // cap))
     word = op_word(sig)
     others = _others(win)
+    base = win.rounds
     for t in range(rounds):
-        g = win.rounds + t
+        g = base + t
         k = g % BUFFERS
         lo = t * cap
         m = max(0, min(cap, total - lo))
@@ -204,12 +210,41 @@ def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float
             _check_words(win, [root], k, word)
             x[lo : lo + m].copy_(_view(win, root, k, torch.uint8)[:m])
             win.post(STEPS * g + DONE, k, word)  # the word lets the root check that we ran the same op
-    if r == root:
-        # Our last round stays at ARRIVED (not DONE) until `settle` has checked the peers' words: no rank
-        # writes that buffer's word again before our DONE (a rank writes a buffer's word only after the
-        # step that frees it, or after its root's post).
-        win.unchecked = (win.rounds + rounds - 1, word)
-    win.rounds += rounds
+    # The root's last round stays at ARRIVED (not DONE) until `settle` has checked the peers' words (the
+    # window reads that off the root's counter: `Window.unchecked`): no rank writes that buffer's word
+    # again before our DONE (a rank writes a buffer's word only after the step that frees it, or after
+    # its root's post).
+
+
+def all_gather(win: Window, x: torch.Tensor, blocks: list[tuple[int, int]], sig: int, deadline: float,
+               what: str) -> None:
+    """Every member's block of `x` (1-D contiguous uint8; `blocks[p]` = (start, length) in bytes of member
+    p's block, which it holds already) to every member, a buffer's worth of each block per round."""
+    n, r = win.world, win.rank
+    if n == 1:
+        return
+    settle(win, deadline, what)
+    cap = win.nbytes
+    rounds = max(1, -(-max((m for _, m in blocks), default=0) // cap))
+    word = op_word(sig)
+    others = _others(win)
+    base = win.rounds
+    for t in range(rounds):
+        g = base + t
+        k = g % BUFFERS
+        lo = t * cap
+        win.wait(free_step(g), others, deadline, what)
+        s, m = blocks[r]
+        m = max(0, min(cap, m - lo))
+        _view(win, r, k, torch.uint8)[:m].copy_(x[s + lo : s + lo + m])
+        win.post(STEPS * g + ARRIVED, k, word)
+        win.wait(STEPS * g + ARRIVED, others, deadline, what)
+        _check_words(win, others, k, word)
+        for p in others:
+            s, m = blocks[p]
+            m = max(0, min(cap, m - lo))
+            x[s + lo : s + lo + m].copy_(_view(win, p, k, torch.uint8)[:m])
+        win.post(STEPS * g + DONE)
 
 
 def block_rounds(counts: list[int], cap: int) -> int:
@@ -232,8 +267,9 @@ def reduce_scatter(win: Window, out: torch.Tensor, x: torch.Tensor, counts: list
     word = op_word(sig)
     others = _others(win)
     rounds = block_rounds(counts, cap)
+    base = win.rounds
     for t in range(rounds):
-        g = win.rounds + t
+        g = base + t
         k = g % BUFFERS
         lo = t * cap
         win.wait(free_step(g), others, deadline, what)
@@ -250,5 +286,4 @@ def reduce_scatter(win: Window, out: torch.Tensor, x: torch.Tensor, counts: list
             combine(dest, acc, _view(win, p, k, x.dtype)[r * cap : r * cap + m])
             acc = dest
         win.post(STEPS * g + DONE)
-    win.rounds += rounds
 

@@ -153,8 +153,8 @@ def connect_shm_links(store: Any, rank: int, world: int, cfg: Config, timeout: f
     if rank < min(members, default=rank + 1):
         store.set(token_key, secrets.token_hex(16))
     token = bytes.fromhex(store.get(token_key).decode())
-    window = default_window_bytes(world) if opts.window_bytes is None else opts.window_bytes
-    window = window if len(members) == world - 1 else 0  # only a group all on this host has one
+    # This host's ranks share a window: the whole group's, or a multi-host job's per-host phases run on it.
+    window = default_window_bytes(len(members) + 1) if opts.window_bytes is None else opts.window_bytes
     area = area_bytes(window)
     size = ring.segment_bytes(world, opts.slots, opts.slot_bytes, area)
     own = segs.create(size, cfg.shm_dir)

@@ -85,6 +85,14 @@ class Link(abc.ABC):
     def retire(self, tag: int) -> None:
         """Collective op `tag` finished on this rank: data still held for it (or older ops) is an error."""
 
+    def parked_sig(self) -> int | None:
+        """The op signature of collective data from the peer held back for a receive not posted yet."""
+        return None
+
+    def has_unread(self) -> bool:
+        """Data from the peer waits in a buffer this rank reads directly (a ring); False where unknowable."""
+        return False
+
     @abc.abstractmethod
     def queued(self) -> "list[Request]":
         """Sends not fully written, in order (they get the error when the engine breaks)."""

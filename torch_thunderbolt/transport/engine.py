@@ -33,7 +33,7 @@ from .base import ANY_SOURCE, Key, Link, LinkKind, Request, bytes_view
 from .matching import Matcher
 from .names import RankNames
 from .spin import SpinGuard
-from .window import Window
+from .window import WindowMemory
 
 # How long a failing rank spends getting its ABORT to the peers before it closes its sockets. Normally a few
 # milliseconds (finish the frame in flight, write the ABORT, wait for each peer to close); only a peer that
@@ -67,9 +67,12 @@ class Transport:
         # One lock for the engine; the in-memory kind passes one shared by its whole world.
         self._cv = cv or threading.Condition(threading.RLock())
         self._p2p_send_seq: dict[tuple[int, int], int] = defaultdict(int)
-        # Memory every rank can read directly, for the collectives designed for it (ranks on one host); a
-        # kind that has one sets it when it attaches.
-        self.window: Window | None = None
+        # Memory this host's ranks of the group read directly, for the collectives designed for it; a kind
+        # that has some (shm, memory) sets it when it attaches.
+        self.window_memory: WindowMemory | None = None
+        # Checks the layers above add, by name (the shared window's): run when a whole sleep passed with
+        # nothing to do, to find a peer visibly in another op. Each raises nothing; it fails the engine.
+        self.watchers: dict[str, Callable[[], None]] = {}
         self._route: dict[int, Link] = {}
         for kind in self.kinds:
             for peer, link in kind.links.items():
@@ -114,12 +117,12 @@ class Transport:
 
     # -- posting --------------------------------------------------------------------------------------------
     def isend(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
-        self._check_usable()
+        self.check_usable()
         self._check_peer(peer)
         req = Request(peer, key, sig, bytes_view(buf), is_send=True)
         link = self._route[peer]
         with self._cv:
-            self._check_usable()
+            self.check_usable()
             for kind in self.kinds:
                 kind.note_post(req)
             link.post_send(req)
@@ -131,12 +134,12 @@ class Transport:
         return req
 
     def irecv(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
-        self._check_usable()
+        self.check_usable()
         if peer != ANY_SOURCE:
             self._check_peer(peer)
         req = Request(peer, key, sig, bytes_view(buf), is_send=False)
         with self._cv:
-            self._check_usable()
+            self.check_usable()
             for kind in self.kinds:
                 kind.note_post(req)
             self.matcher.post(req)  # it may match a message that arrived before the peer said BYE
@@ -267,8 +270,9 @@ class Transport:
             moved = self._pump()
             self._quiet = not moved and not events
             if self._quiet and self.broken is None:
-                for kind in self.kinds:
-                    kind.quiet()
+                for check in [*self.watchers.values(), *(k.quiet for k in self.kinds)]:
+                    if self.broken is None:
+                        check()
 
     def _look(self, done: Callable[[], bool], poller: "select.poll | None") -> bool:
         """One look while spinning: cheap checks first (no lock, no system call), then pump if worth it."""
@@ -302,6 +306,11 @@ class Transport:
                 by_fd[fd] = link
         self._by_fd = by_fd
         return poller
+
+    def wake_sleeper(self) -> None:
+        """Wake the thread asleep in this engine's poll(), if any (a peer of the same process has news)."""
+        if self._polling:
+            self._wake()
 
     def _wake(self) -> None:
         try:
@@ -400,11 +409,28 @@ class Transport:
             kind.join()
 
     # -- checks and errors ----------------------------------------------------------------------------------
+    def parked_collective(self, peers: Iterable[int]) -> tuple[int, int] | None:
+        """(peer, op signature) of collective data from one of `peers` held back for a receive nobody has
+        posted yet, or None."""
+        with self._cv:
+            for p in peers:
+                link = self._route.get(p)
+                sig = link.parked_sig() if link is not None else None
+                if sig is not None:
+                    return p, sig
+        return None
+
+    def has_unread(self, peer: int) -> bool:
+        """Data from `peer` waits to be read in a buffer this rank reads directly (a ring)."""
+        link = self._route.get(peer)
+        return link is not None and link.has_unread()
+
     def peer_address(self, peer: int) -> str:
         link = self._route.get(peer)
         return link.address if link is not None else f"rank {peer}"
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
+        """Raise the group's error if it broke or was closed."""
         if self.broken is not None:
             raise self.broken
         if self.closed:

@@ -9,27 +9,30 @@ TCP transport would.
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Sequence
 
 from ..errors import PeerLostError
 from ..protocol.framing import Frame, Kind, Space
 from .base import Link, LinkKind, Request
 from .engine import Transport
-from .window import BUFFERS, Window
+from .window import BUFFERS, WindowMemory
 
 
 class MemoryHub:
-    """The shared medium of one in-memory world; `window_bytes` > 0 gives every rank a shared window."""
+    """The shared medium of one in-memory world. `window_bytes` > 0 gives the ranks of each host window
+    memory; `hosts` lists the ranks of each pretend host (default: one host holding every rank)."""
 
-    def __init__(self, world: int, window_bytes: int = 0) -> None:
+    def __init__(self, world: int, window_bytes: int = 0, hosts: "Sequence[Sequence[int]] | None" = None) -> None:
         self.world = world
-        self.cv = threading.Condition()
+        self.cv = threading.Condition()  # reentrant: one lock for the whole world (see memory_transport)
         self.buffers = {(r, k): bytearray(window_bytes) for r in range(world) for k in range(BUFFERS)}
         self.counters = [0] * world
         self.words = [[0] * BUFFERS for _ in range(world)]
         self.transports: list[Transport] = [memory_transport(self, r) for r in range(world)]
-        for t in self.transports:
-            t.window = MemoryWindow(self, t) if window_bytes > 0 else None
+        if window_bytes > 0:
+            for members in ([sorted(h) for h in hosts] if hosts is not None else [list(range(world))]):
+                for r in members:
+                    self.transports[r].window_memory = MemoryWindowMemory(self, members, r, window_bytes)
 
     def kill(self, rank: int) -> None:
         with self.cv:
@@ -73,8 +76,7 @@ class MemoryLink(Link):
         dst.kinds[0].bytes_received += req.nbytes
         req.done = True
         dst.kinds[0].arrived += 1
-        if dst._polling:
-            dst._wake()
+        dst.wake_sleeper()
         self.hub.cv.notify_all()
 
     def pump(self) -> bool:
@@ -107,35 +109,30 @@ class MemoryLinks(LinkKind):
         return fresh
 
 
-class MemoryWindow(Window):
-    """The window of one rank of a MemoryHub: plain bytearrays, posts notify the hub's condition."""
+class MemoryWindowMemory(WindowMemory):
+    """Window memory of one rank of a MemoryHub: plain bytearrays; a publish wakes the members' engines."""
 
-    def __init__(self, hub: MemoryHub, transport: Transport) -> None:
-        super().__init__(transport.rank, hub.world, len(hub.buffers[(0, 0)]))
-        self.hub, self.t = hub, transport
+    def __init__(self, hub: MemoryHub, members: list[int], rank: int, nbytes: int) -> None:
+        super().__init__(members, members.index(rank), nbytes)
+        self.hub, self.rank = hub, rank
 
     def buffer(self, owner: int, k: int) -> memoryview:
-        return memoryview(self.hub.buffers[(owner, k)])
+        return memoryview(self.hub.buffers[(self.members[owner], k)])
 
     def counter(self, owner: int) -> int:
-        return self.hub.counters[owner]
+        return self.hub.counters[self.members[owner]]
 
     def word(self, owner: int, k: int) -> int:
-        return self.hub.words[owner][k]
+        return self.hub.words[self.members[owner]][k]
 
-    def _publish(self, value: int, k: int | None, word: int) -> None:
+    def publish(self, value: int, k: int | None, word: int) -> None:
+        # Under the world's one lock: a member checks its wait condition and goes to sleep under it too, so
+        # it either sees this store or is asleep by now and gets woken.
         with self.hub.cv:
             if k is not None:
                 self.hub.words[self.rank][k] = word
             self.hub.counters[self.rank] = value
+            for p in self.members:
+                if p != self.rank:
+                    self.hub.transports[p].wake_sleeper()
             self.hub.cv.notify_all()
-
-    def _check(self) -> None:
-        self.t._check_usable()
-
-    def _idle(self, ready: Callable[[], bool], timeout: float, behind: Callable[[int], bool], what: str) -> None:
-        with self.hub.cv:
-            self.hub.cv.wait_for(lambda: ready() or self.t.broken is not None, timeout)
-            if self.t.broken is not None:
-                raise self.t.broken
-

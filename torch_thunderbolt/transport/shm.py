@@ -34,7 +34,7 @@ from . import shm_ring as ring
 from .base import ANY_SOURCE, Link, LinkKind, Request, remote_error
 from .engine import Transport
 from .shm_segment import Segment
-from .shm_window import ShmWindow, area_bytes
+from .shm_window import ShmWindowMemory, area_bytes
 
 log = logging.getLogger("torch_thunderbolt.shm")
 BLOCK_CAP = 0.002  # longest single poll while sleeping (bounds the cost of a lost wake-up)
@@ -98,6 +98,16 @@ class ShmLink(Link):
 
     def queued(self) -> list[Request]:
         return [item[0] for item in self.sendq]
+
+    def parked_sig(self) -> int | None:
+        if self.parked and self.reader.pending():
+            space, _, sig, *_ = self.reader.peek()
+            if space == Space.COLL:
+                return sig
+        return None
+
+    def has_unread(self) -> bool:
+        return bool(self.reader.pending())
 
     # -- the rings ------------------------------------------------------------------------------------------
     def _flush(self) -> bool:
@@ -244,7 +254,7 @@ class ShmLink(Link):
 
 class ShmLinks(LinkKind):
     """The shared-memory links of one engine and what they share: this rank's segment (its inbound rings,
-    sleeping flag and op board), the peers' segments, and the group's shared window."""
+    sleeping flag and op board), the peers' segments, and the window memory of this host's ranks."""
 
     name = "shm"
 
@@ -271,19 +281,20 @@ class ShmLinks(LinkKind):
         self._list = list(self.links.values())
         self.spin = default_spin(world) if spin is None else spin
         self.to_ring: set[ShmLink] = set()  # peers to ring once this round of posting or pumping is over
-        self.window: ShmWindow | None = None
+        self.window: ShmWindowMemory | None = None
 
     def attach(self, engine: Transport) -> None:
         super().attach(engine)
-        # The shared window, when every rank of the group shares this host (a multi-host job's host part
-        # has none).
-        if self.window_bytes > 0 and len(self.links) == self.world - 1:
+        # The window memory of this host's ranks of the group (all of them, or a multi-host job's share).
+        if self.window_bytes > 0 and self.links:
             start = ring.rings_end(self.world, self.slots, self.slot_bytes)
             end = start + area_bytes(self.window_bytes)
             areas = {p: memoryview(link.seg.mm)[start:end] for p, link in self.links.items()}
             areas[self.rank] = self._own_mv[start:end]
-            self.window = ShmWindow(engine, self, areas, self.window_bytes)
-            engine.window = self.window
+            members = sorted(areas)
+            self.window = ShmWindowMemory(members, members.index(self.rank), areas, self.window_bytes,
+                                          self.wake_sleepers)
+            engine.window_memory = self.window
 
     # -- engine hooks ---------------------------------------------------------------------------------------
     def note_post(self, req: Request) -> None:
@@ -320,10 +331,7 @@ class ShmLinks(LinkKind):
         self._my_flag[0] = 0
 
     def quiet(self) -> None:
-        if self.window is not None:
-            self._check_skipped_by_window()
-        if self.engine.broken is None:
-            self._check_peer_ops()
+        self._check_peer_ops()
 
     def wake_sleepers(self) -> None:
         """After a window post: ring the bell of every peer asleep in poll() (it may wait for that post)."""
@@ -331,18 +339,6 @@ class ShmLinks(LinkKind):
         for link in self._list:
             if link.flag[0] and not link.eof:
                 link.ring_bell()
-
-    def parked_collective(self, peers: list[int]) -> tuple[int, int] | None:
-        """(peer, op signature) of collective data from one of `peers` that waits for a receive nobody has
-        posted (its ring is parked on it), or None."""
-        with self.engine._cv:
-            for p in peers:
-                link = self.links.get(p)
-                if link is not None and link.parked and link.reader.pending():
-                    space, _, sig, *_ = link.reader.peek()
-                    if space == Space.COLL:
-                        return p, sig
-        return None
 
     # -- mismatch checks while quiet ------------------------------------------------------------------------
     def _check_peer_ops(self) -> None:
@@ -362,25 +358,6 @@ class ShmLinks(LinkKind):
                     f"rank {engine.rank}: mismatched operation with rank {req.peer} (op #{tag}): rank {req.peer} "
                     f"runs {describe_sig(sig)}, but rank {engine.rank} waits for its part of "
                     f"{describe_sig(req.sig)} (different roots, collectives or order)"))
-                return
-
-    def _check_skipped_by_window(self) -> None:
-        """A collective receive from a peer that has already begun a windowed op this rank has not reached
-        can never complete: the peer skipped this op (its sends would be in the ring before it moved on).
-        Without this, a ring op that only receives (a gather's root) facing a windowed op would time out."""
-        engine = self.engine
-        for req in engine.matcher.pending():
-            if req.is_send or req.key[0] != Space.COLL or req.peer == ANY_SOURCE:
-                continue
-            link = self.links.get(req.peer)
-            if link is None or not self.window.started_beyond(req.peer):
-                continue
-            ring.publish_fence()  # the counter was read first: ring writes made before that post show now
-            if not link.reader.pending():
-                engine.fail(MismatchError(
-                    f"rank {engine.rank}: mismatched operation with rank {req.peer}: rank {req.peer} has begun "
-                    f"a shared-memory collective while rank {engine.rank} waits for its data in "
-                    f"{describe_sig(req.sig)} (op {req.key[1]})"))
                 return
 
     # -- the end --------------------------------------------------------------------------------------------

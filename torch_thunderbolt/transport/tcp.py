@@ -167,6 +167,12 @@ class TcpLink(Link):
     def queued(self) -> list[Request]:
         return [out.req for c in self.streams for out in c.sendq if out.req is not None]
 
+    def parked_sig(self) -> int | None:
+        for c in self.streams:
+            if c.parked is not None and c.parked.space == Space.COLL:
+                return c.parked.sig
+        return None
+
     # -- writing --------------------------------------------------------------------------------------------
     def _flush(self, c: Stream) -> bool:
         moved = False
