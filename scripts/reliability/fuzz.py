@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+# Run from a checkout without installing (`sudo python scripts/...` may be another interpreter): the package
+# is this checkout's.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
@@ -37,12 +39,12 @@ def main() -> int:
         with atheris.instrument_imports(include=["torch_thunderbolt"]):
             import torch_thunderbolt.protocol.framing  # noqa: F401
             import torch_thunderbolt.protocol.handshake  # noqa: F401
-        from tests.reliability.fuzzing import dispatch
+        from torch_thunderbolt.testing.reliability.fuzzing import dispatch
 
         atheris.Setup([sys.argv[0], f"-runs={args.count}", f"-seed={args.seed}", *rest], dispatch)
         atheris.Fuzz()  # exits the process; a crash prints the input and exits non-zero
         return 0
-    from tests.reliability.fuzzing import run
+    from torch_thunderbolt.testing.reliability.fuzzing import run
 
     counts = run(args.count, args.seed)
     print(json.dumps({"inputs": args.count, "per_target": counts, "escapes": 0,

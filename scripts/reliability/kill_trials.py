@@ -14,9 +14,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+# Run from a checkout without installing (`sudo python scripts/...` may be another interpreter): the package
+# is this checkout's.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.reliability.kill import ALL_OPS, KillCase, run_kill_trial  # noqa: E402
+from torch_thunderbolt.testing.reliability.kill import ALL_OPS, KillCase, run_kill_trial  # noqa: E402
 
 
 def blame_table(records: list[dict]) -> dict:

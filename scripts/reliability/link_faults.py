@@ -14,10 +14,12 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+# Run from a checkout without installing (`sudo python scripts/...` may be another interpreter): the package
+# is this checkout's.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.reliability.links import cable_cut, sigstop_peer  # noqa: E402
-from torch_thunderbolt.lab.testing import lab_session, lab_skip_reason  # noqa: E402
+from torch_thunderbolt.testing.lab import lab_session, lab_skip_reason  # noqa: E402
+from torch_thunderbolt.testing.reliability.links import cable_cut, sigstop_peer  # noqa: E402
 
 SCENARIOS = {
     "sigstop": dict(lab=None),

@@ -3,7 +3,7 @@
     python scripts/reliability/soak.py --ops 100000 --world 3 --seed 1 --json soak.json
     python scripts/reliability/soak.py --ops 10000 --world 2 --transport auto --mixed-runs 20
 
-The op stream and what it checks: tests/reliability/soak.py. --mixed ends the long run with ranks that
+The op stream and what it checks: torch_thunderbolt/testing/reliability/programs/soak.py. --mixed ends the long run with ranks that
 disagree on the reduce op ("random" or e.g. "sum,max"); --mixed-runs K adds K short runs (--mixed-ops ops
 each, seeds seed*1000+1 ... seed*1000+K) that each end so. Every rank of every such run must raise
 MismatchError.
@@ -21,10 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
+# Run from a checkout without installing (`sudo python scripts/...` may be another interpreter): the package
+# is this checkout's.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.reliability.procs import start_ranks  # noqa: E402
-from tests.reliability.soak import SCRIPT  # noqa: E402
+from torch_thunderbolt.testing.ranks import reliability_setup, start_ranks  # noqa: E402
+from torch_thunderbolt.testing.reliability.programs import soak  # noqa: E402
 
 
 def run_soak(ops: int, world: int, seed: int, workdir: Path, limit: float, transport: str | None = None,
@@ -33,11 +35,8 @@ def run_soak(ops: int, world: int, seed: int, workdir: Path, limit: float, trans
            **(extra_env or {})}
     if transport:
         env["THUNDERBOLT_TRANSPORT"] = transport
-    ranks = start_ranks(SCRIPT, world, workdir, env)
-    try:
+    with start_ranks(soak, world, workdir, env=env, setup=reliability_setup()) as ranks:
         finished = ranks.wait(time.time() + limit, step=0.5)
-    finally:
-        ranks.kill_all()
     if not finished:
         raise SystemExit(f"soak hung or ran over {limit}s (seed {seed}, {world} ranks); see {workdir}")
     out = []

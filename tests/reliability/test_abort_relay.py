@@ -13,8 +13,7 @@ import pytest
 
 from torch_thunderbolt.errors import PeerLostError
 from torch_thunderbolt.protocol.framing import Space, encode_abort
-
-from .inproc import tcp_world
+from torch_thunderbolt.testing.worlds import tcp_world
 
 pytestmark = pytest.mark.timeout(60)
 

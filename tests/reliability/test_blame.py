@@ -6,49 +6,24 @@ import time
 
 import pytest
 
-from tests.core.mp import PRELUDE
+from torch_thunderbolt.testing.ranks import reliability_setup, run_ranks, start_ranks
 
-from .procs import start_ranks
+from .programs import blame
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
-
-STOP_SCRIPT = PRELUDE + r"""
-import datetime, signal, threading
-dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=float(os.environ["TB_TIMEOUT"])))
-r = dist.get_rank()
-x = torch.ones(int(os.environ["TB_N"]))
-dist.barrier()
-if r == 2:
-    def stop():
-        time.sleep(0.3)
-        print("STOPPED " + json.dumps(time.time()), flush=True)
-        os.kill(os.getpid(), signal.SIGSTOP)
-    threading.Thread(target=stop, daemon=True).start()
-try:
-    while True:
-        dist.all_reduce(x)
-        x.fill_(1.0)
-except Exception as exc:
-    print("ERROR " + json.dumps({"type": type(exc).__name__, "msg": str(exc)[:1500],
-                                 "ranks": getattr(exc, "ranks", None), "peer": getattr(exc, "peer", None)}),
-          flush=True)
-    os._exit(1)
-"""
 
 
 @pytest.mark.parametrize("n", [1 << 10, 1 << 20])
 def test_sigstopped_rank_is_named_by_both_survivors_not_the_rank_waiting_on_it(n: int, tmp_path) -> None:
     """Ring all_reduce on 3 ranks, rank 2 SIGSTOPped: rank 0 waits on rank 2, rank 1 waits on rank 0. Rank
     1 used to time out naming rank 0 ("arrived but stopped sending: [0]"), which was itself waiting."""
-    ranks = start_ranks(STOP_SCRIPT, 3, tmp_path, {"TB_TIMEOUT": "6", "TB_N": str(n)})
-    try:
+    with start_ranks(blame, 3, tmp_path, args=["sigstop"], env={"TB_TIMEOUT": "6", "TB_N": str(n)},
+                     setup=reliability_setup()) as ranks:
         deadline = time.time() + 60  # ranks 0 and 1 exit; rank 2 stays stopped until kill_all
         while time.time() < deadline and any(rk.proc.poll() is None for rk in ranks.ranks[:2]):
             time.sleep(0.05)
         errors = {rk.rank: rk.tagged("ERROR") for rk in ranks.ranks[:2]}
         logs = {rk.rank: rk.stderr()[-1500:] for rk in ranks.ranks}
-    finally:
-        ranks.kill_all()
     assert errors[0] and errors[1], (errors, logs)
     got = {r: errors[r][0] for r in (0, 1)}
     blames = {r: e["msg"].split("pending:")[0] for r, e in got.items()}
@@ -56,30 +31,12 @@ def test_sigstopped_rank_is_named_by_both_survivors_not_the_rank_waiting_on_it(n
     assert all(e["ranks"] == [2] for e in got.values()), json.dumps(got)
 
 
-DIES_IN_SETUP = PRELUDE + r"""
-import datetime
-import torch_thunderbolt.rendezvous.tcp as bootstrap
-if os.environ["RANK"] == os.environ["TB_DIES"]:
-    # Dies right after publishing its endpoint (the acceptor starts just after the store.set).
-    bootstrap._Acceptor.start = lambda self: os._exit(3)
-t0 = time.monotonic()
-res = outcome(lambda: dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=40)))
-res["seconds"] = time.monotonic() - t0
-result(res)
-if os.environ["RANK"] == "0":
-    time.sleep(5)  # rank 0 serves the store: a survivor still in set-up would see the store vanish instead
-os._exit(0)
-"""
-
-
 @pytest.mark.parametrize("dies", [1, 2])
 def test_a_rank_that_dies_during_set_up_is_named_within_seconds(dies: int, tmp_path) -> None:
     """A rank publishes its endpoint and dies. Its listener now refuses: a rank connecting to it, and a rank
     waiting for it to connect, must say within seconds that it died, not time out after the connect deadline
     (40 s here) naming only "ranks that did not connect"."""
-    from tests.core.mp import run_ranks
-
-    res = run_ranks(DIES_IN_SETUP, 3, tmp_path, timeout=100, expect_ok=False,
+    res = run_ranks(blame, 3, tmp_path, args=["dies_in_set_up"], timeout=100, expect_ok=False,
                     env={"THUNDERBOLT_TRANSPORT": "tcp", "TB_DIES": str(dies)})
     assert res[dies].returncode == 3, res[dies].stderr[-2000:]
     for r in (0, 1, 2):

@@ -6,8 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torch_thunderbolt.protocol import handshake as hs
-
-from . import fuzzing
+from torch_thunderbolt.testing.reliability import fuzzing
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,13 +33,8 @@ def test_the_targets_report_escapes() -> None:
     def broken(data: bytes) -> None:
         raise IndexError("simulated decoder bug")
 
-    saved = fuzzing.TARGETS["decoder"]
-    fuzzing.TARGETS["decoder"] = broken
-    try:
-        with pytest.raises(AssertionError, match="IndexError"):
-            fuzzing.run(50, seed=1)
-    finally:
-        fuzzing.TARGETS["decoder"] = saved
+    with pytest.raises(AssertionError, match="IndexError"):
+        fuzzing.run(50, seed=1, targets={**fuzzing.TARGETS, "decoder": broken})
 
 
 def test_mutated_valid_input_reaches_the_accept_path() -> None:

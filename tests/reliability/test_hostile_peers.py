@@ -12,10 +12,14 @@ import pytest
 
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import HandshakeError, MismatchError, ProtocolError
-from torch_thunderbolt.protocol.framing import FrameDecoder, Kind, Space, encode_frame_header
+from torch_thunderbolt.protocol.framing import (
+    FrameDecoder,
+    Kind,
+    Space,
+    encode_frame_header,
+)
 from torch_thunderbolt.rendezvous import tcp as bs
-
-from .inproc import tcp_world
+from torch_thunderbolt.testing.worlds import tcp_world
 
 pytestmark = pytest.mark.timeout(60)
 SECRET, GROUP = b"k" * 32, "hostile-test"

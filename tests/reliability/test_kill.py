@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .kill import KillCase, run_kill_trial
+from torch_thunderbolt.testing.reliability.kill import KillCase, run_kill_trial
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from torch_thunderbolt.lab.testing import lab_session
-from ..labs import skip_unless_lab
-
-from .links import cable_cut, sigstop_peer
+from torch_thunderbolt.testing.lab import lab_session, skip_unless_lab
+from torch_thunderbolt.testing.reliability.links import cable_cut, sigstop_peer
 
 
 @pytest.fixture

@@ -2,14 +2,14 @@
 0-d and empty tensors, dtypes, every reduce op, refused pairs, subgroups, async batches) on 2 and 3 ranks,
 on the default transport (shared memory on one host) and on TCP, every result checked against a reference
 computed locally; each run ends with ranks that disagree on the reduce op, which must be a MismatchError on
-every rank. The long runs: scripts/reliability/soak.py."""
+every rank. The op stream: torch_thunderbolt/testing/reliability/programs/soak.py; the long runs:
+scripts/reliability/soak.py."""
 from __future__ import annotations
 
 import pytest
 
-from tests.core.mp import run_ranks
-
-from .soak import SCRIPT
+from torch_thunderbolt.testing.ranks import run_ranks
+from torch_thunderbolt.testing.reliability.programs import soak
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
@@ -37,7 +37,7 @@ def short_soak(request, tmp_path_factory) -> list[dict]:
     env = {"TB_OPS": "400", "TB_SEED": str(7 + world), "TB_MIXED": mixed, "TB_TIMEOUT": "20"}
     if transport != "default":
         env["THUNDERBOLT_TRANSPORT"] = transport
-    results = run_ranks(SCRIPT, world, tmp_path_factory.mktemp("soak"), timeout=150, env=env)
+    results = run_ranks(soak, world, tmp_path_factory.mktemp("soak"), timeout=150, env=env)
     return [r.json() for r in results]
 
 
@@ -63,7 +63,7 @@ def test_short_soak_unsupported_pairs_refused_before_any_traffic(short_soak) -> 
 
 def test_the_soak_checker_catches_a_wrong_element(tmp_path) -> None:
     env = {"TB_OPS": "5", "TB_SEED": "7", "TB_SELFTEST": "1", "THUNDERBOLT_TRANSPORT": "tcp"}
-    results = run_ranks(SCRIPT, 2, tmp_path, timeout=120, env=env)
+    results = run_ranks(soak, 2, tmp_path, timeout=120, env=env)
     assert any(r.json()["mismatches"] > 0 for r in results)
 
 
@@ -78,5 +78,5 @@ def test_mixed_reduce_ops_fail_on_every_rank_of_each_collective(kind, ops, world
     env = {"TB_OPS": "0", "TB_SEED": "1", "TB_MIXED": ops, "TB_MIXED_KIND": kind, "TB_TIMEOUT": "20"}
     if transport != "default":
         env["THUNDERBOLT_TRANSPORT"] = transport
-    outs = [r.json()["mixed"] for r in run_ranks(SCRIPT, world, tmp_path, timeout=90, env=env)]
+    outs = [r.json()["mixed"] for r in run_ranks(soak, world, tmp_path, timeout=90, env=env)]
     assert all(m["ok"] is False and m["type"] == "MismatchError" for m in outs), outs

@@ -1,1 +1,15 @@
-"""Helpers that tests and scripts share (not imported by the backend itself)."""
+"""Public helpers for testing code that uses torch-thunderbolt, shared by the test suite and the scripts.
+
+A tool beside the library: the backend never imports it. The one place that starts test ranks:
+
+- `testing.ranks`: real rank processes on this host or a lab (`run_ranks`, `start_ranks`, `RankResult`,
+  and the `Setup` of a family of runs: `LOOPBACK`, `SHM`, `HYBRID`, `reliability_setup()`).
+- `testing.program`: what a rank program imports (`result`, `outcome`, `emit`, `main`, `shm_rank` ...).
+- `testing.worlds`: ranks as threads of one process (`memory_world`, `tcp_world`, `exchange_world`).
+- `testing.lab`: emulated clusters (`lab_session`, `lab_setup`, `skip_unless_lab`).
+- `testing.leftovers`: what a run may leave behind (processes, sockets, namespaces, segments).
+- `testing.reliability`: the fault scenarios shared by tests/reliability and scripts/reliability.
+- `testing.fake_device`: a fake accelerator standing in for `mps` on Linux.
+
+This package imports nothing at import time, so that `import torch_thunderbolt.testing.X` costs only X.
+"""

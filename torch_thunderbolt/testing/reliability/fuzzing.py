@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import random
 import struct
-from typing import Callable, Iterator
+from types import MappingProxyType
+from typing import Callable, Iterator, Mapping
 
 from torch_thunderbolt.errors import HandshakeError, ProtocolError
 from torch_thunderbolt.protocol import handshake as hs
@@ -80,14 +81,16 @@ def client_target(data: bytes) -> None:
         pass
 
 
-TARGETS: dict[str, Callable[[bytes], None]] = {"decoder": decoder_target, "server": server_target,
-                                               "client": client_target}
+Target = Callable[[bytes], None]
+TARGETS: Mapping[str, Target] = MappingProxyType({"decoder": decoder_target, "server": server_target,
+                                                  "client": client_target})
 
 
 def dispatch(data: bytes) -> None:
     """One entry point for coverage-guided fuzzers: the first byte picks the target."""
     if data:
-        list(TARGETS.values())[data[0] % len(TARGETS)](data[1:])
+        targets = list(TARGETS.values())
+        targets[data[0] % len(targets)](data[1:])
 
 
 # -- structure-aware input generation ------------------------------------------------------------------------
@@ -147,15 +150,16 @@ def inputs(rng: random.Random) -> Iterator[tuple[str, bytes]]:
             yield "client", _mutate(challenge + rng.randbytes(hs.REPLY_SIZE), rng)
 
 
-def run(count: int, seed: int) -> dict[str, int]:
-    """Run `count` generated inputs; returns how many went to each target. Raises on any other exception."""
+def run(count: int, seed: int, targets: Mapping[str, Target] = TARGETS) -> dict[str, int]:
+    """Run `count` generated inputs; returns how many went to each target. Raises on any other exception.
+    `targets` replaces targets by name (a test proves the harness reports what escapes)."""
     rng = random.Random(seed)
-    counts = dict.fromkeys(TARGETS, 0)
+    counts = dict.fromkeys(targets, 0)
     gen = inputs(rng)
     for _ in range(count):
         name, data = next(gen)
         try:
-            TARGETS[name](data)
+            targets[name](data)
         except Exception as exc:
             raise AssertionError(f"{name} target let {type(exc).__name__} escape on input {data.hex()}") from exc
         counts[name] += 1

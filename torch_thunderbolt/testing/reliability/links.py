@@ -1,5 +1,6 @@
 """Link faults: a cable cut mid-collective (lab, root), a frozen peer (SIGSTOP: half-open, no FIN), and a link
-dropped while the job is idle (keepalive). Shared by the tests and scripts/reliability/link_faults.py."""
+dropped while the job is idle (keepalive). Shared by tests/reliability/test_link_faults.py and
+scripts/reliability/link_faults.py; the ranks run programs/links.py."""
 from __future__ import annotations
 
 import os
@@ -9,65 +10,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.core.mp import PRELUDE
+from torch_thunderbolt.lab.view import Lab
+from torch_thunderbolt.testing.lab import lab_setup
+from torch_thunderbolt.testing.ranks import Ranks, reliability_setup, start_ranks
 
-from .procs import Ranks, start_ranks
-
-SCRIPT = PRELUDE + r"""
-import datetime
-dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=float(os.environ["TB_TIMEOUT"])))
-r, w = dist.get_rank(), dist.get_world_size()
-x = torch.ones(int(os.environ["TB_SIZE"]) // 4)
-idle = float(os.environ.get("TB_IDLE", "0"))
-dist.barrier()
-print("READY " + json.dumps(time.time()), flush=True)
-done = 0
-try:
-    if idle:  # the fault is injected while nobody is in a collective
-        time.sleep(idle)
-        print("CALL " + json.dumps(time.time()), flush=True)
-    while True:
-        dist.all_reduce(x)
-        x.fill_(1.0)
-        done += 1
-        if done == 1 and idle:
-            print("PASSED " + json.dumps(time.time()), flush=True)
-            break
-except Exception as exc:
-    print("ERROR " + json.dumps({"type": type(exc).__name__, "msg": str(exc)[:400], "t": time.time(),
-                                 "peer": getattr(exc, "peer", None), "ops": done}), flush=True)
-    sys.exit(3)
-"""
-
-
-CONTINUE_SCRIPT = PRELUDE + r"""
-import datetime
-dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=float(os.environ["TB_TIMEOUT"])))
-r, w = dist.get_rank(), dist.get_world_size()
-n = int(os.environ["TB_SIZE"]) // 4
-pg = dist.new_group(backend="thunderbolt")  # returns our ProcessGroup object, with its transport
-dist.barrier()
-print("READY " + json.dumps(time.time()), flush=True)
-end = time.time() + float(os.environ["TB_RUN"])
-ops = wrong = 0
-try:
-    while True:
-        go = torch.tensor([int(time.time() < end)])
-        dist.all_reduce(go, op=dist.ReduceOp.MIN, group=pg)  # every rank stops after the same op
-        if not go.item():
-            break
-        x = torch.arange(n, dtype=torch.float32) + r  # every op checked: sum over ranks of (i + r)
-        dist.all_reduce(x, group=pg)
-        wrong += int(not torch.equal(x, torch.arange(n, dtype=torch.float32) * w + w * (w - 1) / 2))
-        ops += 1
-        print("OP " + json.dumps(time.time()), flush=True)
-except Exception as exc:
-    print("ERROR " + json.dumps({"type": type(exc).__name__, "msg": str(exc)[:400], "t": time.time(),
-                                 "peer": getattr(exc, "peer", None), "ops": ops}), flush=True)
-    sys.exit(3)
-print("DONE " + json.dumps({"ops": ops, "wrong": wrong, "lost_streams": pg.transport.link_kind("tcp").lost_streams,
-                            "resent": pg.transport.link_kind("tcp").resent_bytes}), flush=True)
-"""
+from .programs import links as links_program
 
 
 @dataclass
@@ -122,7 +69,8 @@ def _collect(ranks: Ranks, out: LinkOutcome, limit: float) -> LinkOutcome:
 
 def sigstop_peer(workdir: Path, group_timeout: float = 3.0, size: int = 1 << 20) -> LinkOutcome:
     """2 ranks on loopback; rank 1 is frozen mid-loop (its kernel keeps ACKing: no FIN, no RST)."""
-    ranks = start_ranks(SCRIPT, 2, workdir, {"TB_TIMEOUT": str(group_timeout), "TB_SIZE": str(size)})
+    ranks = start_ranks(links_program, 2, workdir, args=["until_error"], setup=reliability_setup(),
+                        env={"TB_TIMEOUT": str(group_timeout), "TB_SIZE": str(size)})
     out = LinkOutcome()
     try:
         if not _wait_ready(ranks):
@@ -144,17 +92,18 @@ def sigstop_peer(workdir: Path, group_timeout: float = 3.0, size: int = 1 << 20)
     return out
 
 
-def cable_cut(lab, workdir: Path, cut_host: int = 0, cut_cable: int = 0, group_timeout: float = 10.0,
+def cable_cut(lab: Lab, workdir: Path, cut_host: int = 0, cut_cable: int = 0, group_timeout: float = 10.0,
               size: int = 1 << 20, idle: float = 0.0, run_for: float = 0.0) -> LinkOutcome:
     """Ranks 0..n-1 on the lab's hosts; `ip link set DEV down` on one cable end while they work (or idle).
     With `run_for`, the ranks run checked all_reduces for that many seconds and report DONE (the job is
     expected to survive the cut)."""
     hosts = lab.hosts()
-    master = lab.addresses(hosts[0])[0]
     env = {"TB_TIMEOUT": str(group_timeout), "TB_SIZE": str(size), "TB_IDLE": str(idle), "TB_RUN": str(run_for)}
-    ranks = start_ranks(CONTINUE_SCRIPT if run_for else SCRIPT, len(hosts), workdir, env, master=master,
-                        wrap=lambda r: lab.exec_argv(hosts[r], []),
-                        rank_env_fn=lambda r: {"THUNDERBOLT_IFNAME": lab.ifname_env(hosts[r])})
+    # One rank per emulated host, on its cables; the reliability runs' transport and code.
+    reliability = reliability_setup()
+    setup = lab_setup(lab).with_env(reliability.env).but(pythonpath=reliability.pythonpath)
+    ranks = start_ranks(links_program, len(hosts), workdir, args=["checked_run" if run_for else "until_error"],
+                        env=env, setup=setup)
     out = LinkOutcome()
     try:
         if not _wait_ready(ranks):

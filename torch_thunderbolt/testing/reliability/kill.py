@@ -1,5 +1,6 @@
-"""kill -9 of one rank at a random moment during a collective: the scenario shared by the CI test and the
-≥100-trial script. A trial is fully described by its seed (world size, op, size, victim, moment, root)."""
+"""kill -9 of one rank at a random moment during a collective: the scenario shared by the CI test
+(tests/reliability/test_kill.py) and the ≥100-trial script (scripts/reliability/kill_trials.py). A trial is
+fully described by its seed (world size, op, size, victim, moment, root); its ranks run programs/kill.py."""
 from __future__ import annotations
 
 import random
@@ -7,65 +8,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tests.core.mp import PRELUDE
+from torch_thunderbolt.testing.ranks import Ranks, reliability_setup, start_ranks
 
-from .procs import start_ranks
+from .programs import kill as kill_program
 
 OPS = ("all_reduce", "broadcast", "all_gather", "send_recv")  # what from_seed draws from (CI seeds rely on it)
 ALL_OPS = ("all_reduce", "broadcast", "all_gather", "gather", "reduce_scatter", "all_to_all", "send_recv")
 SIZES = (4, 1 << 10, 64 << 10, 1 << 20, 4 << 20)
 DETECT_LIMIT = 5.0  # seconds from the kill to the error on every survivor
 HANG_LIMIT = 30.0  # a survivor still running this long after the kill counts as a hang
-
-SCRIPT = PRELUDE + r"""
-import datetime, signal, threading
-dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=float(os.environ["TB_TIMEOUT"])))
-r, w = dist.get_rank(), dist.get_world_size()
-op, n = os.environ["TB_OP"], max(1, int(os.environ["TB_SIZE"]) // 4)
-victim, root, delay = int(os.environ["TB_VICTIM"]), int(os.environ["TB_ROOT"]), float(os.environ["TB_DELAY"])
-n -= n % w  # reduce_scatter and all_to_all split the tensor into w equal parts
-x, y, out = torch.full((n,), float(r + 1)), torch.empty(n), torch.empty(n * w)
-parts = [torch.empty(n) for _ in range(w)] if op == "gather" and r == root else None
-
-def killer():
-    time.sleep(delay)
-    print("KILLAT " + json.dumps(time.time()), flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def step():
-    if op == "all_reduce":
-        dist.all_reduce(x)
-        x.fill_(float(r + 1))  # keep values bounded
-    elif op == "broadcast":
-        dist.broadcast(x, root)
-    elif op == "all_gather":
-        dist.all_gather_into_tensor(out, x)
-    elif op == "gather":
-        dist.gather(x, parts, dst=root)
-    elif op == "reduce_scatter":
-        dist.reduce_scatter_tensor(y[: n // w], x)
-        x.fill_(float(r + 1))
-    elif op == "all_to_all":
-        dist.all_to_all_single(y, x)
-    else:  # a ring of send/recv pairs
-        req = dist.isend(x, (r + 1) % w)
-        dist.recv(y, (r - 1) % w)
-        req.wait()
-
-done = 0
-try:  # the barrier too: a survivor may still be in it when the victim (already out of it) is killed
-    dist.barrier()
-    if r == victim:
-        threading.Thread(target=killer, daemon=True).start()
-    while True:
-        step()
-        done += 1
-except Exception as exc:
-    print("ERROR " + json.dumps({"type": type(exc).__name__, "msg": str(exc)[:500], "t": time.time(),
-                                 "peer": getattr(exc, "peer", None), "ops": done}), flush=True)
-    raise  # the program lets the exception end it: the process must still exit cleanly
-"""
 
 
 @dataclass(frozen=True)
@@ -125,7 +76,7 @@ class KillOutcome:
 def run_kill_trial(case: KillCase, workdir: Path, group_timeout: float = 60.0) -> KillOutcome:
     env = {"TB_TIMEOUT": str(group_timeout), "TB_OP": case.op, "TB_SIZE": str(case.size),
            "TB_VICTIM": str(case.victim), "TB_ROOT": str(case.root), "TB_DELAY": str(case.delay)}
-    ranks = start_ranks(SCRIPT, case.world, workdir, env)
+    ranks = start_ranks(kill_program, case.world, workdir, args=["kill_trial"], env=env, setup=reliability_setup())
     try:
         start_limit = time.time() + 90  # process start + init on a busy 2-core box
         killed_at = None
@@ -143,7 +94,7 @@ def run_kill_trial(case: KillCase, workdir: Path, group_timeout: float = 60.0) -
     return _judge(case, ranks, killed_at, finished)
 
 
-def _judge(case: KillCase, ranks, killed_at: float | None, finished: bool) -> KillOutcome:
+def _judge(case: KillCase, ranks: Ranks, killed_at: float | None, finished: bool) -> KillOutcome:
     problems: list[str] = []
     errors, rcs, exit_after = {}, {}, {}
     if killed_at is None:

@@ -1,0 +1,62 @@
+"""Ranks of test_blame.py: which rank an error blames.
+
+- `sigstop`: all_reduce in a loop; rank 2 SIGSTOPs itself 0.3 s after the barrier (STOPPED), the others print
+  their error (ERROR) with the ranks it names. Environment: TB_TIMEOUT, TB_N (elements).
+- `dies_in_set_up`: rank TB_DIES exits (code 3) right after publishing its endpoint; the others report
+  how init_process_group failed and how long it took.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import torch_thunderbolt  # noqa: F401 - registers the backend
+from torch_thunderbolt.testing.program import Exit, main, outcome, result
+
+
+def sigstop() -> Exit | None:
+    dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=float(os.environ["TB_TIMEOUT"])))
+    r = dist.get_rank()
+    x = torch.ones(int(os.environ["TB_N"]))
+    dist.barrier()
+    if r == 2:
+        def stop() -> None:
+            time.sleep(0.3)
+            print("STOPPED " + json.dumps(time.time()), flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        threading.Thread(target=stop, daemon=True).start()
+    try:
+        while True:
+            dist.all_reduce(x)
+            x.fill_(1.0)
+    except Exception as exc:
+        print("ERROR " + json.dumps({"type": type(exc).__name__, "msg": str(exc)[:1500],
+                                     "ranks": getattr(exc, "ranks", None), "peer": getattr(exc, "peer", None)}),
+              flush=True)
+        return Exit(1, hard=True)
+
+
+def dies_in_set_up() -> Exit | None:
+    import torch_thunderbolt.rendezvous.tcp as bootstrap
+
+    if os.environ["RANK"] == os.environ["TB_DIES"]:
+        # Dies right after publishing its endpoint (the acceptor starts just after the store.set).
+        bootstrap._Acceptor.start = lambda self: os._exit(3)
+    t0 = time.monotonic()
+    res = outcome(lambda: dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=40)))
+    res["seconds"] = time.monotonic() - t0
+    result(res)
+    if os.environ["RANK"] == "0":
+        time.sleep(5)  # rank 0 serves the store: a survivor still in set-up would see the store vanish instead
+    return Exit(0, hard=True)
+
+
+if __name__ == "__main__":
+    main({"sigstop": sigstop, "dies_in_set_up": dies_in_set_up})

@@ -1,0 +1,175 @@
+"""Ranks as threads of this process: the fast test tier, and the way to reach into one rank's transport.
+
+- `memory_world`: one function per rank over the in-memory transport (transport.memory.MemoryHub).
+- `tcp_world`: real TCP transports between threads (a TCPStore on loopback), for tests that act on one
+  rank's sockets directly (forge frames, stall one side) without spawning processes.
+- `exchange_world`: threads swapping tensors through shared slots, for code that takes an `exchange=`
+  (the compression pipeline) and must be tested without any transport.
+- `all_reduce_on_threads`: one all_reduce per rank of an already-connected group.
+
+Every helper joins its threads against a deadline, so a hung rank fails the test instead of hanging it.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from torch_thunderbolt.algorithms.collectives import Communicator
+    from torch_thunderbolt.config import Config
+    from torch_thunderbolt.transport.engine import Transport
+
+T = TypeVar("T")
+
+
+@dataclass
+class ThreadRun:
+    """How the rank threads of one world ended."""
+    results: list[Any]
+    errors: dict[int, BaseException] = field(default_factory=dict)  # rank -> error, in the order raised
+    hung: list[int] = field(default_factory=list)  # ranks still running at the deadline
+
+    def first_error_by_rank(self) -> BaseException | None:
+        return self.errors[min(self.errors)] if self.errors else None
+
+    def first_error_raised(self) -> BaseException | None:
+        return next(iter(self.errors.values()), None)
+
+
+def on_threads(world: int, body: Callable[[int], Any], timeout: float,
+               on_error: Callable[[int], None] | None = None) -> ThreadRun:
+    """body(rank) on `world` daemon threads, joined until `timeout` seconds from now. `on_error(rank)` runs
+    in the failing thread right after its error, so that the others stop waiting for it."""
+    run = ThreadRun([None] * world)
+    lock = threading.Lock()
+
+    def thread(rank: int) -> None:
+        try:
+            run.results[rank] = body(rank)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            with lock:
+                run.errors[rank] = exc
+            if on_error is not None:
+                on_error(rank)
+
+    threads = [threading.Thread(target=thread, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    run.hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    return run
+
+
+def memory_world(world: int, fn: Callable[[Communicator], T], cfg: Config | None = None,
+                 timeout: float = 60.0, comm_timeout: float = 30.0, window_bytes: int = 0) -> list[T]:
+    """fn(comm) on every rank over one MemoryHub; returns the per-rank results or re-raises the error of the
+    lowest failing rank (a rank that fails is killed on the hub, so its peers see it lost, as in a job).
+    `window_bytes` > 0: the ranks share a window, so all_reduce and broadcast take the windowed path."""
+    from torch_thunderbolt.algorithms.collectives import Communicator
+    from torch_thunderbolt.config import Config
+    from torch_thunderbolt.transport.memory import MemoryHub
+
+    hub = MemoryHub(world, window_bytes)
+    cfg = cfg or Config()
+    run = on_threads(world, lambda r: fn(Communicator(hub.transports[r], cfg, timeout=comm_timeout)), timeout,
+                     on_error=hub.kill)
+    if run.hung:
+        raise TimeoutError("a rank thread hung")
+    first = run.first_error_by_rank()
+    if first is not None:
+        raise first
+    return run.results
+
+
+@contextlib.contextmanager
+def tcp_world(world: int, cfg: Config | None = None, timeout: float = 30.0) -> Iterator[list[Transport]]:
+    """`world` connected TCP transports (one thread each connected them), closed when the block ends."""
+    import torch.distributed as dist
+
+    from torch_thunderbolt.config import Config
+    from torch_thunderbolt.rendezvous.tcp import connect_tcp
+
+    cfg = cfg or Config(streams=1)
+    server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=timeout),
+                           wait_for_workers=False)
+
+    def connect(r: int) -> Transport:
+        st = dist.TCPStore("127.0.0.1", server.port, world, False, timeout=datetime.timedelta(seconds=timeout))
+        return connect_tcp(dist.PrefixStore("job/", st), r, world, cfg, timeout)
+
+    run = on_threads(world, connect, timeout + 5)
+    transports: list[Transport | None] = [t if r not in run.hung else None for r, t in enumerate(run.results)]
+    try:
+        first = run.first_error_raised()
+        if first is not None:
+            raise first
+        assert all(t is not None for t in transports), "a rank did not connect"
+        yield transports  # type: ignore[misc]
+    finally:
+        for t in transports:
+            if t is not None:
+                t.close()
+
+
+def all_reduce_on_threads(transports: Mapping[int, Transport] | Sequence[Transport],
+                          make: Callable[[int], torch.Tensor], timeout: float = 30.0) -> dict[int, torch.Tensor]:
+    """One all_reduce of make(rank) on each transport of an already-connected group, one thread per rank;
+    returns {rank: result} for the ranks that finished within `timeout` (a test asserts which did)."""
+    from torch_thunderbolt.algorithms.collectives import Communicator
+    from torch_thunderbolt.config import Config
+
+    ranks = sorted(transports) if isinstance(transports, Mapping) else list(range(len(transports)))
+    results: dict[int, torch.Tensor] = {}
+
+    def body(i: int) -> None:
+        r = ranks[i]
+        x = make(r)
+        Communicator(transports[r], Config(), timeout=20).all_reduce(x)
+        results[r] = x
+
+    on_threads(len(ranks), body, timeout)
+    return results
+
+
+class ThreadExchange:
+    """The exchange of one thread-rank in `exchange_world`: all_to_all and all_gather of rows of a tensor
+    through slots every rank can read, with a barrier around each exchange."""
+
+    def __init__(self, rank: int, world_size: int, slots: list[Any], barrier: threading.Barrier) -> None:
+        self.rank, self.world_size, self._slots, self._barrier = rank, world_size, slots, barrier
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self._slots[self.rank] = inp.clone()
+        self._barrier.wait()
+        for src in range(self.world_size):
+            out[src] = self._slots[src][self.rank]
+        self._barrier.wait()
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self._slots[self.rank] = inp.clone()
+        self._barrier.wait()
+        for src in range(self.world_size):
+            out[src] = self._slots[src][0]
+        self._barrier.wait()
+
+
+def exchange_world(world_size: int, fn: Callable[[ThreadExchange], T], timeout: float = 20.0) -> list[T]:
+    """fn(exchange) on `world_size` threads; returns results by rank, or re-raises the first error raised
+    (a failing rank breaks the barrier, so the others stop at once with BrokenBarrierError)."""
+    slots: list[Any] = [None] * world_size
+    barrier = threading.Barrier(world_size, timeout=timeout)
+    run = on_threads(world_size, lambda r: fn(ThreadExchange(r, world_size, slots, barrier)), timeout,
+                     on_error=lambda r: barrier.abort())
+    first = run.first_error_raised()
+    if first is not None:
+        raise first
+    assert not run.hung, "thread ranks hung"
+    return run.results
