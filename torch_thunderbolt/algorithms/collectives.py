@@ -18,7 +18,6 @@ from typing import Callable
 import torch
 
 from ..config import Config
-from ..errors import CollectiveTimeout, MismatchError
 from ..protocol.signature import describe_sig, encode_sig
 from ..transport.engine import Transport
 from . import direct, hierarchy, select, windowed

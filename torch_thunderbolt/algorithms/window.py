@@ -21,9 +21,7 @@ import time
 from typing import Iterable
 
 from ..errors import CollectiveTimeout, MismatchError
-from ..protocol.framing import Space
 from ..protocol.signature import describe_sig
-from ..transport.base import ANY_SOURCE
 from ..transport.engine import Transport
 from ..transport.window import BUFFERS, WindowMemory
 
@@ -127,9 +125,7 @@ class Window:
         before it moved on). Without this, a ring op that only receives (a gather's root) facing a windowed
         op would time out."""
         engine = self.engine
-        for req in engine.matcher.pending():
-            if req.is_send or req.key[0] != Space.COLL or req.peer == ANY_SOURCE:
-                continue
+        for req in engine.matcher.collective_waits():
             owner = self._position.get(req.peer)
             if owner is None or owner == self.rank or not self.started_beyond(owner):
                 continue

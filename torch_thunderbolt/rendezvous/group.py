@@ -14,12 +14,11 @@ from ..algorithms.shape import Shape, shape_from_networks
 from ..config import Config
 from ..transport import shm_ring
 from ..transport.engine import Transport
-from ..transport.memory import MemoryHub
+from ..transport.base import LinkKind
 from ..transport.names import RankNames
-from ..transport.shm import default_spin
 from .hosts import host_map
-from .shm import ShmOptions, connect_shm, connect_shm_links
-from .tcp import connect_tcp, connect_tcp_links
+from .shm import ShmOptions, connect_shm_links
+from .tcp import connect_tcp_links
 
 log = logging.getLogger("torch_thunderbolt")
 
@@ -33,35 +32,32 @@ class Connected:
 def connect(store: Any, rank: int, world: int, cfg: Config, timeout: float,
             names: RankNames | None = None) -> Connected:
     """Connect this rank to every other rank of the group (all ranks call this together). `names`: how the
-    transport's errors name the ranks of a subgroup (None when its ranks are the global ones), given to the
-    transport before it is handed out, so every error of the group's operations names global ranks too."""
-    connected = _connect(store, rank, world, cfg, timeout)
-    connected.transport.names = names
-    return connected
-
-
-def _connect(store: Any, rank: int, world: int, cfg: Config, timeout: float) -> Connected:
+    transport's errors name the ranks of a subgroup (None when its ranks are the global ones)."""
     if world == 1:
-        return Connected(MemoryHub(1).transports[0], None)
+        return Connected(Transport(rank, 1, [], names=names), None)
     hosts = None if cfg.transport != "auto" else host_map(store, rank, world)
     kind = choose_transport(cfg.transport, rank, hosts)
     if kind in ("shm", "hybrid"):
         kind = shm_or_tcp(kind, rank)
     if kind == "shm":
-        return Connected(connect_shm(store, rank, world, cfg, timeout), None)
+        return Connected(Transport(rank, world, [connect_shm_links(store, rank, world, cfg, timeout)], names=names),
+                         None)
     if kind == "hybrid" and hosts is not None:
-        transport = connect_hybrid(store, rank, world, cfg, timeout, hosts)
+        kinds, nets = connect_hybrid_links(store, rank, world, cfg, timeout, hosts)
     else:
-        transport = connect_tcp(store, rank, world, cfg, timeout)
-    nets = transport.networks
+        tcp, nets = connect_tcp_links(store, rank, world, cfg, timeout)
+        kinds = [tcp]
+    transport = Transport(rank, world, kinds, names=names)
     if hosts is not None and 1 < len(set(hosts)) < len(hosts):  # several hosts, some with several ranks
         return Connected(transport, hosts_shape(nets, hosts))
     return Connected(transport, shape_from_networks(nets) if nets else None)
 
 
-def connect_hybrid(store: Any, rank: int, world: int, cfg: Config, timeout: float, hosts: list[str]) -> Transport:
-    """Shared memory among the ranks whose host identity (`hosts[r]`) equals ours, TCP for the rest: one
-    engine holding both kinds of links. Every rank of the group must call this together."""
+def connect_hybrid_links(store: Any, rank: int, world: int, cfg: Config, timeout: float,
+                         hosts: list[str]) -> "tuple[list[LinkKind], list[list[str]]]":
+    """Shared memory among the ranks whose host identity (`hosts[r]`) equals ours, TCP for the rest: the
+    two kinds of links of one engine, and every rank's networks. Every rank of the group must call this
+    together."""
     local = [p for p in range(world) if p != rank and hosts[p] == hosts[rank]]
     opts = ShmOptions.from_config(cfg)
     # TCP first: every rank takes part in it, so the shm set-up below cannot wait on a rank stuck in TCP's.
@@ -73,11 +69,7 @@ def connect_hybrid(store: Any, rank: int, world: int, cfg: Config, timeout: floa
         for link in tcp.links.values():
             link.close()
         raise
-    if opts.spin_us is None:  # spin by how many ranks share this host, not by the whole group
-        shm.spin = default_spin(len(local) + 1)
-    transport = Transport(rank, world, [shm, tcp])
-    transport.networks = networks
-    return transport
+    return [shm, tcp], networks
 
 
 def choose_transport(setting: str, rank: int, hosts: list[str] | None) -> str:

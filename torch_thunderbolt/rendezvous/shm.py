@@ -19,7 +19,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..config import Config
 from ..errors import ConfigError, HandshakeError, PeerLostError

@@ -455,10 +455,8 @@ def _wait_for_higher(acceptor: "_Acceptor", store: Any, rank: int, members: list
 
 def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) -> Transport:
     """A transport over TCP alone, to every other rank of the group."""
-    links, networks = connect_tcp_links(store, rank, world, cfg, timeout)
-    transport = Transport(rank, world, [links])
-    transport.networks = networks
-    return transport
+    links, _ = connect_tcp_links(store, rank, world, cfg, timeout)
+    return Transport(rank, world, [links])
 
 
 def connect_tcp_links(store: Any, rank: int, world: int, cfg: Config, timeout: float,

@@ -165,6 +165,16 @@ class LinkKind:
         """After release, without the lock: wait for the kind's own threads."""
 
 
+def close_socket(sock: socket.socket) -> None:
+    """Shut down both directions (so a peer blocked in recv sees EOF at once), then close; errors ignored:
+    the socket may already be dead."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
 def bytes_view(buf: memoryview | bytearray | bytes) -> memoryview:
     mv = buf if isinstance(buf, memoryview) else memoryview(buf)
     if mv.format != "B" or mv.ndim != 1:

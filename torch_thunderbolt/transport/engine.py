@@ -47,17 +47,14 @@ def _never() -> bool:
 
 
 class Transport:
-    """The engine of one group: the links to every peer (`kinds`, each a LinkKind with its links by peer)."""
+    """The engine of one group: the links to every peer (`kinds`, each a LinkKind with its links by peer).
+    `names`: how errors name the ranks of a subgroup (None: its ranks are the global ones)."""
 
-    names: RankNames | None = None  # a subgroup's global ranks, for its error messages (set by the backend)
-    # Each host's network addresses by rank, when the set-up learnt them (TCP): the backend derives the
-    # cluster's shape from them.
-    networks: "list[list[str]] | None" = None
-
-    def __init__(self, rank: int, world: int, kinds: Sequence[LinkKind],
-                 cv: threading.Condition | None = None) -> None:
+    def __init__(self, rank: int, world: int, kinds: Sequence[LinkKind], cv: threading.Condition | None = None,
+                 names: RankNames | None = None) -> None:
         self.rank = rank
         self.world = world
+        self.names = names
         self.kinds = list(kinds)
         self.broken: BaseException | None = None
         self.closed = False

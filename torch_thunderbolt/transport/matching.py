@@ -155,5 +155,7 @@ class Matcher:
             u.claimed_by for u in self.unexpected.values() if u.claimed_by is not None
         ]
 
-    def pending_from(self, peer: int) -> bool:
-        return any(p == peer for p, _ in self.posted) or bool(self.any_source)
+    def collective_waits(self) -> list[Request]:
+        """Pending collective receives from a named peer: what the mismatch checks look at."""
+        return [r for r in self.pending()
+                if not r.is_send and not r.done and r.key[0] == Space.COLL and r.peer != ANY_SOURCE]

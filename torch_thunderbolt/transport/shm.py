@@ -31,7 +31,7 @@ from ..errors import MismatchError, PeerLostError, ProtocolError, ThunderboltErr
 from ..protocol.framing import Frame, Kind, Space
 from ..protocol.signature import describe_sig
 from . import shm_ring as ring
-from .base import ANY_SOURCE, Link, LinkKind, Request, remote_error
+from .base import Link, LinkKind, Request, close_socket, remote_error
 from .engine import Transport
 from .shm_segment import Segment
 from .shm_window import ShmWindowMemory, area_bytes
@@ -244,11 +244,7 @@ class ShmLink(Link):
 
     def close(self) -> None:
         self.sendq.clear()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        close_socket(self.sock)
         self.eof = True
 
 
@@ -279,7 +275,8 @@ class ShmLinks(LinkKind):
                                     ring.RingReader(self._own_mv[r_off : r_off + size], slots, slot_bytes),
                                     ring.flag_view(pmv))
         self._list = list(self.links.values())
-        self.spin = default_spin(world) if spin is None else spin
+        # Spin by how many ranks share this host (all of a one-host group, or a multi-host job's share).
+        self.spin = default_spin(len(peers) + 1) if spin is None else spin
         self.to_ring: set[ShmLink] = set()  # peers to ring once this round of posting or pumping is over
         self.window: ShmWindowMemory | None = None
 
@@ -344,11 +341,9 @@ class ShmLinks(LinkKind):
     def _check_peer_ops(self) -> None:
         """Nothing moved for a whole poll: does a peer we wait for run this op with another signature?"""
         engine = self.engine
-        for req in engine.matcher.pending():
-            if req.is_send or req.key[0] != Space.COLL or req.peer == ANY_SOURCE or not req.sig:
-                continue
+        for req in engine.matcher.collective_waits():
             board = self._boards.get(req.peer)
-            if board is None:
+            if board is None or not req.sig:
                 continue
             tag = board[0]
             ring.publish_fence()

@@ -27,7 +27,7 @@ from ..platform import SOCKET_IO_CAP
 from ..protocol.framing import (FRAME_HEADER_SIZE, Frame, FrameDecoder, Kind, Space, encode_control,
                                 encode_frame_header)
 from ..protocol.signature import describe_sig
-from .base import ANY_SOURCE, Link, LinkKind, Request, remote_error
+from .base import ANY_SOURCE, Link, LinkKind, Request, close_socket, remote_error
 from .engine import Transport
 from .failover import Fields, RxCount, StreamLog, is_link_failure
 from .layout import split_aligned
@@ -398,11 +398,7 @@ class TcpLink(Link):
     def close(self) -> None:
         for c in self.streams:
             c.sendq.clear()
-            try:
-                c.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            c.sock.close()
+            close_socket(c.sock)
 
 
 class TcpLinks(LinkKind):
@@ -502,8 +498,7 @@ class TcpLinks(LinkKind):
     def _waiting_on(self, tag: int, asker: int) -> int | None:
         """The rank this rank waits on in collective op `tag` (other than `asker`), or the one that rank
         said it waits on: the end of the chain as far as we know it."""
-        waiting = [r for r in self.engine.matcher.pending() if not r.is_send and not r.done
-                   and r.key[0] == Space.COLL and r.peer not in (asker, ANY_SOURCE)]
+        waiting = [r for r in self.engine.matcher.collective_waits() if r.peer != asker]
         peers = sorted({r.peer for r in waiting if r.key[1] == tag})
         if not peers:  # still stuck in an earlier op, so not in the asker's yet: whoever holds us up there
             peers = sorted({r.peer for r in waiting if r.key[1] < tag})
