@@ -5,6 +5,7 @@ on the group's worker thread (worker.py); point-to-point calls post their messag
 the thread that waits on the work (work.py). Registration with torch is in registration.py."""
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import math
@@ -33,7 +34,6 @@ from .worker import Worker
 log = logging.getLogger("torch_thunderbolt")
 DEVICE_TYPES = ("cpu", "mps", "cuda")  # cpu first: torch runs object collectives on the first listed
 MONITORED_BARRIER_TAG = -0x6D62  # a point-to-point tag of our own: user tags are not negative
-_live_groups: "weakref.WeakSet[ThunderboltProcessGroup]" = weakref.WeakSet()
 
 
 def _timeout_s(opts: Any, default: float) -> float:
@@ -59,7 +59,9 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         self._close_lock = threading.Lock()
         # monitored_barrier's receive buffers, kept past the call (see there)
         self._monitored_tokens: list[torch.Tensor] = []
-        _live_groups.add(self)
+        # Closed at interpreter exit if still open: joins the worker thread before Python tears down.
+        # Through a weak reference, so the exit hook keeps no group alive.
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
         if cfg.debug:
             enable_debug_logging()
             log.debug("rank %d: group %r of %d ranks on %s (shape %s); %s", self._rank, description, self._size,
@@ -556,10 +558,11 @@ def enable_debug_logging() -> None:
         pkg.addHandler(handler)
 
 
-def shutdown_all() -> None:
-    """Close every live group (at interpreter exit): joins worker threads before Python tears down."""
-    for pg in list(_live_groups):
-        try:
-            pg.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
+def _shutdown_at_exit(ref: "weakref.ref[ThunderboltProcessGroup]") -> None:
+    pg = ref()
+    if pg is None:
+        return
+    try:
+        pg.shutdown()
+    except Exception:  # noqa: BLE001 - at exit there is no one left to tell
+        pass

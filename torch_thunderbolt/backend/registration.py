@@ -5,7 +5,6 @@ rest of the package until a group is actually created.
 """
 from __future__ import annotations
 
-import atexit
 import importlib
 import os
 from datetime import timedelta
@@ -64,20 +63,3 @@ def register() -> None:
     rdzv = importlib.import_module("torch.distributed.rendezvous")
     if "thunderbolt" not in getattr(rdzv, "_rendezvous_handlers", {}):
         rdzv.register_rendezvous_handler("thunderbolt", _thunderbolt_rendezvous)
-    _install_exit_hook()
-
-
-_exit_hook_installed: list[bool] = []  # a one-element latch; registration is per interpreter by nature
-
-
-def _install_exit_hook() -> None:
-    if _exit_hook_installed:
-        return
-    _exit_hook_installed.append(True)
-
-    def _close_groups() -> None:
-        from .process_group import shutdown_all
-
-        shutdown_all()
-
-    atexit.register(_close_groups)

@@ -351,10 +351,11 @@ def soak() -> Exit | None:
                        "trace": traceback.format_exc()[-3000:]})
     rss["end"] = proc.memory_info().rss
     rss["end_shmem_mb"] = shmem_mb()
-    from torch_thunderbolt.backend.process_group import _live_groups
+    from torch_thunderbolt.backend.process_group import ThunderboltProcessGroup
     # Scratch each group keeps for its largest op so far: bounded by (groups x largest op), not a leak.
-    rss["scratch_mb"] = round(sum(getattr(pg._comm, "_scratch", None).numel() for pg in _live_groups
-                                  if getattr(pg._comm, "_scratch", None) is not None) / 2**20, 1)
+    ours = [pg for pg in groups.values() if isinstance(pg, ThunderboltProcessGroup)]
+    rss["scratch_mb"] = round(sum(pg._comm._scratch.numel() for pg in ours if pg._comm._scratch is not None)
+                              / 2**20, 1)
     summary = {"ops": N, "participated": done, "mismatches": mismatches, "bad": bad, "errors": errors,
                "refusals": refusals[:10], "refusal_problems": len(refusals), "rss": rss,
                "seen": seen, "seconds": round(time.monotonic() - t0, 1)}
