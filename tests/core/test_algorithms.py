@@ -6,8 +6,7 @@ import torch
 
 from torch_thunderbolt.algorithms import reference as ref
 from torch_thunderbolt.config import Config
-
-from .worlds import run_world
+from torch_thunderbolt.testing.worlds import memory_world
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
           torch.int64, torch.uint8, torch.bool, torch.complex64]
@@ -69,7 +68,7 @@ def test_all_reduce_grid(world: int, algo: str) -> None:
             out.append(x)
         return out
 
-    got = run_world(world, body, CFGS[algo], window_bytes=WINDOW_BYTES.get(algo, 0))
+    got = memory_world(world, body, CFGS[algo], window_bytes=WINDOW_BYTES.get(algo, 0))
     for k, (seed, n, dtype, op) in enumerate(todo):
         want = ref.all_reduce([make_input(r, n, dtype, seed) for r in range(world)], op)
         for r in range(world):
@@ -93,7 +92,7 @@ def test_broadcast_and_reduce(world: int, algo: str) -> None:
             out.append((x, y))
         return out
 
-    got = run_world(world, body, CFGS[algo], window_bytes=WINDOW_BYTES.get(algo, 0))
+    got = memory_world(world, body, CFGS[algo], window_bytes=WINDOW_BYTES.get(algo, 0))
     for k, (seed, n, dtype, root) in enumerate(todo):
         want_b = make_input(root, n, dtype, seed)
         op = "sum" if dtype != torch.bool else "bor"
@@ -141,7 +140,7 @@ def test_gather_family(world: int, algo: str) -> None:
             out.append((ag, agv, rs, g, sc, a2a_out))
         return out
 
-    got = run_world(world, body, CFGS[algo], window_bytes=WINDOW_BYTES.get(algo, 0))
+    got = memory_world(world, body, CFGS[algo], window_bytes=WINDOW_BYTES.get(algo, 0))
     for k, (seed, n, dtype) in enumerate(todo):
         xs = [make_input(r, n, dtype, seed) for r in range(world)]
         counts = uneven(n)
@@ -170,5 +169,5 @@ def test_results_identical_on_every_rank_for_floats() -> None:
             x = torch.randn(5000, generator=torch.Generator().manual_seed(comm.rank))
             comm.all_reduce(x)
             return x
-        got = run_world(3, body, CFGS[algo])
+        got = memory_world(3, body, CFGS[algo])
         assert all(torch.equal(got[0], g) for g in got[1:])

@@ -11,8 +11,7 @@ import torch
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import CollectiveTimeout, MismatchError, PeerLostError
 from torch_thunderbolt.protocol.signature import describe_sig, encode_sig
-
-from .worlds import run_world
+from torch_thunderbolt.testing.worlds import memory_world
 
 ALGOS = ["auto", "ring", "direct", "chain", "biring"]
 
@@ -33,7 +32,7 @@ def test_in_place_reduce_scatter_is_exact(algo, world, n):
         want = sum(base * (q + 1) + q for q in range(world))[comm.rank * n : (comm.rank + 1) * n]
         return torch.equal(out, want)
 
-    assert all(run_world(world, body, cfg=_cfg(algo)))
+    assert all(memory_world(world, body, cfg=_cfg(algo)))
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -60,7 +59,7 @@ def test_in_place_all_gather_all_to_all_gather_scatter_are_exact(algo):
         ok &= torch.equal(s[r * n : (r + 1) * n], torch.arange(r * n, (r + 1) * n, dtype=torch.float32))
         return ok
 
-    assert all(run_world(world, body, cfg=_cfg(algo)))
+    assert all(memory_world(world, body, cfg=_cfg(algo)))
 
 
 @pytest.mark.parametrize("window", [0, 4096])
@@ -77,7 +76,7 @@ def test_different_reduce_ops_are_a_mismatch_on_every_rank(window, ops, n):
             raise
 
     with pytest.raises((MismatchError, PeerLostError)):
-        run_world(2, body, cfg=Config(small_bytes=64), window_bytes=window, comm_timeout=10)
+        memory_world(2, body, cfg=Config(small_bytes=64), window_bytes=window, comm_timeout=10)
     assert any(isinstance(e, MismatchError) for e in errors), errors
     # Nobody returns a result of its own op as if it had worked (the in-memory peer of a failed rank sees
     # it as lost).
@@ -112,7 +111,7 @@ def test_a_timeout_says_timed_out_where_tools_look_for_it():
             comm.barrier()
 
     with pytest.raises(CollectiveTimeout, match=" Timed out "):
-        run_world(2, body, comm_timeout=0.5)
+        memory_world(2, body, comm_timeout=0.5)
 
 
 def test_an_unsupported_dtype_is_refused_before_any_traffic_and_the_group_goes_on():
@@ -123,7 +122,7 @@ def test_an_unsupported_dtype_is_refused_before_any_traffic_and_the_group_goes_o
         comm.all_reduce(x)
         return torch.equal(x, torch.full((4,), 2.0))
 
-    assert all(run_world(2, body, window_bytes=4096))
+    assert all(memory_world(2, body, window_bytes=4096))
 
 
 @pytest.mark.parametrize("op,dtype", [("avg", torch.bool), ("avg", torch.int32), ("premul_sum", torch.int32),
@@ -139,4 +138,4 @@ def test_an_op_the_dtype_cannot_take_is_refused_with_the_tensor_untouched(op, dt
         comm.all_reduce(y)  # the group goes on
         return torch.equal(y, torch.full((6,), 2.0))
 
-    assert all(run_world(2, body, window_bytes=4096))
+    assert all(memory_world(2, body, window_bytes=4096))

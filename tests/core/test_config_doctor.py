@@ -11,8 +11,7 @@ import pytest
 from torch_thunderbolt.config import Config, parse_size
 from torch_thunderbolt.doctor import FAIL, OK, WARN, Facts, run_checks
 from torch_thunderbolt.errors import ConfigError
-
-from .mp import REPO
+from torch_thunderbolt.testing.ranks import REPO
 
 
 def test_defaults_and_values() -> None:

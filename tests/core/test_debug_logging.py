@@ -3,24 +3,18 @@ from __future__ import annotations
 
 import pytest
 
-from .mp import PRELUDE, run_ranks
+from torch_thunderbolt.testing.ranks import run_ranks
+
+from .programs import debug_logging
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
-
-SCRIPT = PRELUDE + r'''
-dist.init_process_group("thunderbolt")
-x = torch.ones(1000)
-dist.all_reduce(x, op=dist.ReduceOp.MAX)
-dist.broadcast(x, 0)
-result({"ok": True})
-'''
 
 
 @pytest.mark.parametrize("env,transport", [({"THUNDERBOLT_DEBUG": "1"}, "auto"),
                                            ({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, "tcp"), ({}, "auto")],
                          ids=["debug-shm", "torch-detail-tcp", "off"])
 def test_debug_logs_the_group_and_every_op(env, transport, tmp_path):
-    results = run_ranks(SCRIPT, 2, tmp_path, timeout=90, env=dict(env, THUNDERBOLT_TRANSPORT=transport))
+    results = run_ranks(debug_logging, 2, tmp_path, timeout=90, env=dict(env, THUNDERBOLT_TRANSPORT=transport))
     for res in results:
         lines = [ln for ln in res.stderr.splitlines() if "torch_thunderbolt" in ln and " DEBUG " in ln]
         if not env:

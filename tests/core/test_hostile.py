@@ -17,8 +17,7 @@ import torch.distributed as dist
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.protocol import handshake as hs
 from torch_thunderbolt.rendezvous.tcp import connect_tcp, group_key
-
-from .worlds import all_reduce_on_threads
+from torch_thunderbolt.testing.worlds import all_reduce_on_threads
 
 pytestmark = pytest.mark.timeout(60)
 

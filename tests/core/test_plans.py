@@ -10,9 +10,9 @@ from torch_thunderbolt.algorithms.layout import split_even
 from torch_thunderbolt.algorithms.plan import RECV, SEND, Plan
 from torch_thunderbolt.algorithms.shape import Shape, shape_from_networks
 from torch_thunderbolt.config import Config
+from torch_thunderbolt.testing.worlds import memory_world
 
 from .test_algorithms import make_input
-from .worlds import run_world
 
 
 def check_pairwise_order(plans: list[Plan]) -> None:
@@ -107,7 +107,7 @@ def test_topology_algorithms_give_exact_results(world: int, kind: str) -> None:
             out.append((x, b, d))
         return out
 
-    got = run_world(world, body, cfg)
+    got = memory_world(world, body, cfg)
     for seed, (n, dt, root) in enumerate(cases):
         want = ref.reduce_all([make_input(r, n, dt, seed) for r in range(world)], "sum")
         want_r = ref.reduce_all([make_input(r, n, dt, seed + 90) for r in range(world)], "sum")

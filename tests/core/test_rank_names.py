@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 
 from torch_thunderbolt.errors import PeerLostError
+from torch_thunderbolt.testing.ranks import run_ranks
 from torch_thunderbolt.transport.names import RankNames
 
-from .mp import PRELUDE, run_ranks
+from .programs import rank_names
 
 
 def test_group_ranks_get_their_global_rank_and_the_group() -> None:
@@ -45,24 +46,7 @@ def test_apply_renames_the_error_in_place() -> None:
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_subgroup_peer_lost_names_global_ranks(transport: str, tmp_path) -> None:
     """3 ranks; in new_group([1, 2]) global rank 2 (group rank 1) dies: global rank 1 must read that."""
-    script = PRELUDE + """
-import datetime
-dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=30))
-r = dist.get_rank()
-g = dist.new_group([1, 2])
-if r == 0:
-    time.sleep(4)  # keeps the store up while the others work
-    result({"ok": True})
-    sys.exit(0)
-x = torch.ones(1000)
-dist.all_reduce(x, group=g)
-if r == 2:
-    os._exit(0)  # gone without a word, as a crash would
-time.sleep(0.5)
-result(outcome(lambda: dist.all_reduce(x, group=g)))
-os._exit(0)
-"""
-    res = run_ranks(script, 3, tmp_path, timeout=90, expect_ok=False, env={"THUNDERBOLT_TRANSPORT": transport})
+    res = run_ranks(rank_names, 3, tmp_path, timeout=90, expect_ok=False, env={"THUNDERBOLT_TRANSPORT": transport})
     out = res[1].json()
     assert not out["ok"], out
     assert "rank 0 (global rank 1) of process group" in out["msg"], out

@@ -21,9 +21,10 @@ from torch_thunderbolt.errors import ConfigError, HandshakeError, PeerLostError
 from torch_thunderbolt.protocol import handshake as hs
 from torch_thunderbolt.rendezvous.hosts import recv_exact as _recv_exact
 from torch_thunderbolt.rendezvous.tcp import connect_tcp, group_key
+from torch_thunderbolt.testing.ranks import run_ranks
+from torch_thunderbolt.testing.worlds import all_reduce_on_threads
 
-from .mp import PRELUDE, run_ranks
-from .worlds import all_reduce_on_threads
+from .programs import secret_warning
 
 SECRET = b"0123456789abcdef" * 4  # 64 characters; what `launch` makes is secrets.token_hex(32)
 OTHER = b"fedcba9876543210" * 4
@@ -165,19 +166,6 @@ def test_a_secret_on_one_rank_only_is_a_config_error_naming_the_peer(world, secr
         assert f"rank {r}: rank {1 - r} " in str(exc) and "THUNDERBOLT_SECRET" in str(exc)
 
 
-WARN_SCRIPT = PRELUDE + """
-if os.environ.get("TEST_FAKE_HOSTS") == "1":  # two ranks per pretend host: auto picks shm + TCP (hybrid)
-    from torch_thunderbolt.rendezvous import hosts
-    hosts.host_identity = lambda: "test-host-" + str(int(os.environ["RANK"]) // 2)
-dist.init_process_group("thunderbolt")
-w = dist.get_world_size()
-x = torch.arange(1000, dtype=torch.float32) * (dist.get_rank() + 1)
-dist.all_reduce(x)
-result({"ok": torch.equal(x, torch.arange(1000, dtype=torch.float32) * (w * (w + 1) // 2))})
-dist.destroy_process_group()
-"""
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["tcp", "shm", "hybrid"])
@@ -191,7 +179,7 @@ def test_warning_once_per_process_only_when_strangers_can_join(transport: str, s
     if secret:
         env["THUNDERBOLT_SECRET"] = secret
     world = 4 if transport == "hybrid" else 2
-    for res in run_ranks(WARN_SCRIPT, world, tmp_path, timeout=90, env=env):
+    for res in run_ranks(secret_warning, world, tmp_path, timeout=90, env=env):
         assert res.json() == {"ok": True}
         want = 1 if transport != "shm" and secret is None else 0
         assert res.stderr.count(WARNING) == want, res.stderr[-3000:]

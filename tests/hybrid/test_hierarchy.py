@@ -15,7 +15,7 @@ from torch_thunderbolt.config import Config
 
 from ..core.test_algorithms import make_input
 from ..core.test_plans import check_pairwise_order
-from ..core.worlds import run_world
+from torch_thunderbolt.testing.worlds import memory_world
 
 LAYOUTS = {
     "2x2": [[0, 1], [2, 3]],
@@ -64,7 +64,7 @@ def run_on_hosts(groups: list[list[int]], body) -> list:
         comm.shape = Shape("mesh", order, {}, groups)
         return body(comm)
 
-    return run_world(len(order), on_host, Config(chunk_bytes=1024, small_bytes=0))
+    return memory_world(len(order), on_host, Config(chunk_bytes=1024, small_bytes=0))
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

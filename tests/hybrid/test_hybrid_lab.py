@@ -6,14 +6,18 @@ from typing import Iterator
 
 import pytest
 
-from torch_thunderbolt.lab.testing import lab_session
 from torch_thunderbolt.lab.view import Lab
-from ..labs import skip_unless_lab
+from torch_thunderbolt.testing.lab import lab_session, lab_setup, lab_world, skip_unless_lab
+from torch_thunderbolt.testing.ranks import SegmentCheck, Setup, run_ranks
 
-from .hybrid_harness import run_hybrid_lab
-from .test_hybrid import COLLECTIVES, KILL
+from .programs import hybrid
 
 pytestmark = [pytest.mark.lab, pytest.mark.multiprocess]
+
+
+def _on_pair(lab: Lab) -> Setup:
+    """Two ranks on each emulated Mac (rank r on host r // 2); no shm segment of the run may survive it."""
+    return lab_setup(lab, per_host=2).but(segments=SegmentCheck.NEW)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +29,7 @@ def pair() -> Iterator[Lab]:
 
 @pytest.mark.timeout(120)
 def test_lab_every_collective_exact_same_host_off_tcp(pair, tmp_path) -> None:
-    runs = run_hybrid_lab(pair, COLLECTIVES, tmp_path, timeout=100)
+    runs = run_ranks(hybrid, lab_world(pair, 2), tmp_path, args=["collectives"], setup=_on_pair(pair), timeout=100)
     for run in runs:
         got = run.json()
         assert got["kind"] == "shm+tcp", got
@@ -37,8 +41,8 @@ def test_lab_every_collective_exact_same_host_off_tcp(pair, tmp_path) -> None:
 @pytest.mark.timeout(120)
 def test_lab_kill_9_gives_peer_lost_on_every_survivor(pair, tmp_path) -> None:
     victim = 2  # on the second emulated Mac: rank 3 learns it over shm, ranks 0 and 1 over the cable
-    script = KILL.replace("SIZE", str(1 << 20)).replace("VICTIM", str(victim))
-    runs = run_hybrid_lab(pair, script, tmp_path, timeout=100, expect_ok=False)
+    runs = run_ranks(hybrid, lab_world(pair, 2), tmp_path, args=["kill"], setup=_on_pair(pair), timeout=100,
+                     expect_ok=False, env={"TEST_SIZE": str(1 << 20), "TEST_VICTIM": str(victim)})
     assert runs[victim].returncode == -9
     for run in runs:
         if run.rank != victim:

@@ -5,9 +5,8 @@ from typing import Iterator
 
 import pytest
 
-from torch_thunderbolt.lab.testing import lab_session
-from ..labs import skip_unless_lab
 from torch_thunderbolt.lab.view import Lab
+from torch_thunderbolt.testing.lab import lab_session, skip_unless_lab
 
 # Unshaped cables with reno: correctness tests want speed, not realism (bbr caps veth at ~1.5 GB/s).
 SHAPES = {"chain3": (3, "chain"), "ring3": (3, "ring"), "mesh4": (4, "mesh")}

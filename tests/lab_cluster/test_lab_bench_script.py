@@ -5,9 +5,8 @@ import sys
 
 import pytest
 
-from ..labs import skip_unless_lab
-
-from .labrun import REPO
+from torch_thunderbolt.testing.lab import skip_unless_lab
+from torch_thunderbolt.testing.ranks import REPO
 
 
 def _load():

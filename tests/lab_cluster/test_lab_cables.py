@@ -8,24 +8,20 @@ round-robin over both, so each carries about half.
 """
 import pytest
 
-from .labrun import counter_delta, run_on_lab
+from torch_thunderbolt.testing.lab import counter_delta, lab_setup, lab_world
+from torch_thunderbolt.testing.ranks import run_ranks
+
+from .programs import on_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.multiprocess, pytest.mark.slow]
 
 PAYLOAD = 16 << 20  # bytes per rank
-ALL_REDUCE = f"""
-dist.init_process_group("thunderbolt", init_method="env://")
-t = torch.full(({PAYLOAD} // 4,), float(RANK + 1))
-dist.all_reduce(t)
-ok = bool((t == WORLD * (WORLD + 1) / 2).all())
-result({{"ok": ok, "sent": dist.group.WORLD.transport.bytes_sent}})
-dist.destroy_process_group()
-"""
 
 
 def _all_reduce_counters(lab, tmp_path, host, env=None, per_rank=None):
     before = lab.counters(host)
-    runs = run_on_lab(lab, ALL_REDUCE, tmp_path, timeout=90, env=env, per_rank=per_rank)
+    runs = run_ranks(on_lab, lab_world(lab), tmp_path, args=["all_reduce"], setup=lab_setup(lab), timeout=90,
+                     env={"TEST_PAYLOAD": str(PAYLOAD), **(env or {})}, per_rank=per_rank)
     after = lab.counters(host)
     assert all(run.json()["ok"] for run in runs)
     return counter_delta(before, after), [run.json()["sent"] for run in runs]

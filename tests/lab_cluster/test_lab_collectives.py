@@ -3,28 +3,20 @@ each compared with exact expected values (small sizes take the one-shot algorith
 ring/chain pipelines with several chunks and an element count no rank count divides)."""
 import pytest
 
-from ..core.collective_checks import EVERY_COLLECTIVE
-from .labrun import run_on_lab
+from torch_thunderbolt.testing.lab import lab_setup, lab_world
+from torch_thunderbolt.testing.ranks import run_ranks
+
+from .programs import on_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.multiprocess, pytest.mark.slow]
 
 EXPECTED_SHAPE = {"chain": "chain", "ring": "ring", "mesh": "mesh"}
 
-COLLECTIVES = """
-dist.init_process_group("thunderbolt", init_method="env://")
-pg = dist.group.WORLD
-W = WORLD
-""" + EVERY_COLLECTIVE + """
-every_collective()
-check_barrier(0.5)
-result({"shape": pg._comm.shape.kind, "order": pg._comm.shape.order, "bad": bad})
-dist.destroy_process_group()
-"""
-
 
 @pytest.mark.timeout(240)
 def test_every_collective_is_exact(cluster, tmp_path):
-    runs = run_on_lab(cluster, COLLECTIVES, tmp_path, timeout=200)
+    runs = run_ranks(on_lab, lab_world(cluster), tmp_path, args=["collectives"], setup=lab_setup(cluster),
+                     timeout=200)
     for run in runs:
         got = run.json()
         assert got["bad"] == [], f"rank {run.rank} on {cluster.plan.topology}: {got['bad']}"

@@ -7,10 +7,8 @@ import textwrap
 
 import pytest
 
-from torch_thunderbolt.lab.testing import lab_session, unique_lab_name
-from ..labs import skip_unless_lab
-
-from .labrun import REPO
+from torch_thunderbolt.testing.lab import lab_session, skip_unless_lab, unique_lab_name
+from torch_thunderbolt.testing.ranks import REPO
 
 pytestmark = [pytest.mark.lab, pytest.mark.multiprocess, pytest.mark.slow]
 

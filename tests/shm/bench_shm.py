@@ -1,8 +1,8 @@
 """Interleaved benchmark: all_reduce over the shm transport, the TCP transport and gloo, in the same
 processes, plus single-core memcpy bandwidth measured in the same run.
 
-    python tests/shm/bench_shm.py --world 2 --repeats 15
-    python tests/shm/bench_shm.py --world 4 --repeats 7 --sizes 4K,64M
+    .venv/bin/python tests/shm/bench_shm.py --world 2 --repeats 15
+    .venv/bin/python tests/shm/bench_shm.py --world 4 --repeats 7 --sizes 4K,64M
 
 Each repeat runs every backend once per size (4 KB: the median of a batch of ops; large: one op), so
 all backends see the same moments of this VM's noisy memory bandwidth. Prints medians and [p10-p90].
@@ -13,12 +13,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _stats(xs: list[float]) -> tuple[float, float, float]:
@@ -112,28 +109,17 @@ def main() -> None:
     if args.rank:
         rank_main(args)
         return
-    import socket
+    from torch_thunderbolt.testing.ranks import LOOPBACK, run_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_PORT=str(port), WORLD_SIZE=str(args.world), PYTHONPATH=str(REPO),
-               OMP_NUM_THREADS="1")
-    argv = [sys.executable, __file__, "--rank", "--repeats", str(args.repeats), "--sizes", args.sizes,
-            "--backends", args.backends, "--variants", args.variants]
-    procs = [subprocess.Popen(argv, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, text=True)
-             for r in range(args.world)]
-    try:
-        out = procs[0].communicate(timeout=1800)[0]
-        for p in procs[1:]:
-            p.wait(60)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
+    rank_args = ["--rank", "--repeats", str(args.repeats), "--sizes", args.sizes, "--backends", args.backends,
+                 "--variants", args.variants]
+    with tempfile.TemporaryDirectory(prefix="tb-bench-shm-") as tmp:
+        # The ranks keep our environment (THUNDERBOLT_SHM_* settings included): the variants are measured
+        # under the settings this benchmark is run with.
+        results = run_ranks(Path(__file__), args.world, Path(tmp), args=rank_args, setup=LOOPBACK.but(strip=()),
+                            timeout=1800)
     print(f"world {args.world}, {args.repeats} repeats, load avg {os.getloadavg()[0]:.1f}")
-    report(json.loads(line[7:]), args.world)
+    report(results[0].json(), args.world)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from .shm_harness import run_shm
+from torch_thunderbolt.testing.ranks import SHM, run_ranks, shm_snippet
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -19,7 +19,7 @@ t.close()
 """
     env = {"THUNDERBOLT_SHM_DIR": str(seg_dir), "THUNDERBOLT_SHM_SLOT": "8K", "THUNDERBOLT_SHM_SPIN_US": "5",
            "THUNDERBOLT_SHM_WINDOW": "0"}
-    for res in run_shm(script, 2, tmp_path, timeout=100, env=env):
+    for res in run_ranks(shm_snippet(script, tmp_path), 2, tmp_path, setup=SHM, timeout=100, env=env):
         assert res.json() == {"dir": str(seg_dir), "slot": 8 << 10, "spin": pytest.approx(5e-6), "window": False}
     assert list(seg_dir.iterdir()) == []  # segments unlinked once every rank had mapped them
 
@@ -35,5 +35,5 @@ result({"window": comm.window is not None and comm.window.world == w,
         "rounds": comm.window.rounds if comm.window else 0, "sum": x[0].item()})
 t.close()
 """
-    for res in run_shm(script, 3, tmp_path, timeout=100):
+    for res in run_ranks(shm_snippet(script, tmp_path), 3, tmp_path, setup=SHM, timeout=100):
         assert res.json() == {"window": True, "rounds": 1, "sum": 6.0}

@@ -19,7 +19,7 @@ from torch_thunderbolt.transport.shm import BELL, BYE, ShmLink
 from torch_thunderbolt.rendezvous.hosts import host_identity
 from torch_thunderbolt.rendezvous.shm import ShmOptions
 
-from ..core.mp import REPO
+from torch_thunderbolt.testing.ranks import REPO
 
 
 def test_ring_roundtrip_wraps_and_reports_full() -> None:

@@ -118,6 +118,27 @@ def shm_rank(timeout: float = 60.0) -> ShmRank:
     return ShmRank(r, w, store, connect_shm(store, r, w, Config.from_env(), timeout))
 
 
+def shm_snippet_namespace() -> dict[str, Any]:
+    """For a rank program whose body is still text (testing.ranks.shm_snippet): connect as `shm_rank` does
+    and return the names such a body may use (the rank `r`, the world `w`, the transport `t`, its `store`,
+    result, outcome and the usual modules)."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    import torch_thunderbolt
+    from torch_thunderbolt.config import Config
+    from torch_thunderbolt.rendezvous.shm import connect_shm
+    from torch_thunderbolt.transport.base import ANY_SOURCE
+
+    me = shm_rank()
+    return {"json": json, "os": os, "sys": sys, "time": time, "signal": signal, "timedelta": timedelta,
+            "torch": torch, "dist": dist, "torch_thunderbolt": torch_thunderbolt, "Config": Config,
+            "connect_shm": connect_shm, "ANY_SOURCE": ANY_SOURCE, "result": result, "outcome": outcome,
+            "r": me.rank, "w": me.world, "store": me.store, "t": me.transport}
+
+
 @dataclass(frozen=True)
 class Exit:
     """What a scenario returns to end its process with `code`; `hard` uses os._exit, skipping interpreter

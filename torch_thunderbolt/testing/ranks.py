@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,7 +248,7 @@ def start_ranks(program: Program, world: int, workdir: Path, *, args: Sequence[s
     ranks = Ranks(workdir)
     try:
         for r in range(world):
-            e = dict(base, **setup.rank_env(r, world), **(env or {}), **(per_rank or {}).get(r, {}))
+            e = {**base, **setup.rank_env(r, world), **(env or {}), **(per_rank or {}).get(r, {})}
             out, err = workdir / f"rank{r}.out", workdir / f"rank{r}.err"
             with open(out, "w") as fo, open(err, "w") as fe:
                 p = subprocess.Popen([*(setup.wrap(r) if setup.wrap else []), *argv], env=e, stdout=fo, stderr=fe,
@@ -275,6 +276,16 @@ def run_ranks(program: Program, world: int, workdir: Path, *, args: Sequence[str
         for res in results:
             assert res.returncode == 0, f"rank {res.rank} exited {res.returncode}\n{res.stderr[-4000:]}"
     return results
+
+
+def shm_snippet(body: str, workdir: Path) -> Path:
+    """A rank program for the SHM setup made from the text of its body, for tests whose program is still a
+    string: it runs after testing.program.shm_snippet_namespace() (r, w, t, store, result ...). New
+    programs are modules."""
+    path = workdir / "shm_snippet.py"
+    path.write_text("from torch_thunderbolt.testing.program import shm_snippet_namespace\n"
+                    "globals().update(shm_snippet_namespace())\n" + textwrap.dedent(body))
+    return path
 
 
 def rank_pids(workdir: Path) -> set[int]:

@@ -1,0 +1,88 @@
+"""Ranks of test_failures.py: dead peers, stalls, mismatched calls, clean teardown. Each scenario starts the
+default group with the timeout TB_TIMEOUT (60 s when unset) and reports with result()."""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import threading
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+
+import torch_thunderbolt  # noqa: F401 - registers the backend
+from torch_thunderbolt.testing.program import main, outcome, result
+
+
+def _init() -> tuple[int, int]:
+    timeout = float(os.environ.get("TB_TIMEOUT", "60"))
+    dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=timeout))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def kill_9() -> None:
+    """Rank 2 kills itself (SIGKILL) at its 20th all_reduce of TEST_SIZE bytes."""
+    r, _ = _init()
+    x = torch.ones(int(os.environ["TEST_SIZE"]) // 4)
+
+    def loop() -> None:
+        for i in range(100000):
+            if r == 2 and i == 20:
+                os.kill(os.getpid(), signal.SIGKILL)
+            dist.all_reduce(x)
+    result(outcome(loop))
+
+
+def stalled() -> None:
+    """Rank 1 never arrives in time."""
+    r, _ = _init()
+
+    def op() -> None:
+        if r == 1:
+            time.sleep(6)  # never arrives in time
+            return
+        dist.all_reduce(torch.ones(10))
+    result(outcome(op))
+
+
+def mismatched() -> None:
+    """The ranks disagree on the size, the dtype or the op (TEST_KIND); then every rank tries once more."""
+    r, _ = _init()
+    kind = os.environ["TEST_KIND"]
+
+    def op() -> None:
+        if kind == "size":
+            dist.all_reduce(torch.ones(10 + r))
+        elif kind == "dtype":
+            dist.all_reduce(torch.ones(10, dtype=torch.float32 if r == 0 else torch.float64))
+        else:
+            x = torch.ones(10)
+            dist.all_reduce(x) if r == 0 else dist.broadcast(x, 0)
+    res = outcome(op)
+    res["after"] = outcome(lambda: dist.all_reduce(torch.ones(3)))
+    result(res)
+
+
+def destroy() -> None:
+    """Threads and connections before, during and after a group's life."""
+    _init()
+    before = threading.active_count()
+    g = dist.new_group(backend="thunderbolt")
+    for _ in range(3):
+        dist.all_reduce(torch.ones(1 << 20), group=g, async_op=True).wait()
+    conns_during = len([c for c in psutil.Process().net_connections() if c.status == "ESTABLISHED"])
+    dist.destroy_process_group()
+    # Background threads (torch's store, our keeper) close theirs moments later; under load that took > 0.2 s.
+    for waited in range(50):
+        time.sleep(0.1)
+        conns_after = [c for c in psutil.Process().net_connections() if c.status in ("ESTABLISHED", "LISTEN")]
+        if not conns_after:
+            break
+    result({"threads_before": before, "threads_after": threading.active_count(), "conns_during": conns_during,
+            "conns_after": len(conns_after), "waited": waited})
+
+
+if __name__ == "__main__":
+    main({"kill_9": kill_9, "stalled": stalled, "mismatched": mismatched, "destroy": destroy})
