@@ -1,13 +1,18 @@
-"""Code that runs inside spawned gloo ranks (importable by name, so spawn can find it)."""
+"""Code that runs inside the ranks of test_compression_ranks.py (programs/suite.py)."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from cmp_reference import check_within_bound
 
 from torch_thunderbolt.compression import Int8Codec, compressed_all_reduce
-from torch_thunderbolt.compression.pipeline import AsyncGroups, all_reduce_future, make_phase2_group
+from torch_thunderbolt.compression.pipeline import (
+    AsyncGroups,
+    all_reduce_future,
+    make_phase2_group,
+)
 from torch_thunderbolt.hooks import CompressionState, bf16_hook, fp16_hook, int8_hook
+
+from .cmp_reference import check_within_bound
 
 
 def inputs_for(world: int, numel: int, seed: int) -> torch.Tensor:

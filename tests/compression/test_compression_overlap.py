@@ -1,14 +1,15 @@
 """The pipelined compressed all-reduce: issue orders, piece cuts, results and failures (threads as ranks)."""
 import pytest
 import torch
-from cmp_helpers import run_threads
-from cmp_reference import check_within_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torch_thunderbolt.compression import compressed_all_reduce
 from torch_thunderbolt.compression.layout import pipeline_pieces
 from torch_thunderbolt.compression.overlap import exchange_order
+from torch_thunderbolt.testing.worlds import exchange_world
+
+from .cmp_reference import check_within_bound
 
 
 @pytest.mark.parametrize("pieces", [1, 2, 3, 6])
@@ -36,7 +37,7 @@ def _reduce(inputs, mode, block, piece, **kw):
         t = inputs[exchange.rank].clone()
         return compressed_all_reduce(t, mode, block_size=block, exchange=exchange, piece_elements=piece, **kw)
 
-    return run_threads(inputs.shape[0], rank_fn)
+    return exchange_world(inputs.shape[0], rank_fn)
 
 
 @settings(max_examples=30, deadline=None)

@@ -3,10 +3,14 @@
 One set of 3 ranks per backend runs every experiment (module fixture); each test checks one behaviour.
 The int8/fp16/bf16 error bounds are asserted inside the ranks, element by element.
 """
+import json
+
 import pytest
 import torch
-from cmp_helpers import run_ranks
-from cmp_workers import suite
+
+from torch_thunderbolt.testing.ranks import run_ranks
+
+from .programs import suite
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,8 +36,10 @@ def _backend_available(name: str) -> bool:
 def runs(request, tmp_path_factory):
     if not _backend_available(request.param):
         pytest.skip(f"backend {request.param!r} is not registered in this environment")
-    return run_ranks(suite, WORLD, tmp_path_factory.mktemp(request.param), CASES, HOOK_STEPS, EF_STEPS,
-                     backend=request.param, timeout=100)
+    env = {"TEST_BACKEND": request.param, "TEST_CASES": json.dumps(CASES), "TEST_HOOK_STEPS": str(HOOK_STEPS),
+           "TEST_EF_STEPS": str(EF_STEPS)}
+    return [res.saved() for res in run_ranks(suite, WORLD, tmp_path_factory.mktemp(request.param), env=env,
+                                             timeout=100)]
 
 
 @pytest.mark.timeout(120)

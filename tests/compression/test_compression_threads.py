@@ -1,13 +1,14 @@
 """compressed_all_reduce with W ranks played by threads (fast; the real-process tests are in _ranks)."""
 import pytest
 import torch
-from cmp_helpers import run_threads
-from cmp_reference import check_within_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torch_thunderbolt.compression import compressed_all_reduce
 from torch_thunderbolt.errors import ConfigError
+from torch_thunderbolt.testing.worlds import exchange_world
+
+from .cmp_reference import check_within_bound
 
 
 def _reduce_on_threads(inputs, mode, block, **kw):
@@ -17,7 +18,7 @@ def _reduce_on_threads(inputs, mode, block, **kw):
         t = inputs[exchange.rank].clone()
         return compressed_all_reduce(t, mode, block_size=block, exchange=exchange, **kw)
 
-    return run_threads(world, rank_fn)
+    return exchange_world(world, rank_fn)
 
 
 @settings(max_examples=40, deadline=None)
@@ -57,7 +58,7 @@ def test_other_float_dtypes_and_non_contiguous_tensors_are_reduced_in_place(dtyp
         assert out is t and t.dtype == dtype
         return t.contiguous()
 
-    results = run_threads(2, rank_fn)
+    results = exchange_world(2, rank_fn)
     exact = base.double().sum(dim=0).t()
     assert torch.allclose(results[0].double(), exact, atol=0.1)
 
@@ -81,5 +82,5 @@ def test_strided_one_dimensional_tensor():
         compressed_all_reduce(t, "bf16", exchange=exchange)
         return t
 
-    results = run_threads(2, rank_fn)
+    results = exchange_world(2, rank_fn)
     assert torch.allclose(results[0], base.sum(dim=0)[::2], rtol=1e-2)

@@ -1,21 +1,43 @@
-"""Run an example script as a subprocess in its own session, and always reap its whole process group."""
+"""The examples for tests: import one in this process, or run one as a subprocess in its own session and
+always reap its whole process group."""
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def examples_on_path() -> None:
-    # The examples import their helpers as `models.*`, the way they do when run as scripts.
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
+def load_example(name: str) -> ModuleType:
+    """examples/<name>.py, or a module of the examples' `models` package ("models.llama" ...), imported by
+    path under the name the examples use for each other when run as scripts (`from models.launch import`),
+    without putting examples/ on sys.path. Each is imported once (sys.modules), like any module."""
+    if "models" not in sys.modules:  # first: every example script imports it
+        _import_file("models", EXAMPLES / "models" / "__init__.py", package=True)
+    top = name.split(".")[0]
+    if top not in sys.modules:
+        _import_file(top, EXAMPLES / f"{top}.py")
+    return importlib.import_module(name)
+
+
+def _import_file(name: str, path: Path, package: bool = False) -> None:
+    spec = importlib.util.spec_from_file_location(name, path,
+                                                  submodule_search_locations=[str(path.parent)] if package else None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it: dataclasses look their module up while being defined
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
 
 
 def run_example(argv: list[str], timeout: float) -> subprocess.CompletedProcess:

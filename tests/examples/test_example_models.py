@@ -4,12 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .helpers import examples_on_path
+from .helpers import load_example
 
-examples_on_path()
-
-from models import llama, vit  # noqa: E402
-from models.launch import CommTimer, median  # noqa: E402
+llama, vit = load_example("models.llama"), load_example("models.vit")
+CommTimer, median = load_example("models.launch").CommTimer, load_example("models.launch").median
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +93,7 @@ def test_sequence_longer_than_max_seq_is_refused(tiny):
 
 
 def test_single_stage_decode_equals_greedy_generate(tiny):
-    import pipeline_inference as pi  # noqa: PLC0415
+    pi = load_example("pipeline_inference")
 
     cfg, model = tiny
     p = prompt(4)
@@ -127,7 +125,7 @@ def test_synthetic_images_are_deterministic_and_differ_per_rank():
 
 
 def test_comm_recorder_counts_overlapping_buckets_once():
-    import train_vit  # noqa: PLC0415
+    train_vit = load_example("train_vit")
 
     rec = train_vit.CommRecorder()
     rec.intervals = [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.7)]
@@ -136,7 +134,7 @@ def test_comm_recorder_counts_overlapping_buckets_once():
 
 
 def test_int8_without_thunderbolt_hooks_is_a_clear_error(monkeypatch):
-    import train_vit  # noqa: PLC0415
+    train_vit = load_example("train_vit")
 
     def missing() -> None:
         raise ImportError("No module named 'torch_thunderbolt'")
@@ -161,10 +159,8 @@ def test_median():
     ("train_vit", ["--steps", "0"], "--batch and --steps must be >= 1"),
 ])
 def test_bad_arguments_are_refused_before_any_rank_starts(script, argv, message, monkeypatch):
-    import importlib  # noqa: PLC0415
-
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    module = importlib.import_module(script)
+    module = load_example(script)
     with pytest.raises(ValueError, match=message):
         module.parse_args(argv)

@@ -6,8 +6,7 @@ from typing import Iterator, Sequence
 import pytest
 
 from torch_thunderbolt.lab.executor import CommandResult
-from torch_thunderbolt.lab.testing import lab_session
-from tests.labs import skip_unless_lab
+from torch_thunderbolt.testing.lab import lab_session, skip_unless_lab
 
 
 class FakeRunner:

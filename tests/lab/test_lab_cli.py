@@ -46,7 +46,7 @@ def test_exec_needs_a_command(capsys, tmp_path):
 def test_without_root_the_error_says_so(capsys, tmp_path, monkeypatch):
     import os
 
-    from torch_thunderbolt.lab.testing import lab_skip_reason
+    from torch_thunderbolt.testing.lab import lab_skip_reason
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert main(["lab", "up", "--hosts", "2", "--topology", "pair", "--name", "c5",

@@ -7,8 +7,7 @@ import pytest
 from torch_thunderbolt.cli.main import main
 from torch_thunderbolt.lab.executor import lab_down, lab_namespaces
 from torch_thunderbolt.lab.state import state_path
-from torch_thunderbolt.lab.testing import tcp_ping, unique_lab_name
-from tests.labs import skip_unless_lab
+from torch_thunderbolt.testing.lab import skip_unless_lab, tcp_ping, unique_lab_name
 
 pytestmark = [pytest.mark.lab]
 

@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 
 from torch_thunderbolt.cli.main import main
-from torch_thunderbolt.lab.testing import lab_session
-from tests.labs import skip_unless_lab
+from torch_thunderbolt.testing.lab import lab_session, skip_unless_lab
 
 from_here = Path(__file__).parent
 

@@ -7,7 +7,7 @@ from torch_thunderbolt.platform import IOREG, SYSCTL, Platform, current
 from torch_thunderbolt.transport import shm_segment as segs
 from torch_thunderbolt.rendezvous.hosts import host_identity
 
-from ..reliability.leftovers import shm_entries
+from torch_thunderbolt.testing.leftovers import shm_entries
 
 DARWIN = Platform.for_system("darwin")
 

@@ -11,7 +11,7 @@ from torch_thunderbolt.topology.discover import CommandResult
 from torch_thunderbolt.topology.macos import MACOS_COMMANDS
 from torch_thunderbolt.topology.model import load_host_dump
 
-from topo_fixtures import mac_host, mac_outputs, scenario_hosts, write_dumps
+from .topo_fixtures import mac_host, mac_outputs, scenario_hosts, write_dumps
 
 
 def _args(*argv):

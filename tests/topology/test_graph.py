@@ -8,7 +8,7 @@ from torch_thunderbolt.errors import ConfigError
 from torch_thunderbolt.topology import (Cable, ClusterGraph, Host, best_order, build_graph, chain_order,
                                         classify, order_cables, ring_order)
 
-from topo_fixtures import scenario_hosts
+from .topo_fixtures import scenario_hosts
 
 
 def _ends(graph):

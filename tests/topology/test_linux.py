@@ -8,7 +8,7 @@ from torch_thunderbolt.topology.discover import CommandResult, discover_local
 from torch_thunderbolt.topology.graph import build_graph, classify
 from torch_thunderbolt.topology.linux import build_linux_host, parse_ip_addr, read_sysfs
 
-from topo_fixtures import FIXTURES, scenario_hosts
+from .topo_fixtures import FIXTURES, scenario_hosts
 
 
 def test_linux_pair_parses_and_links():

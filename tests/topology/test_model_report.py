@@ -8,7 +8,7 @@ from torch_thunderbolt.topology.graph import build_graph
 from torch_thunderbolt.topology.model import ClusterGraph, Host, load_host_dump
 from torch_thunderbolt.topology.report import analyse, analysis_json, cluster_report, host_summary, hostfile
 
-from topo_fixtures import mac_host, scenario_hosts
+from .topo_fixtures import mac_host, scenario_hosts
 
 
 def test_host_and_graph_json_round_trip():

@@ -5,7 +5,7 @@ from torch_thunderbolt.topology import link_speed_gbps
 from torch_thunderbolt.topology.macos import (build_macos_host, parse_hardware_ports, parse_ifconfig,
                                                parse_network_services, parse_system_profiler)
 
-from topo_fixtures import FIXTURES, mac_host, mac_outputs, scenario_hosts
+from .topo_fixtures import FIXTURES, mac_host, mac_outputs, scenario_hosts
 
 
 @pytest.mark.parametrize("text, gbps", [

@@ -7,7 +7,7 @@ from torch_thunderbolt.topology.graph import build_graph
 from torch_thunderbolt.topology.loops import find_bridge_loops
 from torch_thunderbolt.topology.plan import DEFAULT_BASE, plan_addresses, plan_commands
 
-from topo_fixtures import scenario_hosts
+from .topo_fixtures import scenario_hosts
 
 
 def _graph(scenario):
