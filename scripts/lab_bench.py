@@ -114,7 +114,7 @@ def launch(hostfile: Path, cmd: list[str], timeout: float, nproc_per_host: int =
 
 
 def with_lab(scenario: Scenario, work: Path, body):
-    from torch_thunderbolt.lab.testing import lab_session
+    from torch_thunderbolt.testing.lab import lab_session
 
     with lab_session(scenario.hosts, scenario.topology, cables=scenario.cables, rate=scenario.rate, cc=CC) as lab:
         hostfile = work / f"{scenario.name}.hosts.json"
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.sizes, args.iters, args.warmup, args.cable_runs, args.size = "4K,1M", 2, 1, 1, 1 << 20
-    from torch_thunderbolt.lab.testing import lab_skip_reason
+    from torch_thunderbolt.testing.lab import lab_skip_reason
 
     reason = lab_skip_reason()
     if reason:

@@ -10,13 +10,20 @@ Prints, per variant, the median / p10 / p90 of the per-call maximum over ranks.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import socket
+import json
+import os
+import sys
+import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
+
+# Run from a checkout without installing: the package is this checkout's.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None:
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank (started by main through torch_thunderbolt.testing.ranks): its per-call times per variant."""
     import torch
     import torch.distributed as dist
 
@@ -25,7 +32,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
     from torch_thunderbolt.rendezvous.shm import ShmOptions, connect_shm
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0,
+                          timeout=timedelta(seconds=60))
     comms = {}
     for i, w in enumerate(args.windows):
         opts = ShmOptions(window_bytes=parse_size(w))
@@ -51,7 +60,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
                 times[w].append((time.perf_counter() - t0) / args.reps)
             if args.op == "all_reduce":
                 x.div_(world)  # keep values bounded over many iterations
-    q.put((rank, times))
+    print("RESULT " + json.dumps(times), flush=True)
     for c in comms.values():
         c.t.close()
 
@@ -65,24 +74,22 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=1, help="back-to-back calls per timed block")
     ap.add_argument("--windows", default="2M,0")
+    ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    raw_windows = args.windows
     args.windows = [w.strip() for w in args.windows.split(",")]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # spawn, not fork: each rank imports torch itself, as it must on macOS (fork + torch/Metal crashes)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, q)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(q.get(timeout=900) for _ in range(args.world))
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+    if args.rank:
+        rank_main(args)
+        return
+    from torch_thunderbolt.testing.ranks import LOOPBACK, run_ranks
+
+    rank_args = ["--rank", "--op", args.op, "--bytes", args.bytes, "--iters", str(args.iters), "--warmup",
+                 str(args.warmup), "--reps", str(args.reps), "--windows", raw_windows]
+    with tempfile.TemporaryDirectory(prefix="tb-shm-window-ab-") as tmp:
+        # Separate processes (each imports torch itself, as it must on macOS) that keep our environment.
+        results = run_ranks(Path(__file__), args.world, Path(tmp), args=rank_args, setup=LOOPBACK.but(strip=()),
+                            timeout=900)
+    got = {res.rank: res.json() for res in results}
     for w in args.windows:
         ts = sorted(max(got[r][w][i] for r in range(args.world)) for i in range(args.iters))
         med, p10, p90 = ts[len(ts) // 2], ts[len(ts) // 10], ts[len(ts) * 9 // 10]

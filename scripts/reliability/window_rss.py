@@ -7,14 +7,22 @@ top tracemalloc growth between op N/6 and the end.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
+import json
+import os
 import random
-import socket
+import sys
+import tempfile
 import tracemalloc
 from datetime import timedelta
+from pathlib import Path
+
+# Run from a checkout without installing (`sudo python scripts/...` may be another interpreter): the package
+# is this checkout's.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None:
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank (started by main through torch_thunderbolt.testing.ranks): its RSS trace and top growth."""
     import psutil
     import torch
     import torch.distributed as dist
@@ -24,7 +32,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
     from torch_thunderbolt.rendezvous.shm import ShmOptions, connect_shm
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0,
+                          timeout=timedelta(seconds=60))
     comm = Communicator(connect_shm(store, rank, world, Config(), 60, ShmOptions()), Config(), timeout=60)
     rng, proc, trace = random.Random(args.seed), psutil.Process(), []
     tracemalloc.start(10)
@@ -44,7 +54,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
         if i % max(1, args.ops // 10) == 0:
             trace.append(proc.memory_info().rss >> 20)
     top = tracemalloc.take_snapshot().compare_to(first, "lineno")[:5]
-    q.put((rank, trace, [str(t) for t in top]))
+    print("RESULT " + json.dumps({"trace": trace, "top": [str(t) for t in top]}), flush=True)
     comm.t.close()
 
 
@@ -54,28 +64,25 @@ def main() -> None:
     ap.add_argument("--kinds", default="all_reduce,broadcast,reduce_scatter")
     ap.add_argument("--max-elems", type=int, default=300000)
     ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.kinds = args.kinds.split(",")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # spawn, not fork: each rank imports torch itself, as it must on macOS (fork + torch/Metal crashes)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, args, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for _ in procs:
-            rank, trace, top = q.get(timeout=1800)
-            print(f"rank {rank}: RSS MB every {args.ops // 10} ops: {trace}")
-            for line in top:
-                print("   ", line)
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+    if args.rank:
+        args.kinds = args.kinds.split(",")
+        rank_main(args)
+        return
+    from torch_thunderbolt.testing.ranks import LOOPBACK, run_ranks
+
+    rank_args = ["--rank", "--ops", str(args.ops), "--kinds", args.kinds, "--max-elems", str(args.max_elems),
+                 "--seed", str(args.seed)]
+    with tempfile.TemporaryDirectory(prefix="tb-window-rss-") as tmp:
+        # Separate processes (each imports torch itself, as it must on macOS) that keep our environment.
+        results = run_ranks(Path(__file__), 2, Path(tmp), args=rank_args, setup=LOOPBACK.but(strip=()),
+                            timeout=1800)
+    for res in results:
+        out = res.json()
+        print(f"rank {res.rank}: RSS MB every {args.ops // 10} ops: {out['trace']}")
+        for line in out["top"]:
+            print("   ", line)
 
 
 if __name__ == "__main__":
