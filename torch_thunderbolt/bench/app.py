@@ -14,10 +14,12 @@ import sys
 import time
 from typing import Any, Mapping, Sequence, TextIO
 
-from ..errors import ConfigError
-from . import link, memcpy, metrics, report, spawn, spec, table
-from .config import BackendSpec, BenchConfig, RankEnv, backend_streams, rank_env, to_argv, validate_for_world
+from ..errors import ConfigError, ThunderboltError
+from . import bounds, link, memcpy, metrics, report, spawn, spec, table
+from .config import (BackendSpec, BenchConfig, RankEnv, backend_streams, measured_backends, rank_env, to_argv,
+                     validate_for_world)
 from .sizes import format_size
+from .spec import FLOOR_LABEL, NULL_BACKEND
 
 LINK_SOCKBUF = 4 << 20
 LINK_PINGS = 2000
@@ -30,7 +32,7 @@ def main(cfg: BenchConfig, environ: Mapping[str, str] | None = None) -> int:
         report.require_matplotlib()
     if env is None:
         validate_for_world(cfg, cfg.nproc)
-        _check_backends(cfg.backends)  # one clear error here rather than one per spawned rank
+        _check_backends(measured_backends(cfg))  # one clear error here rather than one per spawned rank
         return spawn.run_local(cfg.nproc, to_argv(cfg), cfg.timeout, cfg.transport)
     return run_rank(cfg, env)
 
@@ -62,6 +64,10 @@ def _check_backends(backends: Sequence[BackendSpec]) -> None:
 
     if any(b.kind == "thunderbolt" for b in backends):
         importlib.import_module("torch_thunderbolt")  # registers the backend with torch.distributed
+    if any(b.kind == NULL_BACKEND for b in backends):
+        from . import null
+
+        null.register()
     for b in backends:
         if b.kind not in dist.Backend.backend_list:
             hint = " (import torch_thunderbolt did not register it: is the core installed?)" \
@@ -74,6 +80,8 @@ def _transport_of(kind: str, group: Any) -> str:
     """What carries a group's bytes; for our backend, what "auto" actually chose when it says so."""
     if kind == "gloo":
         return "tcp"
+    if kind == NULL_BACKEND:
+        return "none"
     described = getattr(group, "transport", None)
     if isinstance(described, str):
         return described
@@ -87,6 +95,18 @@ def _link_streams_of(kind: str, streams: int) -> int | None:
     return {"thunderbolt": streams, "gloo": 1}.get(kind)
 
 
+def local_networks(master_addr: str) -> tuple[list[str], str | None]:
+    """This rank's networks as the backend would choose its addresses (THUNDERBOLT_IFNAME, else the
+    interface towards the store host), and why they are unknown when they are ([] then)."""
+    try:
+        from ..config import Config
+        from ..transport.netif import choose_addresses, network_of
+
+        return [network_of(a) for a in choose_addresses(Config.from_env().ifnames, master_addr)], None
+    except (ThunderboltError, ImportError, OSError, ValueError) as exc:
+        return [], str(exc)
+
+
 def run_rank(cfg: BenchConfig, env: RankEnv, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
              op_table: Mapping[str, Any] | None = None) -> int:
     """Everything one rank does; rank 0 prints and writes files. Returns the exit code."""
@@ -98,12 +118,13 @@ def run_rank(cfg: BenchConfig, env: RankEnv, out: TextIO = sys.stdout, err: Text
     streams = backend_streams(os.environ)
     import torch.distributed as dist
 
-    _check_backends(cfg.backends)
+    backends = measured_backends(cfg)
+    _check_backends(backends)
     timeout = datetime.timedelta(seconds=cfg.timeout)
     dist.init_process_group("gloo", init_method="env://", rank=env.rank, world_size=env.world_size,
                             timeout=timeout)
     try:
-        groups = [dist.new_group(backend=b.kind, timeout=timeout) for b in cfg.backends]
+        groups = [dist.new_group(backend=b.kind, timeout=timeout) for b in backends]
         return _Session(cfg, env, streams, groups, out, err, op_table).run()
     finally:
         dist.destroy_process_group()
@@ -115,8 +136,13 @@ class _Session:
         self.cfg, self.env, self.streams, self.groups = cfg, env, streams, groups
         self.out, self.err, self.op_table = out, err, op_table
         self.lead = env.rank == 0
-        self.transports = {b.label: _transport_of(b.kind, g) for b, g in zip(cfg.backends, groups)}
+        self.backends = measured_backends(cfg)  # the --backends, and the floor last
+        self.transports = {b.label: _transport_of(b.kind, g) for b, g in zip(self.backends, groups)}
         self.records: list[dict] = []
+        self.nets: list[list[str]] = []  # every rank's networks and host identity (_discover_cabling)
+        self.host_ids: list[str] = []
+        self.memcpy_bound: bounds.Bound | None = None
+        self.deferred: list[list[metrics.Result]] = []  # results waiting for the memcpy bound
         self.wrong_results = 0
         self.progress = Progress(err, 0, enabled=False)  # replaced once the number of steps is known
 
@@ -132,15 +158,19 @@ class _Session:
         congestion = report.system_congestion_control()
         transport = self.cfg.transport or os.environ.get("THUNDERBOLT_TRANSPORT", "auto")
         backends = [{"label": b.label, "kind": b.kind, "transport": self.transports[b.label],
-                     "link_streams": _link_streams_of(b.kind, self.streams)} for b in self.cfg.backends]
+                     "link_streams": _link_streams_of(b.kind, self.streams)} for b in self.backends]
         meta = report.build_meta(self.cfg, self.env.world_size, hosts, backends, transport, self.streams, congestion)
         meta["thunderbolt_cc"] = os.environ.get("THUNDERBOLT_CC") or None
+        meta["cabling"] = self._discover_cabling()
         self._warn_unfair_cc(meta["thunderbolt_cc"], congestion)
+        measured = [b.label for b in self.cfg.backends]
         self.say(f"# torch-thunderbolt bench: world_size {self.env.world_size} on {', '.join(sorted(set(hosts)))}; "
-                 f"dtype {self.cfg.dtype}; backends {', '.join(b.label for b in self.cfg.backends)}"
-                 f"{' interleaved' if len(self.cfg.backends) > 1 else ''}; "
+                 f"dtype {self.cfg.dtype}; backends {', '.join(measured)}"
+                 f"{' interleaved' if len(self.backends) > 1 else ''}"
+                 f"{f' with the dispatch floor ({FLOOR_LABEL})' if self.cfg.floor else ''}; "
                  f"{self.cfg.iters} iters after {self.cfg.warmup} warmup; time = median of per-iteration max over "
                  f"ranks; tcp congestion control {congestion or '?'}")
+        self._say_cabling()
         link_gbps = self._link() if self.cfg.link else {}
         before = self._memcpy() if self.cfg.memcpy else None
         plan = {op: self._layouts(op) for op in self.cfg.ops}
@@ -153,6 +183,9 @@ class _Session:
             if before is not None and after is not None:
                 meta["memcpy"] = {"before": before, "after": after}
                 self.say(memcpy.describe(before, after))
+                self.memcpy_bound = bounds.memcpy_bound(before, after)
+        for results in self.deferred:
+            self._finish(results, link_gbps)
         if self.lead:
             self._write(meta)
         if self.wrong_results:
@@ -161,6 +194,60 @@ class _Session:
                       "(see the #wrong column)", file=self.err)
             return 1
         return 0
+
+    @property
+    def single_host(self) -> bool:
+        return len(set(self.host_ids)) <= 1
+
+    def _discover_cabling(self) -> dict:
+        """Every rank's networks and host identity, as the backend discovers the cabling (for the cable
+        bound); the JSON gets the networks and a host index per rank, not the identities themselves."""
+        import torch.distributed as dist
+
+        from ..rendezvous import hosts
+
+        nets, problem = local_networks(self.env.master_addr)
+        mine = {"nets": nets, "host": hosts.host_identity(), "problem": problem}
+        every: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(every, mine)
+        self.nets = [e["nets"] for e in every]
+        self.host_ids = [e["host"] for e in every]
+        index = {h: i for i, h in enumerate(dict.fromkeys(self.host_ids))}
+        cabling = {"networks": self.nets, "host_index": [index[h] for h in self.host_ids],
+                   "cable_rate": self.cfg.cable_rate}
+        problems = [f"rank {r}: {e['problem']}" for r, e in enumerate(every) if e["problem"]]
+        if problems:
+            cabling["problems"] = problems
+        if not self.single_host:
+            cabling["cables_per_host"] = [g.cables for g in bounds.host_cabling(self.nets, self.host_ids)]
+        return cabling
+
+    def _say_cabling(self) -> None:
+        if self.cfg.cable_rate is None:
+            return
+        why = bounds.missing_cables(self.nets, self.host_ids)
+        if why is not None:
+            self.say(f"# --cable-rate {self.cfg.cable_rate}: no cable bound, {why}")
+            return
+        per_host = bounds.host_cabling(self.nets, self.host_ids)
+        self.say(f"# cabling: {bounds.cabling_kind(self.nets, self.host_ids)} of {len(per_host)} hosts, cables per "
+                 f"host {[g.cables for g in per_host]} at {bounds.format_rate(bounds.rate_bits(self.cfg.cable_rate))}"
+                 " per direction")
+
+    def _bound_of(self, op: str, link_gbps: dict[int, dict]) -> dict[str, bounds.Bound | None]:
+        """Each backend's bound at `op` (none for the floor)."""
+        cable = None
+        if self.cfg.cable_rate is not None and not self.single_host:
+            cable = bounds.cable_bound(op, self.nets, self.host_ids, bounds.rate_bits(self.cfg.cable_rate))
+        out: dict[str, bounds.Bound | None] = {}
+        for b in self.backends:
+            if b.kind == NULL_BACKEND:
+                continue
+            streams = _link_streams_of(b.kind, self.streams)
+            tcp = bounds.link_bound(op, link_gbps.get(streams) if streams else None, streams)
+            out[b.label] = bounds.choose_bound(self.transports[b.label], self.single_host, cable, tcp,
+                                               self.memcpy_bound)
+        return out
 
     def _memcpy(self) -> dict | None:
         """Rank 0 copies a buffer of the largest size while the others wait at a barrier."""
@@ -210,26 +297,44 @@ class _Session:
         cfg, n, progress = self.cfg, self.env.world_size, self.progress
         dt = spec.dtype(cfg.dtype)
         fn = runner.op_function(op, self.op_table)
+        checked = [b.kind != NULL_BACKEND for b in self.backends]  # the floor computes nothing to check
         results: list[metrics.Result] = []
         for lay in layouts:
             progress.label = f"{op} {format_size(lay.nbytes)}B"
             try:
                 local = runner.time_size(op, lay, self.groups, self.env.rank, n, runner.torch_dtype(dt.name),
-                                         cfg.warmup, cfg.iters, fn, progress.step)
+                                         cfg.warmup, cfg.iters, fn, progress.step, checked=checked)
             except runner.OpFailedError as exc:
                 progress.clear()
-                label = cfg.backends[exc.group_index].label
+                label = self.backends[exc.group_index].label
                 raise runner.OpFailedError(f"rank {self.env.rank}, backend {label}: {exc}", exc.group_index) from exc
             total = runner.reduce_over_ranks(local, None)
-            for b, times, wrong in zip(cfg.backends, total.times_us, total.wrong):
+            for b, times, wrong in zip(self.backends, total.times_us, total.wrong):
                 results.append(metrics.make_result(b.label, b.kind, op, lay, n, dt.name, self.transports[b.label],
                                                    times, wrong))
         progress.clear()
+        if self._memcpy_bound_pending():
+            self.deferred.append(results)  # printed once the second memcpy figure is in
+        else:
+            self._finish(results, link_gbps)
+
+    def _memcpy_bound_pending(self) -> bool:
+        """A shared-memory row on one host is measured against memcpy, the mean of the figures taken before
+        and after the collectives: its tables wait for the second one."""
+        return (self.cfg.memcpy and self.single_host and self.memcpy_bound is None
+                and any(t == "shm" for t in self.transports.values()))
+
+    def _finish(self, results: list[metrics.Result], link_gbps: dict[int, dict]) -> None:
+        """The derived columns of one op's results, its tables, its records."""
+        cfg = self.cfg
         metrics.add_ratios(results, cfg.baseline)
-        streams_of = {b.label: s for b in cfg.backends if (s := _link_streams_of(b.kind, self.streams))}
+        streams_of = {b.label: s for b in self.backends if (s := _link_streams_of(b.kind, self.streams))}
         metrics.add_efficiency(results, link_gbps, streams_of)
+        if cfg.floor:
+            metrics.add_floor(results, FLOOR_LABEL)
+        metrics.add_bounds(results, self._bound_of(results[0].op, link_gbps))
         self.wrong_results += sum(1 for r in results if r.wrong)
-        for b in cfg.backends:
+        for b in self.backends:
             rows = [r for r in results if r.backend == b.label]
             self.say(table.format_table(rows, cfg.baseline, self.transports[b.label]))
         self.records += [r.record() for r in results]

@@ -12,7 +12,8 @@ from typing import Mapping, Sequence
 
 from ..errors import ConfigError
 from . import sizes as sz
-from .spec import DTYPES, OP_ALIASES, OPS, check_world_size, dtype
+from .bounds import parse_cable_rate
+from .spec import DTYPES, FLOOR_LABEL, NULL_BACKEND, OP_ALIASES, OPS, check_world_size, dtype
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 DEFAULT_STREAMS = 4  # used only when the core's Config cannot be imported
@@ -41,6 +42,8 @@ class BenchConfig:
     link_bytes: int = 256 << 20
     link_repeats: int = 3
     memcpy: bool = False
+    floor: bool = False              # also measure the null backend (the dispatch floor)
+    cable_rate: str | None = None    # per cable and direction, tc-style ("10gbit"); None: no cable bound
     transport: str | None = None
     json_path: str | None = None
     plot_path: str | None = None
@@ -67,6 +70,8 @@ def parse_backends(text: str) -> tuple[BackendSpec, ...]:
         label = label.strip() or kind
         if not _LABEL_RE.match(label) or not re.match(r"^[a-z][a-z0-9_]*$", kind):
             raise ConfigError(f"bad --backends entry {item!r}: expected BACKEND or LABEL=BACKEND, e.g. gloo")
+        if kind == NULL_BACKEND:  # never checked, never a baseline by default: it is not a backend
+            raise ConfigError(f"bad --backends entry {item!r}: the null backend is measured with --floor")
         taken = {s.label for s in specs}
         if label in taken and "=" in item:
             raise ConfigError(f"duplicate backend label {label!r} in --backends")
@@ -76,6 +81,11 @@ def parse_backends(text: str) -> tuple[BackendSpec, ...]:
             label, number = f"{base}#{number}", number + 1
         specs.append(BackendSpec(label, kind))
     return tuple(specs)
+
+
+def measured_backends(cfg: BenchConfig) -> tuple[BackendSpec, ...]:
+    """Every group a run creates and times, interleaved: the --backends, then the floor with --floor."""
+    return cfg.backends + ((BackendSpec(FLOOR_LABEL, NULL_BACKEND),) if cfg.floor else ())
 
 
 def default_baseline(backends: Sequence[BackendSpec]) -> str | None:
@@ -98,12 +108,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("-n", "--iters", type=int, default=20, help="timed iterations per size and backend (default 20)")
     a("-w", "--warmup", type=int, default=5, help="untimed iterations first (default 5)")
     a("-d", "--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
-    a("--link", action="store_true", help="also measure the raw TCP link between rank 0 and rank 1")
+    a("--link", action="store_true",
+      help="also measure the raw TCP link between rank 0 and rank 1 (the eff column; the bound of TCP rows on one host)")
     a("--link-streams", default="1,2,4", help="TCP stream counts for --link (default 1,2,4)")
     a("--link-bytes", default="256M", help="bytes per --link throughput measurement (default 256M)")
     a("--link-repeats", type=int, default=3, help="--link measurements per stream count (median)")
     a("--memcpy", action="store_true",
-      help="also measure single-core memcpy bandwidth on rank 0, before and after (shared-memory yardstick)")
+      help="also measure single-core memcpy bandwidth on rank 0, before and after (shared-memory yardstick; "
+           "the bound of shared-memory rows on one host)")
+    a("--floor", action="store_true",
+      help=f"also time a null Python process group ({FLOOR_LABEL!r}, interleaved, results not checked) whose calls "
+           "do nothing: torch's own dispatch cost; adds an 'x floor' column = time / the floor's")
+    a("--cable-rate", default=None, metavar="RATE",
+      help="rate of one cable per direction (e.g. 1gbit, 10gbit, 40gbit): adds a 'bound' column = busbw / "
+           "(rate x the cables each rank has, as the job discovers them from its networks), between hosts")
     a("--transport", choices=TRANSPORTS, default=None, help="sets THUNDERBOLT_TRANSPORT for the ranks")
     a("--json", dest="json_path", metavar="FILE", default=None, help="write one record per result")
     a("--plot", dest="plot_path", metavar="FILE.png", default=None, help="plot busbw and latency (matplotlib)")
@@ -123,9 +141,14 @@ def from_args(ns: argparse.Namespace) -> BenchConfig:
         sizes = sz.parse_sizes(ns.sizes or DEFAULT_SIZES)
     backends = parse_backends(ns.backends)
     labels = [b.label for b in backends]
+    floor = bool(ns.floor)
+    if floor and FLOOR_LABEL in labels:
+        raise ConfigError(f"--backends label {FLOOR_LABEL!r} is taken by --floor: name that backend otherwise")
     baseline = ns.baseline if ns.baseline is not None else default_baseline(backends)
-    if baseline is not None and baseline not in labels:
-        raise ConfigError(f"--baseline {baseline!r} is not one of the measured backends ({', '.join(labels)})")
+    # The floor is a baseline only when asked for by name.
+    allowed = labels + ([FLOOR_LABEL] if floor else [])
+    if baseline is not None and baseline not in allowed:
+        raise ConfigError(f"--baseline {baseline!r} is not one of the measured backends ({', '.join(allowed)})")
     for flag, value, low in (("--iters", ns.iters, 1), ("--warmup", ns.warmup, 0), ("--nproc", ns.nproc, 1),
                              ("--link-repeats", ns.link_repeats, 1)):
         if value < low:
@@ -138,7 +161,7 @@ def from_args(ns: argparse.Namespace) -> BenchConfig:
         sizes=tuple(sizes), dtype=dtype(ns.dtype).name, iters=ns.iters, warmup=ns.warmup, nproc=ns.nproc,
         link=ns.link, link_streams=tuple(sz.parse_int_list(ns.link_streams, "link-streams")),
         link_bytes=sz.parse_size(ns.link_bytes), link_repeats=ns.link_repeats, memcpy=ns.memcpy,
-        transport=ns.transport,
+        floor=floor, cable_rate=parse_cable_rate(ns.cable_rate), transport=ns.transport,
         json_path=ns.json_path, plot_path=ns.plot_path, timeout=ns.timeout, progress=ns.progress)
 
 
@@ -154,11 +177,13 @@ def to_argv(cfg: BenchConfig) -> list[str]:
     ]
     if cfg.baseline is not None:
         argv += ["--baseline", cfg.baseline]
-    for flag, value in (("--transport", cfg.transport), ("--json", cfg.json_path), ("--plot", cfg.plot_path)):
+    for flag, value in (("--transport", cfg.transport), ("--json", cfg.json_path), ("--plot", cfg.plot_path),
+                        ("--cable-rate", cfg.cable_rate)):
         if value is not None:
             argv += [flag, value]
     argv += ["--link"] if cfg.link else []
     argv += ["--memcpy"] if cfg.memcpy else []
+    argv += ["--floor"] if cfg.floor else []
     argv += [] if cfg.progress else ["--no-progress"]
     return argv
 

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from . import spec
+from .bounds import Bound, link_rate
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,12 @@ class Result:
     efficiency: float | None = None  # busbw / raw TCP link throughput at the backend's stream count
     link_streams: int | None = None
     link_direction: str | None = None  # "duplex" (both ranks sending at once) or "one-way"
+    floor_us: float | None = None    # the null backend's time at this op and size (--floor)
+    x_floor: float | None = None     # time / floor_us: how many dispatches into a Python group this costs
+    bound_gbps: float | None = None  # the busbw this row could reach at best (bounds.py)
+    bound_fraction: float | None = None  # busbw / bound_gbps
+    bound_kind: str | None = None    # "cables", "tcp_link" or "memcpy"
+    bound_desc: str | None = None    # the bound in words, e.g. "2 cables x 1 Gbit/s per rank (ring of 3)"
     extra: dict = field(default_factory=dict)
 
     def record(self) -> dict:
@@ -93,11 +100,9 @@ def add_ratios(results: list[Result], baseline: str | None) -> None:
         ref = base.get((r.op, r.bytes))
         if r.backend == baseline or ref is None or r.wrong or ref.wrong or r.time_us <= 0:
             continue  # a wrong result is an error, not a number to compare
+        if r.backend_kind == spec.NULL_BACKEND:
+            continue  # the floor is not a backend to compare (unless it is the baseline, asked for by name)
         r.ratio = ref.time_us / r.time_us
-
-
-# Every rank sends and receives at once: the link's ceiling is its duplex rate (both directions busy).
-SYMMETRIC_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})
 
 
 def add_efficiency(results: list[Result], link: dict[int, dict], streams_of: dict[str, int]) -> None:
@@ -108,9 +113,34 @@ def add_efficiency(results: list[Result], link: dict[int, dict], streams_of: dic
         rec = link.get(streams) if streams is not None else None
         if not rec or r.wrong:
             continue
-        duplex = r.op in SYMMETRIC_OPS and bool(rec.get("duplex_gbps"))
-        gbps = rec["duplex_gbps"] if duplex else rec.get("gbps")
-        if gbps:
-            r.efficiency = r.busbw_gbps / gbps
+        found = link_rate(r.op, rec)
+        if found:
+            r.efficiency = r.busbw_gbps / found[0]
             r.link_streams = streams
-            r.link_direction = "duplex" if duplex else "one-way"
+            r.link_direction = found[1]
+
+
+def add_floor(results: list[Result], floor: str) -> None:
+    """Fill `floor_us` (the `floor` backend's time at the same op and size) and `x_floor` = own time /
+    floor time for every other row; a wrong result gets no multiple (it is an error, not a number)."""
+    base = {(r.op, r.bytes): r for r in results if r.backend == floor}
+    for r in results:
+        ref = base.get((r.op, r.bytes))
+        if ref is None:
+            continue
+        r.floor_us = ref.time_us
+        if r.backend != floor and not r.wrong and ref.time_us > 0:
+            r.x_floor = r.time_us / ref.time_us
+
+
+def add_bounds(results: list[Result], bound_of: Mapping[str, Bound | None]) -> None:
+    """Name each row's bound (`bound_of[backend label]`, this op's) and the fraction of it the row reaches;
+    a wrong result keeps the bound's name but gets no fraction."""
+    for r in results:
+        bound = bound_of.get(r.backend)
+        if bound is None:
+            continue
+        r.bound_gbps, r.bound_kind, r.bound_desc = bound.gbps, bound.kind, bound.description
+        if not r.wrong and bound.gbps > 0:
+            r.bound_fraction = r.busbw_gbps / bound.gbps
+

@@ -11,11 +11,17 @@ from typing import Callable, Sequence
 
 from ..errors import ConfigError
 from .config import BenchConfig
+from .spec import NULL_BACKEND
 
 SCHEMA_VERSION = 1
 UNITS = {"time_us": "microseconds (median over iters; sendrecv: one-way = round trip / 2)",
          "*_gbps": "GB/s = 1e9 bytes per second", "latency_us": "microseconds one-way (RTT/2)",
-         "bytes": "the nccl-tests size column (largest buffer per rank)"}
+         "bytes": "the nccl-tests size column (largest buffer per rank)",
+         "floor_us": "microseconds: the null backend's time at the same op and size (--floor; torch's dispatch "
+                     "into a Python process group)",
+         "x_floor": "time_us / floor_us",
+         "bound_fraction": "busbw_gbps / bound_gbps; bound_kind: cables (--cable-rate, between hosts), tcp_link "
+                           "(--link, one host, TCP) or memcpy (--memcpy, one host, shared memory)"}
 
 # record keys every collective result carries (the documented minimum of the format)
 REQUIRED_KEYS = ("backend", "op", "bytes", "world_size", "dtype", "transport", "time_us", "time_us_min",
@@ -120,7 +126,8 @@ def write_plot(path: str, records: Sequence[dict]) -> None:
         for backend in dict.fromkeys(r["backend"] for r in collective if r["op"] == op):
             rows = sorted((r for r in collective if r["op"] == op and r["backend"] == backend), key=lambda r: r["bytes"])
             sizes = [r["bytes"] for r in rows]
-            bw_ax.plot(sizes, [r["busbw_gbps"] for r in rows], marker="o", label=backend)
+            if rows[0].get("backend_kind") != NULL_BACKEND:  # the floor moves nothing: no bandwidth to draw
+                bw_ax.plot(sizes, [r["busbw_gbps"] for r in rows], marker="o", label=backend)
             lat_ax.plot(sizes, [r["time_us"] for r in rows], marker="o", label=backend)
         for link in links:
             bw_ax.axhline(link["gbps"], linestyle="--", linewidth=0.8, color="grey")

@@ -116,8 +116,11 @@ def block_size(nbytes: int) -> int:
 
 def time_size(op: str, lay: spec.Layout, groups: Sequence[Any], rank: int, world_size: int,
               dtype: torch.dtype, warmup: int, iters: int, fn: OpFn,
-              step: Callable[[], None] = lambda: None, control: Any = None) -> SizeTimes:
-    """Run warmup + iters interleaved iterations of `fn` over all groups at one size on this rank."""
+              step: Callable[[], None] = lambda: None, control: Any = None,
+              checked: Sequence[bool] | None = None) -> SizeTimes:
+    """Run warmup + iters interleaved iterations of `fn` over all groups at one size on this rank.
+    `checked[g]` False: group g's outputs are not checked (the floor's null group computes nothing); its
+    check iterations are still single calls, timed like everyone else's."""
     b = make_buffers(op, lay, dtype)
     chunks = check.expected_chunks(op, rank, world_size, lay)
     checks = check_iterations(warmup, iters)
@@ -142,7 +145,7 @@ def time_size(op: str, lay: spec.Layout, groups: Sequence[Any], rank: int, world
             except Exception as exc:  # noqa: BLE001 - re-raised with the op, size and backend named
                 raise OpFailedError(f"{op} of {lay.nbytes} B failed: {exc}", g) from exc
             elapsed = (clock() - start) // reps
-            if checking:
+            if checking and (checked is None or checked[g]):
                 result.wrong[g] += check.count_wrong(b.out, chunks)
             if it >= warmup:
                 result.times_us[g][it - warmup] = own_time_us(op, rank, elapsed)

@@ -44,6 +44,9 @@ REDUCING_OPS = ("all_reduce", "reduce_scatter")
 # Ops whose size is split into one equal chunk per rank.
 CHUNKED_OPS = ("all_gather", "reduce_scatter", "all_to_all")
 BROADCAST_ROOT = 0
+# The null backend of --floor (null.py): the torch.distributed name it is registered under, its label.
+NULL_BACKEND = "tbnull"
+FLOOR_LABEL = "floor"
 
 
 def dtype(name: str) -> DType:
