@@ -23,7 +23,7 @@ from ..transport.engine import Transport
 from . import direct, hierarchy, select, windowed
 from .layout import offsets
 from .plan import Plan, run_plan
-from .reduce_ops import make_combiner, make_reducer
+from .reduce_ops import Combiner, Reducer, make_combiner, make_reducer
 from .shape import Shape
 from .window import Window
 
@@ -31,8 +31,17 @@ from .window import Window
 log = logging.getLogger("torch_thunderbolt.ops")
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
+class OpLabel:
+    """How errors name an op ("all_reduce (op #3, float32, 1000 elements)"), formatted only when one needs
+    it: building the string costs a small op about a microsecond, and almost every op succeeds."""
+
+    __slots__ = ("name", "seq", "dtype", "count")
+
+    def __init__(self, name: str, seq: int, dtype: torch.dtype, count: int) -> None:
+        self.name, self.seq, self.dtype, self.count = name, seq, dtype, count
+
+    def __str__(self) -> str:
+        return f"{self.name} (op #{self.seq}, {str(self.dtype).removeprefix('torch.')}, {self.count} elements)"
 
 
 def _noop(d: torch.Tensor, s: torch.Tensor) -> None:
@@ -51,8 +60,11 @@ class Communicator:
         self._plans: dict[tuple, Plan] = {}
         self._scratch: torch.Tensor | None = None
         self._full: torch.Tensor | None = None  # reduce-scatter's working copy, reused like _scratch
-        self._checked: set[tuple[str, torch.dtype]] = set()
-        self._sigs: dict[tuple, int] = {}  # (reduce op, dtype) pairs this rank can compute
+        self._sigs: dict[tuple, int] = {}  # signatures by op shape (see _sig)
+        # Element-wise kernels by (reduce op, dtype), made and tried once (check_op): building one per op
+        # costs a small op as much time as its sends.
+        self._combiners: dict[tuple[str, torch.dtype], Combiner] = {}
+        self._reducers: dict[tuple[str, torch.dtype], Reducer] = {}
         # The shared window of this host's ranks, if the transport has window memory for them. The windowed
         # collectives replace plans only when no algorithm is forced: over the whole group (`_flat`), or
         # for the per-host phases of hierarchical plans (`_per_host`: the window spans this host's ranks).
@@ -84,7 +96,7 @@ class Communicator:
              root: int = 0, count: int = 0, layout: object = None) -> None:
         self.seq += 1
         bufs["tmp"] = self._tmp(plan.tmp, like)
-        reducer = make_reducer(op, like.dtype) if op else _noop
+        reducer = self._reducer(op, like.dtype) if op else _noop
         sig = self._sig(what, like, root, count, op or "none", layout)
         deadline = time.monotonic() + self.timeout
         if self.cfg.debug:
@@ -92,7 +104,7 @@ class Communicator:
                       describe_sig(sig), plan.algo, len(plan.steps), sig)
         try:
             run_plan(plan, self.t, bufs, reducer, tag=self.seq, sig=sig, deadline=deadline,
-                     what=f"{what} (op #{self.seq}, {_dtype_name(like)}, {count} elements)")
+                     what=OpLabel(what, self.seq, like.dtype, count))
         except BaseException as exc:
             # Peers may still send for this op, or wait for this rank's next step: the group cannot be
             # trusted any more. BROKEN, and everyone is told why (nothing stays posted to be written late).
@@ -100,7 +112,7 @@ class Communicator:
             raise
         self.t.retire(self.seq)
 
-    def _run_window(self, body: Callable[[int, float, str], None], what: str, like: torch.Tensor,
+    def _run_window(self, body: Callable[[int, float, OpLabel], None], what: str, like: torch.Tensor,
                     root: int = 0, count: int = 0, op: str = "none", layout: object = None,
                     cables: bool = False) -> None:
         """Run `body(sig, deadline, what)`: a windowed op, or (`cables`) a hierarchical one whose cable
@@ -112,8 +124,7 @@ class Communicator:
                       "in hierarchy (per-host phases on the shared window)" if cables else "on the shared window",
                       sig)
         try:
-            body(sig, time.monotonic() + self.timeout,
-                 f"{what} (op #{self.seq}, {_dtype_name(like)}, {count} elements)")
+            body(sig, time.monotonic() + self.timeout, OpLabel(what, self.seq, like.dtype, count))
         except BaseException as exc:
             self.t.abort(exc)  # peers may be waiting on this rank's next step: tell them why it won't come
             raise
@@ -121,12 +132,12 @@ class Communicator:
             self.t.retire(self.seq)
 
     def _cables(self, plan: Plan, bufs: dict[str, torch.Tensor], op: str | None, like: torch.Tensor, sig: int,
-                deadline: float, what: str) -> None:
+                deadline: float, what: OpLabel) -> None:
         """The cable phase of a hierarchical op: `plan` among one rank per host, under this op's tag."""
         if not plan.steps:
             return
         bufs["tmp"] = self._tmp(plan.tmp, like)
-        run_plan(plan, self.t, bufs, make_reducer(op, like.dtype) if op else _noop, tag=self.seq, sig=sig,
+        run_plan(plan, self.t, bufs, self._reducer(op, like.dtype) if op else _noop, tag=self.seq, sig=sig,
                  deadline=deadline, what=what)
 
     def _sig(self, what: str, like: torch.Tensor, root: int, count: int, op: str, layout: object) -> int:
@@ -136,15 +147,25 @@ class Communicator:
         if sig is None:
             if len(self._sigs) > 1024:
                 self._sigs.clear()
-            sig = self._sigs[key] = encode_sig(what, _dtype_name(like), root, count, op, layout)
+            sig = self._sigs[key] = encode_sig(what, str(like.dtype).removeprefix("torch."), root, count, op, layout)
         return sig
+
+    def _combiner(self, op: str, dtype: torch.dtype) -> Combiner:
+        """The kernel of `op` on `dtype`, which `check_op` tried before this op's first traffic."""
+        return self._combiners[(op, dtype)]
+
+    def _reducer(self, op: str, dtype: torch.dtype) -> Reducer:
+        reduce = self._reducers.get((op, dtype))
+        if reduce is None:
+            reduce = self._reducers[(op, dtype)] = make_reducer(op, dtype)
+        return reduce
 
     def check_op(self, what: str, op: str, dtype: torch.dtype) -> None:
         """Raise (before any traffic, so the group stays usable) if this rank cannot compute `op` on `dtype`:
         torch lacks some kernels (e.g. add for uint16 on the CPU), and finding out mid-op would leave peers
         waiting on a step that never comes."""
         key = (op, dtype)
-        if key in self._checked:
+        if key in self._combiners:
             return
         try:
             combine = make_combiner(op, dtype)
@@ -153,7 +174,7 @@ class Communicator:
         except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
             raise ValueError(f"rank {self.rank}: {what} with ReduceOp.{op.upper()} is not supported for "
                              f"{dtype} ({exc})") from None
-        self._checked.add(key)
+        self._combiners[key] = combine
 
     # -- collectives ----------------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: str = "sum", premul: object = None) -> None:
@@ -163,7 +184,7 @@ class Communicator:
         n, es = x.numel(), x.element_size()
         if self._flat:
             self._run_window(lambda sig, deadline, what: windowed.all_reduce(
-                self.window, x, op, sig, deadline, what, self.cfg.small_bytes), "all_reduce", x, count=n, op=op)
+                self.window, x, self._combiner(op, x.dtype), sig, deadline, what, self.cfg.small_bytes), "all_reduce", x, count=n, op=op)
         else:
             plan = self._plan(("ar", n, es), lambda: select.allreduce_plan(
                 self.cfg, self.rank, self.world, n, es, self.shape))
@@ -175,11 +196,11 @@ class Communicator:
         if op == "avg":
             x.div_(self.world)
 
-    def _hier_all_reduce(self, x: torch.Tensor, op: str, sig: int, deadline: float, what: str) -> None:
+    def _hier_all_reduce(self, x: torch.Tensor, op: str, sig: int, deadline: float, what: OpLabel) -> None:
         """Reduce within the host on its window, all-reduce among the hosts' leaders over the cables, then
         the leader's result to its host's ranks on the window."""
         win, n, es = self.window, x.numel(), x.element_size()
-        windowed.all_reduce(win, x, op, sig, deadline, what)
+        windowed.all_reduce(win, x, self._combiner(op, x.dtype), sig, deadline, what)
         plan = self._plan(("ar-cables", n, es), lambda: hierarchy.cable_allreduce(
             self.rank, self.shape.groups, n, select.chunk_elems(self.cfg, es), self.shape.is_line))
         self._cables(plan, {"in": x, "out": x}, op, x, sig, deadline, what)
@@ -199,7 +220,7 @@ class Communicator:
         else:
             self._run(plan, "broadcast", {"out": x}, None, x, root=root, count=n)
 
-    def _hier_broadcast(self, x: torch.Tensor, root: int, sig: int, deadline: float, what: str) -> None:
+    def _hier_broadcast(self, x: torch.Tensor, root: int, sig: int, deadline: float, what: OpLabel) -> None:
         """The root to one rank per host over the cables (itself for its own host, the leader for the
         others), then that rank to its host's ranks on the window."""
         n, es = x.numel(), x.element_size()
@@ -234,7 +255,7 @@ class Communicator:
         else:
             self._run(plan, "all_gather", {"out": out}, None, out, count=sum(counts), layout=tuple(counts))
 
-    def _hier_all_gather(self, out: torch.Tensor, counts: list[int], sig: int, deadline: float, what: str) -> None:
+    def _hier_all_gather(self, out: torch.Tensor, counts: list[int], sig: int, deadline: float, what: OpLabel) -> None:
         """The host's blocks to each other on the window, whole host blocks among the leaders over the
         cables, then the leader's full result to its host's ranks on the window."""
         win, es = self.window, out.element_size()
@@ -253,7 +274,7 @@ class Communicator:
             x = x.clone()
         if self._flat:
             self._run_window(lambda sig, deadline, what: windowed.reduce_scatter(
-                self.window, out, x, counts, op, sig, deadline, what), "reduce_scatter", x, count=sum(counts),
+                self.window, out, x, counts, self._combiner(op, x.dtype), sig, deadline, what), "reduce_scatter", x, count=sum(counts),
                 op=op, layout=tuple(counts))
         else:
             self._reduce_scatter_plan(out, x, counts, op)
@@ -261,13 +282,13 @@ class Communicator:
             out.div_(self.world)
 
     def _hier_reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, counts: list[int], op: str, sig: int,
-                             deadline: float, what: str) -> None:
+                             deadline: float, what: OpLabel) -> None:
         """Reduce a working copy within the host on its window, reduce-scatter whole host blocks among the
         leaders over the cables, then the leader's host blocks to its host's ranks on the window."""
         win, es = self.window, x.element_size()
         starts = offsets(counts)
         work = self._tmp_full(x)
-        windowed.all_reduce(win, work, op, sig, deadline, what)
+        windowed.all_reduce(win, work, self._combiner(op, x.dtype), sig, deadline, what)
         plan = self._plan(("rs-cables", tuple(counts), es), lambda: hierarchy.cable_reduce_scatter(
             self.rank, self.shape.groups, counts, select.chunk_elems(self.cfg, es)))
         self._cables(plan, {"in": work, "out": work}, op, x, sig, deadline, what)

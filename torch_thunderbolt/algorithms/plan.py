@@ -125,7 +125,7 @@ class _Run:
         self.remaining = len(steps)
         self.heard: set[int] = set()  # peers that sent us something for this op (they arrived)
 
-    def run(self, deadline: float | None, what: str) -> None:
+    def run(self, deadline: float | None, what: object) -> None:
         todo = deque(self.roots)
         while self.remaining:
             while todo:
@@ -176,7 +176,7 @@ class _Run:
 
 
 def run_plan(plan: Plan, transport: Transport, bufs: dict[str, torch.Tensor], reducer: Reducer, *,
-             tag: int, sig: int = 0, deadline: float | None = None, what: str = "") -> None:
+             tag: int, sig: int = 0, deadline: float | None = None, what: object = "") -> None:
     """Run `plan` on this rank. `bufs` maps buffer names to flat tensors of one dtype."""
     if not plan.steps:
         return

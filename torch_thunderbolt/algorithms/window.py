@@ -39,6 +39,7 @@ class Window:
         self.rank, self.world, self.nbytes = memory.me, len(memory.members), memory.nbytes
         self.cache: dict = {}  # tensor views of the buffers, kept across ops; dropped by release()
         self._position = {g: i for i, g in enumerate(self.members)}
+        self.others = [p for p in range(self.world) if p != self.rank]  # every member but this rank
         # Every protocol state is read off the memory (our own counter and words), so several windows over
         # one memory (one per Communicator of a transport) agree; the latest one's check stands for all.
         engine.watchers["window"] = self.check_skipped
@@ -80,10 +81,15 @@ class Window:
         self.memory.publish(value, k, word)
 
     # -- waiting --------------------------------------------------------------------------------------------
-    def wait(self, value: int, peers: Iterable[int], deadline: float, what: str) -> None:
+    def wait(self, value: int, peers: Iterable[int], deadline: float, what: object) -> None:
         """Until every member in `peers` (positions) posted at least `value`; CollectiveTimeout at `deadline`."""
-        peers = list(peers)
         counter = self.memory.counter
+        peers = list(peers)
+        for p in peers:  # the common case costs one load per peer: everyone is there already
+            if counter(p) < value:
+                break
+        else:
+            return
         ready = lambda: all(counter(p) >= value for p in peers)  # noqa: E731
         engine = self.engine
         while not ready():
@@ -98,7 +104,7 @@ class Window:
             engine.check_usable()
             self._check_stray(peers, value, what)
 
-    def _check_stray(self, peers: list[int], value: int, what: str) -> None:
+    def _check_stray(self, peers: list[int], value: int, what: object) -> None:
         """A member we wait for that sent ring data of a collective has skipped this op: had it run it, it
         would have posted the step we wait for before sending anything later (counters only grow). So its
         counter is read again *after* its ring data was seen: a post that came first shows by then."""

@@ -38,7 +38,7 @@ from ..errors import MismatchError
 from ..protocol.signature import describe_sig
 from .window import BUFFERS, STEPS, Window
 from .layout import offsets
-from .reduce_ops import make_combiner
+from .reduce_ops import Combiner
 
 ARRIVED, REDUCED, DONE = 1, 2, 3
 Slices = list[tuple[int, int]]  # (start, length) of each rank's slice in one round
@@ -76,10 +76,6 @@ def free_step(g: int) -> int:
     return STEPS * (g - BUFFERS) + DONE
 
 
-def _others(win: Window) -> list[int]:
-    return [p for p in range(win.world) if p != win.rank]
-
-
 def _slice_cap(win: Window, x: torch.Tensor) -> int:
     """Elements of `x` one rank's slot of a buffer holds (a buffer has one slot per rank)."""
     cap = win.nbytes // (win.world * x.element_size())
@@ -111,13 +107,13 @@ def _check_words(win: Window, peers: list[int], k: int, word: int) -> None:
                 f"is in {describe_word(theirs)}, but rank {me} expected {describe_word(word)}")
 
 
-def settle(win: Window, deadline: float, what: str) -> None:
+def settle(win: Window, deadline: float, what: object) -> None:
     """Finish the check a broadcast root left open: every peer ran that broadcast's last round (two ranks
     that both believed they were the root would otherwise both have returned, silently)."""
     if win.unchecked is None:
         return
     g, word = win.unchecked
-    others = _others(win)
+    others = win.others
     win.wait(STEPS * g + ARRIVED, others, deadline, what)
     _check_words(win, others, g % BUFFERS, word)
     win.post(STEPS * g + DONE)  # no peer rewrites that buffer's word before this post
@@ -126,12 +122,11 @@ def settle(win: Window, deadline: float, what: str) -> None:
 ONE_SHOT = 0x5A5A0001  # XORed into the op word: a one-shot rank must never pair with a sliced one
 
 
-def all_reduce(win: Window, x: torch.Tensor, op: str, sig: int, deadline: float, what: str,
+def all_reduce(win: Window, x: torch.Tensor, combine: Combiner, sig: int, deadline: float, what: object,
                one_shot_bytes: int = 0) -> None:
-    """Reduce the 1-D contiguous `x` in place over every rank of the window; one-shot up to
-    `one_shot_bytes` (and at most one buffer)."""
+    """Reduce the 1-D contiguous `x` in place over every rank of the window with `combine` (the reduce op's
+    kernel, reduce_ops.make_combiner); one-shot up to `one_shot_bytes` (and at most one buffer)."""
     n, r = win.world, win.rank
-    combine = make_combiner(op, x.dtype)
     if n == 1:
         return
     settle(win, deadline, what)
@@ -140,7 +135,7 @@ def all_reduce(win: Window, x: torch.Tensor, op: str, sig: int, deadline: float,
         return
     cap = _slice_cap(win, x)
     word = op_word(sig)
-    others = _others(win)
+    others = win.others
     rounds = all_reduce_rounds(x.numel(), n, cap)
     base = win.rounds
     for t, slices in enumerate(rounds):
@@ -168,11 +163,11 @@ def all_reduce(win: Window, x: torch.Tensor, op: str, sig: int, deadline: float,
         win.post(STEPS * g + DONE)
 
 
-def _one_shot_all_reduce(win: Window, x: torch.Tensor, combine, word: int, deadline: float, what: str) -> None:
+def _one_shot_all_reduce(win: Window, x: torch.Tensor, combine, word: int, deadline: float, what: object) -> None:
     n, r, m = win.world, win.rank, x.numel()
     g = win.rounds
     k = g % BUFFERS
-    others = _others(win)
+    others = win.others
     win.wait(free_step(g), others, deadline, what)
     _view(win, r, k, x.dtype)[:m].copy_(x)
     win.post(STEPS * g + ARRIVED, k, word)
@@ -185,7 +180,7 @@ def _one_shot_all_reduce(win: Window, x: torch.Tensor, combine, word: int, deadl
     win.post(STEPS * g + DONE)
 
 
-def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float, what: str) -> None:
+def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float, what: object) -> None:
     """Copy the root's bytes (`x`: 1-D contiguous uint8) to every rank of the window."""
     n, r = win.world, win.rank
     if n == 1:
@@ -194,7 +189,7 @@ def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float
     total, cap = x.numel(), win.nbytes
     rounds = max(1, -(-total // cap))
     word = op_word(sig)
-    others = _others(win)
+    others = win.others
     base = win.rounds
     for t in range(rounds):
         g = base + t
@@ -217,7 +212,7 @@ def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float
 
 
 def all_gather(win: Window, x: torch.Tensor, blocks: list[tuple[int, int]], sig: int, deadline: float,
-               what: str) -> None:
+               what: object) -> None:
     """Every member's block of `x` (1-D contiguous uint8; `blocks[p]` = (start, length) in bytes of member
     p's block, which it holds already) to every member, a buffer's worth of each block per round."""
     n, r = win.world, win.rank
@@ -227,7 +222,7 @@ def all_gather(win: Window, x: torch.Tensor, blocks: list[tuple[int, int]], sig:
     cap = win.nbytes
     rounds = max(1, -(-max((m for _, m in blocks), default=0) // cap))
     word = op_word(sig)
-    others = _others(win)
+    others = win.others
     base = win.rounds
     for t in range(rounds):
         g = base + t
@@ -252,11 +247,10 @@ def block_rounds(counts: list[int], cap: int) -> int:
     return max(1, -(-max(counts, default=0) // cap))
 
 
-def reduce_scatter(win: Window, out: torch.Tensor, x: torch.Tensor, counts: list[int], op: str, sig: int,
-                   deadline: float, what: str) -> None:
-    """`out` = this rank's block of the reduction of every rank's `x` (blocks of `counts` elements)."""
+def reduce_scatter(win: Window, out: torch.Tensor, x: torch.Tensor, counts: list[int], combine: Combiner,
+                   sig: int, deadline: float, what: object) -> None:
+    """`out` = this rank's block of the reduction (`combine`) of every rank's `x` (blocks of `counts`)."""
     n, r = win.world, win.rank
-    combine = make_combiner(op, x.dtype)
     starts = offsets(counts)
     if n == 1:
         out.copy_(x[: counts[0]])
@@ -265,7 +259,7 @@ def reduce_scatter(win: Window, out: torch.Tensor, x: torch.Tensor, counts: list
     settle(win, deadline, what)
     # Uneven blocks that differ but add up the same must not pair: the caller's signature covers the layout.
     word = op_word(sig)
-    others = _others(win)
+    others = win.others
     rounds = block_rounds(counts, cap)
     base = win.rounds
     for t in range(rounds):

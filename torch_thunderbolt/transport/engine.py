@@ -167,18 +167,19 @@ class Transport:
         return self.irecv(peer, (Space.P2P, tag, -1), buf)
 
     # -- waiting --------------------------------------------------------------------------------------------
-    def wait(self, reqs: Sequence[Request], deadline: float | None = None, what: str = "") -> None:
-        """Block until every request is done; raise its error, or CollectiveTimeout at `deadline`."""
+    def wait(self, reqs: Sequence[Request], deadline: float | None = None, what: object = "") -> None:
+        """Block until every request is done; raise its error, or CollectiveTimeout at `deadline`. `what`:
+        the op, as errors name it (anything printable: formatted only when an error needs it)."""
         self._wait_until(reqs, all, deadline, what)
 
-    def wait_any(self, reqs: Sequence[Request], deadline: float | None = None, what: str = "",
+    def wait_any(self, reqs: Sequence[Request], deadline: float | None = None, what: object = "",
                  arrived: Iterable[int] = ()) -> None:
         """Block until at least one request is done (raising the first error found). `arrived`: peers
         already heard from in this op (named as "did not arrive" only if they are not)."""
         self._wait_until(reqs, any, deadline, what, arrived)
 
     def _wait_until(self, reqs: Sequence[Request], how: "Callable[[Iterable[bool]], bool]",
-                    deadline: float | None, what: str, arrived: Iterable[int] = ()) -> None:
+                    deadline: float | None, what: object, arrived: Iterable[int] = ()) -> None:
         while True:
             for r in reqs:
                 if r.error is not None:
@@ -444,7 +445,7 @@ class Transport:
                 return found
         return None
 
-    def _timeout_error(self, reqs: Sequence[Request], what: str, arrived: Iterable[int] = ()) -> CollectiveTimeout:
+    def _timeout_error(self, reqs: Sequence[Request], what: object, arrived: Iterable[int] = ()) -> CollectiveTimeout:
         waiting = [r for r in reqs if not r.done]
         # A rank that sent us anything for this op has arrived; it may only be waiting on someone else.
         heard = set(arrived) | {r.peer for r in reqs if not r.is_send and (r.done or r.received)}
