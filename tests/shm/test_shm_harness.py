@@ -1,4 +1,5 @@
-"""The shared-memory leftovers check of runs with the SHM setup: it blames a run only for what the run's own ranks left behind.
+"""The shared-memory leftovers check of runs with the SHM setup: it blames a run only for what the run's own
+ranks left behind.
 
 Several test runs may share a host (engineers, CI jobs): while one job sets up, its segments and doorbell
 sockets exist; a run that ends at that moment must not report them as its own leftovers."""
@@ -9,10 +10,9 @@ import time
 
 import pytest
 
-from torch_thunderbolt.transport import shm_segment
-
 from torch_thunderbolt.testing.leftovers import segments_and_doorbells
 from torch_thunderbolt.testing.ranks import SHM, rank_pids, run_ranks
+from torch_thunderbolt.transport import shm_segment
 
 from .programs import harness
 

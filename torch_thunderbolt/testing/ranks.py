@@ -32,6 +32,8 @@ from pathlib import Path
 from types import MappingProxyType, ModuleType
 from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
+from torch_thunderbolt.transport import shm_segment
+
 from . import leftovers
 from .program import WORKDIR_ENV, saved_name
 
@@ -315,8 +317,6 @@ def _segment_check(kind: SegmentCheck, workdir: Path) -> Iterator[None]:
             left = sorted(leftovers.segments_and_doorbells(rank_pids(workdir)))
         else:
             left = leftovers.new_with_dead_creator(before)
-        from torch_thunderbolt.transport import shm_segment
-
         shm_segment.cleanup_stale_segments()
         assert not left, f"shared-memory leftovers after the run: {left}"
 

@@ -45,10 +45,13 @@ def device_checks() -> None:
     SIZES = (5, 300_000)  # the one-shot path and the large path (run on the worker for CPU tensors)
     for n in SIZES:
         want = sum(data(n, q) for q in range(w))
+
         def sync(n=n, want=want):
             x = dev(data(n, r)); dist.all_reduce(x); return torch.equal(values(x), want)
+
         def wait(n=n, want=want):
             x = dev(data(n, r)); dist.all_reduce(x, async_op=True).wait(); return torch.equal(values(x), want)
+
         def then(n=n, want=want):
             x = dev(data(n, r)); seen = []
             fut = dist.all_reduce(x, async_op=True).get_future().then(lambda f: seen.append(x.mul(1)))
@@ -57,32 +60,39 @@ def device_checks() -> None:
         check(f"all_reduce_sync_{n}", sync)
         check(f"all_reduce_wait_{n}", wait)
         check(f"all_reduce_then_{n}", then)
+
         def bcast(n=n):
             x = dev(data(n, r)); dist.broadcast(x, src=w - 1); return torch.equal(values(x), data(n, w - 1))
         check(f"broadcast_{n}", bcast)
+
         def ag(n=n):
             outs = [dev(torch.zeros(n)) for _ in range(w)]
             dist.all_gather(outs, dev(data(n, r)), async_op=True).wait()
             return all(torch.equal(values(o), data(n, q)) for q, o in enumerate(outs))
         check(f"all_gather_{n}", ag)
+
         def agt(n=n):
             out = dev(torch.zeros(n * w)); dist.all_gather_into_tensor(out, dev(data(n, r)))
             return torch.equal(values(out), torch.cat([data(n, q) for q in range(w)]))
         check(f"all_gather_into_tensor_{n}", agt)
+
         def rst(n=n):
             out = dev(torch.zeros(n)); x = dev(torch.cat([data(n, r + b) for b in range(w)]))
             dist.reduce_scatter_tensor(out, x, async_op=True).get_future().wait()
             return torch.equal(values(out), sum(data(n, q + r) for q in range(w)))
         check(f"reduce_scatter_tensor_{n}", rst)
+
         def a2a(n=n):
             out = dev(torch.zeros(n * w)); x = dev(torch.cat([data(n, 10 * r + b) for b in range(w)]))
             dist.all_to_all_single(out, x)
             return torch.equal(values(out), torch.cat([data(n, 10 * q + r) for q in range(w)]))
         check(f"all_to_all_single_{n}", a2a)
+
         def red(n=n):
             x = dev(data(n, r)); dist.reduce(x, dst=0)
             return r != 0 or torch.equal(values(x), sum(data(n, q) for q in range(w)))
         check(f"reduce_{n}", red)
+
         def sendrecv(n=n):
             if r == 0:
                 dist.send(dev(data(n, 0)), 1)
@@ -102,6 +112,7 @@ def device_checks() -> None:
         the main thread waits at the end of backward."""
         n = 300_000
         grad = dev(torch.zeros(n)); bucket = dev(data(n, r)); futs = []
+
         def backward():
             futs.append(dist.all_reduce(bucket, async_op=True).get_future().then(
                 lambda f: grad.copy_(f.value()[0])))

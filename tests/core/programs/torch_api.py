@@ -22,6 +22,7 @@ def whole_api() -> None:
     dist.init_process_group("thunderbolt", init_method=init, timeout=datetime.timedelta(seconds=60), **kw)
     r, w = dist.get_rank(), dist.get_world_size()
     checks = {}
+
     def check(name, fn):
         try:
             ok = fn()
@@ -48,55 +49,69 @@ def whole_api() -> None:
             for q in range(1, w): want = f(want, inp(q, dtype=torch.int32))
             return torch.equal(x, want)
         check(f"all_reduce_{name}", t)
+
     def premul():
         x = inp(r); dist.all_reduce(x, op=dist._make_nccl_premul_sum(2.0))
         return torch.equal(x, 2 * sum(inp(q) for q in range(w)))
     check("all_reduce_PREMUL_SUM", premul)
+
     def bigsum():
         x = torch.full((3_000_001,), float(r + 1)); dist.all_reduce(x)
         return bool((x == w * (w + 1) / 2).all())
     check("all_reduce_large", bigsum)
+
     def bcast():
         x = inp(r, 1_000_003); dist.broadcast(x, src=w - 1); return torch.equal(x, inp(w - 1, 1_000_003))
     check("broadcast", bcast)
+
     def reduce_():
         x = inp(r); dist.reduce(x, dst=1 % w); return r != 1 % w or torch.equal(x, sum(inp(q) for q in range(w)))
     check("reduce", reduce_)
+
     def ag():
         out = [torch.empty(5) for _ in range(w)]; dist.all_gather(out, inp(r))
         return all(torch.equal(out[q], inp(q)) for q in range(w))
     check("all_gather", ag)
+
     def ag_uneven():
         out = [torch.empty(q + 1) for q in range(w)]; dist.all_gather(out, inp(r, r + 1))
         return all(torch.equal(out[q], inp(q, q + 1)) for q in range(w))
     check("all_gather_uneven", ag_uneven)
+
     def agt():
         out = torch.empty(5 * w); dist.all_gather_into_tensor(out, inp(r)); return torch.equal(out, torch.cat([inp(q) for q in range(w)]))
     check("all_gather_into_tensor", agt)
+
     def rs():
         out = torch.empty(4); dist.reduce_scatter(out, [inp(r, 4) * (q + 1) for q in range(w)])
         return torch.equal(out, sum(inp(p, 4) for p in range(w)) * (r + 1))
     check("reduce_scatter", rs)
+
     def rst():
         out = torch.empty(4); dist.reduce_scatter_tensor(out, inp(r, 4 * w))
         return torch.equal(out, sum(inp(p, 4 * w) for p in range(w))[4 * r : 4 * r + 4])
     check("reduce_scatter_tensor", rst)
+
     def gather():
         g = [torch.empty(5) for _ in range(w)] if r == 0 else None
         dist.gather(inp(r), g, dst=0); return r != 0 or all(torch.equal(g[q], inp(q)) for q in range(w))
     check("gather", gather)
+
     def scatter():
         out = torch.empty(5); dist.scatter(out, [inp(q) * 10 for q in range(w)] if r == 0 else None, src=0)
         return torch.equal(out, inp(r) * 10)
     check("scatter", scatter)
+
     def a2a():
         outs = [torch.empty(2) for _ in range(w)]; dist.all_to_all(outs, [torch.full((2,), float(10 * r + q)) for q in range(w)])
         return all(torch.equal(outs[q], torch.full((2,), float(10 * q + r))) for q in range(w))
     check("all_to_all", a2a)
+
     def a2as_even():
         out = torch.empty(2 * w); dist.all_to_all_single(out, torch.arange(2 * w, dtype=torch.float) + 100 * r)
         return torch.equal(out, torch.cat([torch.arange(2 * r, 2 * r + 2, dtype=torch.float) + 100 * q for q in range(w)]))
     check("all_to_all_single_even", a2as_even)
+
     def a2as_uneven():
         in_splits = [q + 1 for q in range(w)]; out_splits = [r + 1] * w
         x = torch.cat([torch.full((q + 1, 2), float(10 * r + q)) for q in range(w)])
@@ -105,6 +120,7 @@ def whole_api() -> None:
         return torch.equal(out, torch.cat([torch.full((r + 1, 2), float(10 * q + r)) for q in range(w)]))
     check("all_to_all_single_uneven", a2as_uneven)
     check("barrier", lambda: dist.barrier())
+
     def monitored():  # torch implements it in Python for gloo only: a documented limitation, a clear error
         try:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
@@ -112,6 +128,7 @@ def whole_api() -> None:
             return "GLOO" in str(exc)
         return False
     check("monitored_barrier_is_a_clear_error", monitored)
+
     def p2p():
         nxt, prv = (r + 1) % w, (r - 1) % w
         if w == 1: return True
@@ -121,12 +138,14 @@ def whole_api() -> None:
         for q in reqs: q.wait()
         return torch.equal(a, torch.full((3,), float(prv))) and torch.equal(b, torch.full((3,), float(prv + 100)))
     check("isend_irecv_tags_out_of_order", p2p)
+
     def sendrecv_big():
         if w == 1: return True
         if r == 0: dist.send(torch.arange(2_000_000, dtype=torch.float64), 1)
         elif r == 1:
             x = torch.empty(2_000_000, dtype=torch.float64); dist.recv(x, 0); return torch.equal(x, torch.arange(2_000_000, dtype=torch.float64))
     check("send_recv_large", sendrecv_big)
+
     def p2p_shapes():  # 2-D and non-contiguous tensors on both ends (staged through a copy)
         if w == 1: return True
         src = torch.arange(12.0).view(3, 4)
@@ -139,6 +158,7 @@ def whole_api() -> None:
             return torch.equal(a, src) and torch.equal(b, src.t()) and c.item() == 5.0
         return True
     check("send_recv_shapes", p2p_shapes)
+
     def anysource():
         if w == 1: return True
         if r == 0:
@@ -148,6 +168,7 @@ def whole_api() -> None:
             return got == {(q, q * 11) for q in range(1, w)}
         dist.send(torch.tensor([float(r * 11)]), 0, tag=9)
     check("recv_any_source", anysource)
+
     def batch():
         if w == 1: return True
         nxt, prv = (r + 1) % w, (r - 1) % w
@@ -156,6 +177,7 @@ def whole_api() -> None:
         for q in dist.batch_isend_irecv(ops_): q.wait()
         return torch.equal(x, torch.full((4,), float(prv)))
     check("batch_isend_irecv", batch)
+
     def p2p_future_only():  # nobody calls wait(): the futures must still complete
         if w == 1: return True
         if r == 0:
@@ -166,6 +188,7 @@ def whole_api() -> None:
             return torch.equal(x, torch.arange(4.0))
         return True
     check("p2p_get_future_without_wait", p2p_future_only)
+
     def coalesce():
         xs = [inp(r, 3), inp(r, 7, torch.float64)]
         with dist._coalescing_manager(async_ops=True) as cm:
@@ -173,6 +196,7 @@ def whole_api() -> None:
         cm.wait()
         return torch.equal(xs[0], sum(inp(q, 3) for q in range(w))) and torch.equal(xs[1], sum(inp(q, 7, torch.float64) for q in range(w)))
     check("coalescing_manager", coalesce)
+
     def objects():
         objs = [None] * w; dist.all_gather_object(objs, {"rank": r, "s": "x" * r})
         ok = objs == [{"rank": q, "s": "x" * q} for q in range(w)]
@@ -188,16 +212,19 @@ def whole_api() -> None:
                 got = [None]; dist.recv_object_list(got, src=0); ok &= got == [{"k": "v"}]
         return ok
     check("object_collectives", objects)
+
     def async_ops():
         x = inp(r, 100_000); work = dist.all_reduce(x, async_op=True)
         fut = work.get_future(); work.wait(timeout=datetime.timedelta(seconds=30))
         fut.wait()
         return work.is_completed() and torch.equal(x, sum(inp(q, 100_000) for q in range(w)))
     check("async_wait_future_is_completed", async_ops)
+
     def future_chain():
         x = inp(r); fut = dist.all_reduce(x, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
         return torch.equal(fut.wait(), 2 * sum(inp(q) for q in range(w)))
     check("future_then", future_chain)
+
     def subgroups():
         evens = [q for q in range(w) if q % 2 == 0]
         g = dist.new_group(evens)
@@ -208,6 +235,7 @@ def whole_api() -> None:
         y = inp(r); dist.all_reduce(y, group=sub); ok &= torch.equal(y, inp(r))
         return ok
     check("new_group_new_subgroups", subgroups)
+
     def functional():
         x = inp(r)
         y = funcol.all_reduce(x, "sum", dist.group.WORLD).wait() if hasattr(funcol.all_reduce(x, "sum", dist.group.WORLD), "wait") else funcol.all_reduce(x, "sum", dist.group.WORLD)
@@ -215,6 +243,7 @@ def whole_api() -> None:
         g = g.wait() if hasattr(g, "wait") else g
         return torch.equal(torch.as_tensor(y), sum(inp(q) for q in range(w))) and torch.equal(torch.as_tensor(g), torch.cat([inp(q, 2) for q in range(w)]))
     check("functional_collectives", functional)
+
     def dtypes():
         ok = True
         for dt in (torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int64, torch.uint8, torch.complex64):
@@ -223,6 +252,7 @@ def whole_api() -> None:
         ok &= torch.equal(b, torch.tensor([True, False, True]))
         return ok
     check("dtypes", dtypes)
+
     def noncontig():
         x = torch.arange(20.0).view(4, 5).t() * (r + 1); dist.all_reduce(x)
         return torch.equal(x, torch.arange(20.0).view(4, 5).t() * (w * (w + 1) / 2))

@@ -19,6 +19,7 @@ def gloo_cases() -> None:
     dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=30))
     r, w = dist.get_rank(), dist.get_world_size()
     checks = {}
+
     def check(name, fn):
         try:
             ok = fn()
@@ -144,6 +145,7 @@ def disagree_on_root() -> None:
     r, w = dist.get_rank(), dist.get_world_size()
     root = 0 if r < w - 1 else 1  # the last rank disagrees about the root
     op = os.environ["TEST_OP"]
+
     def run():
         x = torch.ones(1000) * (r + 1)
         if op == "reduce":

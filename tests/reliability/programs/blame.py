@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import signal
 import threading
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import torch_thunderbolt  # noqa: F401 - registers the backend
-from torch_thunderbolt.testing.program import Exit, main, outcome, result
+from torch_thunderbolt.testing.program import Exit, emit, main, outcome, result
 
 
 def sigstop() -> Exit | None:
@@ -29,7 +28,7 @@ def sigstop() -> Exit | None:
     if r == 2:
         def stop() -> None:
             time.sleep(0.3)
-            print("STOPPED " + json.dumps(time.time()), flush=True)
+            emit("STOPPED", time.time())
             os.kill(os.getpid(), signal.SIGSTOP)
         threading.Thread(target=stop, daemon=True).start()
     try:
@@ -37,9 +36,8 @@ def sigstop() -> Exit | None:
             dist.all_reduce(x)
             x.fill_(1.0)
     except Exception as exc:
-        print("ERROR " + json.dumps({"type": type(exc).__name__, "msg": str(exc)[:1500],
-                                     "ranks": getattr(exc, "ranks", None), "peer": getattr(exc, "peer", None)}),
-              flush=True)
+        emit("ERROR", {"type": type(exc).__name__, "msg": str(exc)[:1500], "ranks": getattr(exc, "ranks", None),
+                       "peer": getattr(exc, "peer", None)})
         return Exit(1, hard=True)
 
 

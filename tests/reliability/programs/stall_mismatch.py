@@ -10,7 +10,8 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Callable
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ import torch_thunderbolt  # noqa: F401 - registers the backend
 from torch_thunderbolt.testing.program import main, outcome, result
 
 # Each kind: rank r's call. Every rank must fail with MismatchError (the test knows each kind's world size).
-CALLS: dict[str, Callable[[int], object]] = {
+CALLS: Mapping[str, Callable[[int], object]] = MappingProxyType({
     "collective": lambda r: (dist.all_reduce(torch.ones(300)) if r != 1 else
                              dist.all_gather_into_tensor(torch.empty(300), torch.ones(100))),
     "order": lambda r: ((dist.all_reduce(torch.ones(50)), dist.broadcast(torch.ones(50), 0)) if r == 0 else
@@ -27,7 +28,7 @@ CALLS: dict[str, Callable[[int], object]] = {
     "size-one-rank": lambda r: dist.all_reduce(torch.ones(1000 if r == 2 else 999)),
     "dtype-ring": lambda r: dist.all_reduce(torch.ones(1 << 20, dtype=torch.float32 if r else torch.int32)),
     "root": lambda r: dist.broadcast(torch.full((100,), float(r)), src=0 if r == 0 else 1),
-}
+})
 
 
 def _init() -> int:

@@ -17,11 +17,13 @@ def grid() -> None:
     me = shm_rank()
     t, r, w = me.transport, me.rank, me.world
     fails, done = [], 0
+
     def check(ok, what):
         nonlocal done
         done += 1
         if not ok:
             fails.append(what)
+
     def mk(rank, n, dt, seed):
         return ta.make_input(rank, n, dt, seed)
     for algo in os.environ["ALGOS"].split(","):

@@ -87,6 +87,7 @@ def mismatch() -> None:
     t, r = me.transport, me.rank
     comm = _comm(t)
     kind = os.environ["TEST_KIND"]
+
     def op():
         if kind == "size":
             comm.all_reduce(torch.ones(10 + r))
@@ -119,6 +120,7 @@ def kill_9() -> None:
     t, r = me.transport, me.rank
     comm = _comm(t)
     x = torch.ones(int(os.environ["TEST_SIZE"]) // 4)
+
     def loop():
         for i in range(100000):
             if r == 2 and i == 20:
@@ -147,6 +149,7 @@ def stalled() -> None:
     me = shm_rank()
     t, r = me.transport, me.rank
     comm = _comm(t)
+
     def op():
         if r == 2:
             time.sleep(4)

@@ -18,9 +18,9 @@ from torch_thunderbolt.protocol.framing import (FRAME_HEADER_SIZE, MAX_ABORT_PAY
                                                 encode_frame_header)
 
 SECRET, GROUP = b"s" * 32, "fuzz-group"
-_FIELDS = [(0, "<H"), (2, "<B"), (3, "<B"), (4, "<I"), (8, "<q"), (16, "<I"), (20, "<I"), (24, "<Q"),
-           (32, "<Q"), (40, "<Q")]  # offsets of the header fields (see framing._HEADER)
-_EXTREMES = [0, 1, 2, 3, 0x7F, 0xFF, 0xFFFF, 0x7FFFFFFF, 0xFFFFFFFF, 1 << 40, (1 << 63) - 1, (1 << 64) - 1]
+_FIELDS = ((0, "<H"), (2, "<B"), (3, "<B"), (4, "<I"), (8, "<q"), (16, "<I"), (20, "<I"), (24, "<Q"),
+           (32, "<Q"), (40, "<Q"))  # offsets of the header fields (see framing._HEADER)
+_EXTREMES = (0, 1, 2, 3, 0x7F, 0xFF, 0xFFFF, 0x7FFFFFFF, 0xFFFFFFFF, 1 << 40, (1 << 63) - 1, (1 << 64) - 1)
 
 
 def _chunks(data: bytes, seed: int) -> Iterator[bytes]:

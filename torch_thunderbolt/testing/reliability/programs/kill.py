@@ -7,7 +7,6 @@ Environment: TB_TIMEOUT (the group's timeout), TB_OP, TB_SIZE (bytes), TB_VICTIM
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import signal
 import threading
@@ -17,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import torch_thunderbolt  # noqa: F401 - registers the backend
-from torch_thunderbolt.testing.program import main
+from torch_thunderbolt.testing.program import emit, main
 
 
 def kill_trial() -> None:
@@ -31,7 +30,7 @@ def kill_trial() -> None:
 
     def killer() -> None:
         time.sleep(delay)
-        print("KILLAT " + json.dumps(time.time()), flush=True)
+        emit("KILLAT", time.time())
         os.kill(os.getpid(), signal.SIGKILL)
 
     def step() -> None:
@@ -63,8 +62,8 @@ def kill_trial() -> None:
             step()
             done += 1
     except Exception as exc:
-        print("ERROR " + json.dumps({"type": type(exc).__name__, "msg": str(exc)[:500], "t": time.time(),
-                                     "peer": getattr(exc, "peer", None), "ops": done}), flush=True)
+        emit("ERROR", {"type": type(exc).__name__, "msg": str(exc)[:500], "t": time.time(),
+                       "peer": getattr(exc, "peer", None), "ops": done})
         raise  # the program lets the exception end it: the process must still exit cleanly
 
 

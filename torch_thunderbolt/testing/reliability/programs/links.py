@@ -10,7 +10,6 @@ Environment: TB_TIMEOUT (the group's timeout), TB_SIZE (bytes), TB_IDLE, TB_RUN.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import time
 
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import torch_thunderbolt  # noqa: F401 - registers the backend
-from torch_thunderbolt.testing.program import Exit, main
+from torch_thunderbolt.testing.program import Exit, emit, main
 
 
 def _init() -> None:
@@ -26,8 +25,8 @@ def _init() -> None:
 
 
 def _error(exc: Exception, ops: int) -> None:
-    print("ERROR " + json.dumps({"type": type(exc).__name__, "msg": str(exc)[:400], "t": time.time(),
-                                 "peer": getattr(exc, "peer", None), "ops": ops}), flush=True)
+    emit("ERROR", {"type": type(exc).__name__, "msg": str(exc)[:400], "t": time.time(),
+                   "peer": getattr(exc, "peer", None), "ops": ops})
 
 
 def until_error() -> Exit | None:
@@ -35,18 +34,18 @@ def until_error() -> Exit | None:
     x = torch.ones(int(os.environ["TB_SIZE"]) // 4)
     idle = float(os.environ.get("TB_IDLE", "0"))
     dist.barrier()
-    print("READY " + json.dumps(time.time()), flush=True)
+    emit("READY", time.time())
     done = 0
     try:
         if idle:  # the fault is injected while nobody is in a collective
             time.sleep(idle)
-            print("CALL " + json.dumps(time.time()), flush=True)
+            emit("CALL", time.time())
         while True:
             dist.all_reduce(x)
             x.fill_(1.0)
             done += 1
             if done == 1 and idle:
-                print("PASSED " + json.dumps(time.time()), flush=True)
+                emit("PASSED", time.time())
                 break
     except Exception as exc:
         _error(exc, done)
@@ -60,7 +59,7 @@ def checked_run() -> Exit | None:
     n = int(os.environ["TB_SIZE"]) // 4
     pg = dist.new_group(backend="thunderbolt")  # returns our ProcessGroup object, with its transport
     dist.barrier()
-    print("READY " + json.dumps(time.time()), flush=True)
+    emit("READY", time.time())
     end = time.time() + float(os.environ["TB_RUN"])
     ops = wrong = 0
     try:
@@ -73,13 +72,12 @@ def checked_run() -> Exit | None:
             dist.all_reduce(x, group=pg)
             wrong += int(not torch.equal(x, torch.arange(n, dtype=torch.float32) * w + w * (w - 1) / 2))
             ops += 1
-            print("OP " + json.dumps(time.time()), flush=True)
+            emit("OP", time.time())
     except Exception as exc:
         _error(exc, ops)
         return Exit(3)
     tcp = pg.transport.link_kind("tcp")
-    print("DONE " + json.dumps({"ops": ops, "wrong": wrong, "lost_streams": tcp.lost_streams,
-                                "resent": tcp.resent_bytes}), flush=True)
+    emit("DONE", {"ops": ops, "wrong": wrong, "lost_streams": tcp.lost_streams, "resent": tcp.resent_bytes})
     return None
 
 

@@ -382,6 +382,7 @@ def soak() -> Exit | None:
         op = dist._make_nccl_premul_sum(m["factor"]) if mine == "premul_sum" else REDOP[mine]
         x = torch.ones(m["n"], dtype=m["dtype"]) * (r + 1)
         time.sleep(0.5)  # every rank has left the barrier: the abort cannot overtake its last message
+
         def mixed():
             if m["kind"] == "all_reduce":
                 dist.all_reduce(x, op)
