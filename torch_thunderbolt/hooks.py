@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .compression.codecs import Codec, codec_for
-from .compression.layout import DEFAULT_BLOCK_SIZE, check_block_size, chunk_layout
+from .compression.scheme import DEFAULT_BLOCK_SIZE, check_block_size, chunk_layout
 from .compression.pipeline import (AsyncGroups, Residuals, all_reduce_future, completed_future, make_phase2_group,
                                    unwrap_result)
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torch_thunderbolt.compression import compressed_all_reduce
-from torch_thunderbolt.compression.layout import pipeline_pieces
+from torch_thunderbolt.compression.scheme import pipeline_pieces
 from torch_thunderbolt.compression.overlap import exchange_order
 from torch_thunderbolt.testing.worlds import exchange_world
 

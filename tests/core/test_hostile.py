@@ -8,7 +8,6 @@ import os
 import socket
 import struct
 import threading
-import time
 
 import pytest
 import torch

@@ -6,7 +6,7 @@ import torch
 
 from torch_thunderbolt.algorithms import chain, direct, ring, select
 from torch_thunderbolt.algorithms import reference as ref
-from torch_thunderbolt.algorithms.layout import split_even
+from torch_thunderbolt.algorithms.segments import split_even
 from torch_thunderbolt.algorithms.plan import RECV, SEND, Plan
 from torch_thunderbolt.algorithms.shape import Shape, shape_from_networks
 from torch_thunderbolt.config import Config

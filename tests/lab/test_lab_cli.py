@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from torch_thunderbolt.cli.main import main
-from torch_thunderbolt.lab.plan import plan_lab
+from torch_thunderbolt.lab.blueprint import plan_lab
 from torch_thunderbolt.lab.state import save_state
 
 

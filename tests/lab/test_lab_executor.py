@@ -4,7 +4,7 @@ from torch_thunderbolt.errors import ConfigError
 from torch_thunderbolt.lab.executor import (
     CommandResult, LabCommandError, counters_argv, lab_down, lab_namespaces, lab_up, parse_counters,
     parse_netns_list, read_counters)
-from torch_thunderbolt.lab.plan import plan_lab
+from torch_thunderbolt.lab.blueprint import plan_lab
 from torch_thunderbolt.lab.state import load_state, state_path
 
 ROOT = lambda: True  # noqa: E731

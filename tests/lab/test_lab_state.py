@@ -3,7 +3,7 @@ import json
 import pytest
 
 from torch_thunderbolt.errors import ConfigError
-from torch_thunderbolt.lab.plan import plan_lab
+from torch_thunderbolt.lab.blueprint import plan_lab
 from torch_thunderbolt.lab.state import load_state, remove_state, save_state, state_dir, state_path
 
 

@@ -2,7 +2,7 @@ import pytest
 
 from torch_thunderbolt.errors import ConfigError
 from torch_thunderbolt.lab.executor import CommandResult
-from torch_thunderbolt.lab.plan import plan_lab
+from torch_thunderbolt.lab.blueprint import plan_lab
 from torch_thunderbolt.lab.view import Lab, format_status, status_rows
 
 

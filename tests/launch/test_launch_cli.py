@@ -155,7 +155,7 @@ def test_ctrl_c_stops_every_rank(tmp_path, script, cli_env):
 
 
 def test_lab_option_builds_hosts_from_a_lab_state(capsys, tmp_path):
-    from torch_thunderbolt.lab.plan import plan_lab
+    from torch_thunderbolt.lab.blueprint import plan_lab
     from torch_thunderbolt.lab.state import save_state
 
     save_state(plan_lab(3, "chain", name="lc1"), tmp_path)

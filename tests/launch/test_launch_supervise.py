@@ -1,6 +1,5 @@
 """Process supervision with real local processes (no network)."""
 import io
-import os
 import sys
 import time
 

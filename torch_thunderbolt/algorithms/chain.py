@@ -6,7 +6,7 @@ anywhere on the line; data then flows out along (or in from) both branches.
 """
 from __future__ import annotations
 
-from .layout import chunks
+from .segments import chunks
 from .plan import Plan
 from .ring import merge
 

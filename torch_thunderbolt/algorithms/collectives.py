@@ -21,7 +21,7 @@ from ..config import Config
 from ..protocol.signature import describe_sig, encode_sig
 from ..transport.engine import Transport
 from . import direct, hierarchy, select, windowed
-from .layout import offsets
+from .segments import offsets
 from .plan import Plan, run_plan
 from .reduce_ops import Combiner, Reducer, make_combiner, make_reducer
 from .shape import Shape

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Callable
 
 from . import chain, ring
-from .layout import offsets, split_even
+from .segments import offsets, split_even
 from .plan import COPY, RECV, SEND, Plan
 from .ring import Segments
 

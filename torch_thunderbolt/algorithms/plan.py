@@ -12,13 +12,14 @@ from __future__ import annotations
 import ctypes
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from ..protocol.framing import Space
 from ..transport.base import Request
 from ..transport.engine import Transport
+from .reduce_ops import Reducer
 
 SEND, RECV, REDUCE, COPY = 0, 1, 2, 3
 KIND_NAMES = ("send", "recv", "reduce", "copy")
@@ -100,9 +101,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if not t.is_contiguous():
         raise ValueError("tensor must be contiguous")
     return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
-
-
-Reducer = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 class _Run:

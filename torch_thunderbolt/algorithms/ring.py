@@ -5,7 +5,7 @@ follows `order` (a permutation of ranks), so the topology layer can lay it along
 """
 from __future__ import annotations
 
-from .layout import chunks, ring_neighbours, split_even
+from .segments import chunks, ring_neighbours, split_even
 from .plan import Plan
 
 Segments = list[tuple[int, int]]  # per rank: (offset, length) in elements

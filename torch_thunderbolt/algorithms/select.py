@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..config import Config
 from . import chain, direct, hierarchy, ring
-from .layout import offsets, split_even
+from .segments import offsets, split_even
 from .plan import Plan
 from .shape import Shape
 

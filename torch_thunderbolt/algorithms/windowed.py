@@ -37,7 +37,7 @@ import torch
 from ..errors import MismatchError
 from ..protocol.signature import describe_sig
 from .window import BUFFERS, STEPS, Window
-from .layout import offsets
+from .segments import offsets
 from .reduce_ops import Combiner
 
 ARRIVED, REDUCED, DONE = 1, 2, 3

@@ -41,7 +41,7 @@ def parse_cable_rate(text: str | None) -> str | None:
     A bad value is a ConfigError naming --cable-rate."""
     if text is None:
         return None
-    from ..lab.plan import parse_rate  # the lab's tc-style rates: one syntax for cables everywhere
+    from ..lab.blueprint import parse_rate  # the lab's tc-style rates: one syntax for cables everywhere
 
     cleaned = str(text).strip().lower().removesuffix("/s")
     try:
@@ -56,7 +56,7 @@ def parse_cable_rate(text: str | None) -> str | None:
 
 def rate_bits(text: str) -> int:
     """Bits per second of a rate accepted by parse_cable_rate."""
-    from ..lab.plan import parse_rate
+    from ..lab.blueprint import parse_rate
 
     return parse_rate(text)[1]
 

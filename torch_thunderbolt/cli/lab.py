@@ -52,7 +52,7 @@ def run(args: argparse.Namespace, platform: str | None = None) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     from ..lab.executor import lab_up
-    from ..lab.plan import DEFAULT_BASE, plan_lab
+    from ..lab.blueprint import DEFAULT_BASE, plan_lab
 
     plan = plan_lab(args.hosts, args.topology, args.cables, args.rate, args.mtu, name=args.name, cc=args.cc,
                     base=args.base or DEFAULT_BASE)

@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from ..topology.discover import RunCommand, discover_local, local_hostname, subprocess_runner
 from ..topology.draw import to_dot, write_png
 from ..topology.model import Host, load_host_dump
-from ..topology.plan import DEFAULT_BASE
+from ..topology.addressing import DEFAULT_BASE
 from ..topology.remote import apply_commands, gather_over_ssh, parse_ssh_list
 from ..topology.report import analyse, analysis_json, cluster_report, commands_text, host_summary, hostfile
 

@@ -5,7 +5,7 @@ what it puts on the wire; `torch_thunderbolt.hooks` has the DDP communication ho
 """
 from .allreduce import Exchange, TorchExchange, compressed_all_reduce
 from .codecs import CastCodec, Int8Codec, codec_for, dequantize_int8, quantize_int8
-from .layout import (
+from .scheme import (
     DEFAULT_BLOCK_SIZE,
     ENV_BLOCK_VAR,
     ENV_VAR,

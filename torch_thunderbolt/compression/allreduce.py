@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from .codecs import Codec, codec_for
 from .overlap import pipelined_all_reduce
 from .stages import Exchange, decode_result, encode_inputs, reduce_shard
-from .layout import DEFAULT_BLOCK_SIZE, PIECE_ELEMENTS, check_mode, chunk_layout, pipeline_pieces
+from .scheme import DEFAULT_BLOCK_SIZE, PIECE_ELEMENTS, check_mode, chunk_layout, pipeline_pieces
 
 
 def all_gather_fn():

@@ -16,7 +16,7 @@ from typing import Optional, Protocol
 import torch
 
 from ..errors import ConfigError
-from .layout import DEFAULT_BLOCK_SIZE, SCALE_BYTES, check_block_size, check_mode
+from .scheme import DEFAULT_BLOCK_SIZE, SCALE_BYTES, check_block_size, check_mode
 
 INT8_LEVELS = 127  # symmetric: -127..127, so +absmax and -absmax are both exact
 

@@ -22,7 +22,7 @@ import torch
 
 from .stages import Exchange, decode_result, encode_inputs, reduce_shard
 from .codecs import Codec
-from .layout import chunk_layout, pipeline_pieces
+from .scheme import chunk_layout, pipeline_pieces
 
 
 def exchange_order(pieces: int) -> list[tuple[str, int]]:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .allreduce import all_gather_fn
 from .stages import decode_result, encode_inputs, reduce_shard
 from .codecs import Codec
-from .layout import chunk_layout
+from .scheme import chunk_layout
 
 
 class OrderedLauncher:

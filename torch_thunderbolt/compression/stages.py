@@ -10,7 +10,7 @@ from typing import Optional, Protocol
 import torch
 
 from .codecs import Codec
-from .layout import ChunkLayout
+from .scheme import ChunkLayout
 
 
 class Exchange(Protocol):

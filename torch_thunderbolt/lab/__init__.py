@@ -4,7 +4,7 @@ One namespace per Mac, one veth pair per cable (own /30 each), tbf at the cable 
 forwarding through middle hosts for chains and rings. `plan_lab` is pure; `lab_up`/`lab_down` run it.
 """
 from .executor import CommandResult, LabCommandError, lab_down, lab_namespaces, lab_up, read_counters
-from .plan import Cable, LabPlan, Route, parse_rate, plan_lab
+from .blueprint import Cable, LabPlan, Route, parse_rate, plan_lab
 from .state import load_state
 from .view import Lab
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..errors import ConfigError, ThunderboltError
-from .plan import LabPlan, check_name, namespace_prefix, teardown_commands
+from .blueprint import LabPlan, check_name, namespace_prefix, teardown_commands
 from .state import load_state, remove_state, save_state
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Mapping
 
 from ..errors import ConfigError
-from .plan import Cable, LabPlan, Route, check_name
+from .blueprint import Cable, LabPlan, Route, check_name
 
 DEFAULT_STATE_DIR = "/run/torch-thunderbolt"
 STATE_DIR_ENV = "THUNDERBOLT_LAB_STATE_DIR"

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from ..errors import ConfigError
 from .executor import Runner, qdisc_kinds, read_counters, subprocess_runner
-from .plan import LabPlan
+from .blueprint import LabPlan
 from .state import load_state
 
 

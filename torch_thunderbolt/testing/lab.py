@@ -19,7 +19,7 @@ import uuid
 from typing import Iterator
 
 from torch_thunderbolt.lab.executor import lab_down, lab_up, running_as_root
-from torch_thunderbolt.lab.plan import plan_lab
+from torch_thunderbolt.lab.blueprint import plan_lab
 from torch_thunderbolt.lab.view import Lab
 
 from .ranks import Setup

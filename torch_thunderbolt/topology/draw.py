@@ -7,7 +7,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from .loops import BridgeLoop
 from .model import Cable, ClusterGraph
-from .plan import AddressPlan
+from .addressing import AddressPlan
 
 
 def _q(text: str) -> str:

@@ -12,7 +12,7 @@ from typing import Callable
 from ..errors import ConfigError, ThunderboltError
 from .discover import RunCommand
 from .model import Host, load_host_dump
-from .plan import Command
+from .addressing import Command
 
 SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
 NOT_FOUND = 127  # what a shell exits with when the program does not exist

@@ -7,7 +7,7 @@ from typing import Any
 from .graph import best_order, build_graph, classify
 from .loops import BridgeLoop, find_bridge_loops
 from .model import ClusterGraph, Host
-from .plan import DEFAULT_BASE, AddressPlan, Command, plan_addresses, plan_commands
+from .addressing import DEFAULT_BASE, AddressPlan, Command, plan_addresses, plan_commands
 from .speed import generation
 
 

@@ -30,12 +30,25 @@ from ..protocol.signature import describe_sig
 from .base import ANY_SOURCE, Link, LinkKind, Request, close_socket, remote_error
 from .engine import Transport
 from .failover import Fields, RxCount, StreamLog, is_link_failure
-from .layout import split_aligned
 
 log = logging.getLogger("torch_thunderbolt.tcp")
 OPS_REMEMBERED = 256  # a PING names an op the peer waits for now: one this far behind us is long settled
 _STAGING = 1 << 16
 ABORT_PAYLOAD = object()  # marks an inbound ABORT payload
+
+
+STRIPE_ALIGN = 4096  # striped parts start on page boundaries where the message allows it
+
+
+def split_aligned(nbytes: int, parts: int) -> list[tuple[int, int]]:
+    """How a large message is cut into `parts` (offset, length) pieces covering [0, nbytes), one per stream;
+    boundaries on STRIPE_ALIGN bytes when possible."""
+    if parts <= 1 or nbytes < parts * STRIPE_ALIGN:
+        return [(0, nbytes)]
+    per = (nbytes // parts) // STRIPE_ALIGN * STRIPE_ALIGN
+    out = [(i * per, per) for i in range(parts - 1)]
+    out.append(((parts - 1) * per, nbytes - (parts - 1) * per))
+    return out
 
 
 class Outgoing:

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from torch_thunderbolt.errors import ConfigError
-from torch_thunderbolt.lab.topology import forwarding_hosts, next_hops, subnet_routes, topology_edges
+from torch_thunderbolt.lab.cabling import forwarding_hosts, next_hops, subnet_routes, topology_edges
 
 
 def test_edges_per_topology():

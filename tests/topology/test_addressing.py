@@ -5,7 +5,7 @@ import pytest
 from torch_thunderbolt.errors import ConfigError
 from torch_thunderbolt.topology.graph import build_graph
 from torch_thunderbolt.topology.loops import find_bridge_loops
-from torch_thunderbolt.topology.plan import DEFAULT_BASE, plan_addresses, plan_commands
+from torch_thunderbolt.topology.addressing import DEFAULT_BASE, plan_addresses, plan_commands
 
 from .topo_fixtures import scenario_hosts
 

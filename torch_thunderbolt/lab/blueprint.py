@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError
-from .topology import forwarding_hosts, subnet_routes, topology_edges
+from .cabling import forwarding_hosts, subnet_routes, topology_edges
 
 DEFAULT_BASE = "10.213.0.0/16"
 CONGESTION_CONTROLS = ("reno", "bbr", "cubic")

@@ -3,7 +3,7 @@ import ipaddress
 import pytest
 
 from torch_thunderbolt.errors import ConfigError
-from torch_thunderbolt.lab.plan import parse_rate, plan_lab, tbf_burst_bytes, teardown_commands
+from torch_thunderbolt.lab.blueprint import parse_rate, plan_lab, tbf_burst_bytes, teardown_commands
 
 
 def _cmds(plan):
