@@ -28,6 +28,7 @@ LAYOUTS = {
     "3x2": [[0, 1], [2, 3], [4, 5]],
     "2x3": [[0, 1, 2], [3, 4, 5]],
     "2+1+2, leader not the lowest": [[1, 0], [2], [4, 3]],
+    "2x3, leader the highest": [[2, 0, 1], [5, 4, 3]],
 }
 # Small pieces and no one-shot path: every op above 64 bytes takes the hierarchical plan.
 CFG = Config(chunk_bytes=1024, small_bytes=64)

@@ -197,10 +197,10 @@ class Communicator:
             x.div_(self.world)
 
     def _hier_all_reduce(self, x: torch.Tensor, op: str, sig: int, deadline: float, what: OpLabel) -> None:
-        """Reduce within the host on its window, all-reduce among the hosts' leaders over the cables, then
-        the leader's result to its host's ranks on the window."""
+        """Reduce within the host to its leader on its window, all-reduce among the hosts' leaders over the
+        cables, then the leader's result to its host's ranks on the window."""
         win, n, es = self.window, x.numel(), x.element_size()
-        windowed.all_reduce(win, x, self._combiner(op, x.dtype), sig, deadline, what)
+        windowed.reduce(win, x, self._leader, self._combiner(op, x.dtype), sig, deadline, what)
         plan = self._plan(("ar-cables", n, es), lambda: hierarchy.cable_allreduce(
             self.rank, self.shape.groups, n, select.chunk_elems(self.cfg, es), self.shape.is_line))
         self._cables(plan, {"in": x, "out": x}, op, x, sig, deadline, what)
@@ -256,12 +256,13 @@ class Communicator:
             self._run(plan, "all_gather", {"out": out}, None, out, count=sum(counts), layout=tuple(counts))
 
     def _hier_all_gather(self, out: torch.Tensor, counts: list[int], sig: int, deadline: float, what: OpLabel) -> None:
-        """The host's blocks to each other on the window, whole host blocks among the leaders over the
+        """The host's blocks to its leader on the window, whole host blocks among the leaders over the
         cables, then the leader's full result to its host's ranks on the window."""
         win, es = self.window, out.element_size()
         starts = offsets(counts)
         raw = _bytes(out)
-        windowed.all_gather(win, raw, [(starts[p] * es, counts[p] * es) for p in win.members], sig, deadline, what)
+        windowed.gather(win, raw, [(starts[p] * es, counts[p] * es) for p in win.members], self._leader, sig,
+                        deadline, what)
         plan = self._plan(("ag-cables", tuple(counts), es), lambda: hierarchy.cable_all_gather(
             self.rank, self.shape.groups, counts, select.chunk_elems(self.cfg, es)))
         self._cables(plan, {"out": out}, None, out, sig, deadline, what)
@@ -283,12 +284,12 @@ class Communicator:
 
     def _hier_reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, counts: list[int], op: str, sig: int,
                              deadline: float, what: OpLabel) -> None:
-        """Reduce a working copy within the host on its window, reduce-scatter whole host blocks among the
-        leaders over the cables, then the leader's host blocks to its host's ranks on the window."""
+        """Reduce a working copy within the host to its leader on its window, reduce-scatter whole host blocks
+        among the leaders over the cables, then the leader's host blocks to its host's ranks on the window."""
         win, es = self.window, x.element_size()
         starts = offsets(counts)
         work = self._tmp_full(x)
-        windowed.all_reduce(win, work, self._combiner(op, x.dtype), sig, deadline, what)
+        windowed.reduce(win, work, self._leader, self._combiner(op, x.dtype), sig, deadline, what)
         plan = self._plan(("rs-cables", tuple(counts), es), lambda: hierarchy.cable_reduce_scatter(
             self.rank, self.shape.groups, counts, select.chunk_elems(self.cfg, es)))
         self._cables(plan, {"in": work, "out": work}, op, x, sig, deadline, what)

@@ -81,7 +81,10 @@ def broadcast_plan(cfg: Config, rank: int, world: int, root: int, count: int, el
     if cfg.algo != "chain" and (world <= 2 or _small(cfg, count * elem)):
         return direct.flat_broadcast(rank, world, root, count)
     chunk = chunk_elems(cfg, elem, count)
-    if cfg.algo == "auto" and 1 < len(shape.groups) < world:
+    # Up to a few pipeline pieces, the cables first, then each host on its own (its window, where it has
+    # one): a larger message is better pipelined through every rank, each cable crossed once, below.
+    if (cfg.algo == "auto" and 1 < len(shape.groups) < world
+            and count * elem <= cfg.chunk_bytes * MIN_PIPELINE_PIECES):
         return hierarchy.hierarchical_broadcast(rank, shape.groups, root, count, chunk, line=shape.is_line)
     if cfg.algo != "chain" and not shape.is_line and world >= 3 and count >= 2:
         return chain.two_way_ring_broadcast(rank, shape.order, root, count, chunk)

@@ -22,7 +22,12 @@ broadcast: the root copies a round into its buffer and posts; the others copy it
 wait for them at the end: it checks their op words when its next windowed op starts (`settle`).
 
 all_gather: every rank copies a buffer's worth of its block into its buffer and posts; the others copy it
-out (the per-host phase of a multi-host all_gather).
+out.
+
+reduce and gather (to a root: the first per-host phase of a multi-host op): every other rank copies a
+buffer's worth into its buffer and posts; the root posts its op word, then combines (or copies) theirs
+straight out of the peers' buffers into its own tensor. The other ranks return without waiting for the
+root: they read nothing of it, and the root checks their op words.
 
 reduce_scatter: like all_reduce's first two steps, with each rank's block (uneven blocks allowed) in
 place of its slice, and the result written straight into the output: nothing to copy out.
@@ -233,6 +238,86 @@ def all_gather(win: Window, x: torch.Tensor, blocks: list[tuple[int, int]], sig:
         m = max(0, min(cap, m - lo))
         _view(win, r, k, torch.uint8)[:m].copy_(x[s + lo : s + lo + m])
         win.post(STEPS * g + ARRIVED, k, word)
+        win.wait(STEPS * g + ARRIVED, others, deadline, what)
+        _check_words(win, others, k, word)
+        for p in others:
+            s, m = blocks[p]
+            m = max(0, min(cap, m - lo))
+            x[s + lo : s + lo + m].copy_(_view(win, p, k, torch.uint8)[:m])
+        win.post(STEPS * g + DONE)
+
+
+def reduce(win: Window, x: torch.Tensor, root: int, combine: Combiner, sig: int, deadline: float,
+           what: object) -> None:
+    """The root's 1-D contiguous `x` = the reduction (`combine`) of every member's `x`, in rank order so
+    the bits are what a reduce over the members in any other form gives; the others' `x` are untouched."""
+    n, r = win.world, win.rank
+    if n == 1:
+        return
+    settle(win, deadline, what)
+    cap = win.nbytes // x.element_size()
+    if cap == 0:
+        raise ValueError(f"the shared window ({win.nbytes} bytes) is too small for {x.dtype}")
+    total = x.numel()
+    rounds = max(1, -(-total // cap))
+    word = op_word(sig)
+    others = win.others
+    base = win.rounds
+    for t in range(rounds):
+        g = base + t
+        k = g % BUFFERS
+        lo = t * cap
+        m = max(0, min(cap, total - lo))
+        if r != root:
+            # Every peer, not only the root, must be done with the buffer's last round: a broadcast root of
+            # an earlier op may still have to check this buffer's word (see `settle`).
+            win.wait(free_step(g), others, deadline, what)
+            _view(win, r, k, x.dtype)[:m].copy_(x[lo : lo + m])
+            win.post(STEPS * g + DONE, k, word)  # reads nothing of anyone's: done with the round at once
+            continue
+        win.wait(free_step(g), others, deadline, what)
+        mine = x[lo : lo + m]
+        if root >= 2:  # the sum of positions 0..root-1 lands in x before x's own turn: keep a copy of it
+            mine = _view(win, r, k, x.dtype)[:m]
+            mine.copy_(x[lo : lo + m])
+        # The root announces the op too: a peer that waits for it in another op finds the mismatch then.
+        win.post(STEPS * g + ARRIVED, k, word)
+        win.wait(STEPS * g + ARRIVED, others, deadline, what)
+        _check_words(win, others, k, word)
+        dest = x[lo : lo + m]
+        acc = mine if root == 0 else _view(win, 0, k, x.dtype)[:m]
+        for p in range(1, n):
+            combine(dest, acc, mine if p == root else _view(win, p, k, x.dtype)[:m])
+            acc = dest
+        win.post(STEPS * g + DONE)
+
+
+def gather(win: Window, x: torch.Tensor, blocks: list[tuple[int, int]], root: int, sig: int, deadline: float,
+           what: object) -> None:
+    """Every member's block of `x` (1-D contiguous uint8; `blocks[p]` = (start, length) in bytes, each
+    member holding its own) into the root's `x`."""
+    n, r = win.world, win.rank
+    if n == 1:
+        return
+    settle(win, deadline, what)
+    cap = win.nbytes
+    rounds = max(1, -(-max((m for _, m in blocks), default=0) // cap))
+    word = op_word(sig)
+    others = win.others
+    base = win.rounds
+    for t in range(rounds):
+        g = base + t
+        k = g % BUFFERS
+        lo = t * cap
+        if r != root:
+            win.wait(free_step(g), others, deadline, what)  # see reduce
+            s, m = blocks[r]
+            m = max(0, min(cap, m - lo))
+            _view(win, r, k, torch.uint8)[:m].copy_(x[s + lo : s + lo + m])
+            win.post(STEPS * g + DONE, k, word)
+            continue
+        win.wait(free_step(g), others, deadline, what)
+        win.post(STEPS * g + ARRIVED, k, word)  # announced, as in reduce
         win.wait(STEPS * g + ARRIVED, others, deadline, what)
         _check_words(win, others, k, word)
         for p in others:
