@@ -13,6 +13,7 @@ from torch_thunderbolt.algorithms import hierarchy
 from torch_thunderbolt.algorithms import reference as ref
 from torch_thunderbolt.algorithms.collectives import Communicator
 from torch_thunderbolt.algorithms.plan import RECV, SEND
+from torch_thunderbolt.algorithms.select import MIN_PIPELINE_PIECES
 from torch_thunderbolt.algorithms.shape import Shape
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import MismatchError, PeerLostError
@@ -72,7 +73,8 @@ def every_op(comm: Communicator) -> dict:
     """Each hierarchical collective on a few sizes and dtypes; what the window and the links saw."""
     w, r = comm.world, comm.rank
     out: dict = {"ar": [], "bc": [], "ag": [], "rs": []}
-    roots = 0  # bytes this rank sent as a broadcast root (a root feeds the cables itself)
+    roots = 0  # bytes this rank sent as a broadcast root (a root feeds the cables itself), or in a broadcast
+    # too large for the hierarchical form (pipelined through every rank by design: select.broadcast_plan)
     for seed, (n, dt) in enumerate([(w, torch.int64), (301, torch.int64), (1000, torch.float32),
                                     (4099, torch.float64)]):
         x = make_input(r, n, dt, seed)
@@ -81,7 +83,8 @@ def every_op(comm: Communicator) -> dict:
         y = make_input(r, n, dt, seed + 1)
         before = comm.t.bytes_sent
         comm.broadcast(y, (seed * 5) % w)
-        roots += comm.t.bytes_sent - before if r == (seed * 5) % w else 0
+        ring = n * y.element_size() > CFG.chunk_bytes * MIN_PIPELINE_PIECES
+        roots += comm.t.bytes_sent - before if r == (seed * 5) % w or ring else 0
         out["bc"].append(y)
         counts = [n // w + (q % 2) * (seed + 1) for q in range(w)]
         ag = torch.empty(sum(counts), dtype=dt)
