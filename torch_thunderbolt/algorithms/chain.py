@@ -38,25 +38,28 @@ def add_line_broadcast(plan: Plan, line: list[int], root: int, count: int, chunk
             plan.send(nxt, "out", off, n, msg0 + j, deps)
 
 
-def add_line_reduce(plan: Plan, line: list[int], root: int, count: int, chunk: int) -> dict[int, int]:
-    """Reduce "in" of every rank into "out" on root; "in" of other ranks is not modified.
+def add_line_reduce(plan: Plan, line: list[int], root: int, count: int, chunk: int, base: int = 0,
+                    msg0: int = 0, tmp0: int = 0) -> dict[int, int]:
+    """Reduce "in"[base : base + count] of every rank into "out" on root; "in" of other ranks is not
+    modified. Scratch from `tmp0` on, message ids from `msg0` on (for several reductions in one plan).
     Returns, per chunk, the step that finishes it on the root (or that last read it elsewhere)."""
     towards, away = _towards_and_away(line, plan.rank, root)
-    plan.tmp = max(plan.tmp, count * max(1, len(away)))
+    plan.tmp = max(plan.tmp, tmp0 + count * max(1, len(away)))
     done: dict[int, int] = {}
-    for j, (off, n) in enumerate(chunks(0, count, chunk)):
+    for j, (off, n) in enumerate(chunks(base, count, chunk)):
+        rel = tmp0 + off - base
         if not away:  # a line end: send our own data
-            done[j] = plan.send(towards, "in", off, n, j)
+            done[j] = plan.send(towards, "in", off, n, msg0 + j)
             continue
-        recvs = [plan.recv(src, "tmp", k * count + off, n, j) for k, src in enumerate(away)]
+        recvs = [plan.recv(src, "tmp", k * count + rel, n, msg0 + j) for k, src in enumerate(away)]
         if towards is None:  # root: out ⊕= every branch's partial
             last = None
             for k, r in enumerate(recvs):
-                last = plan.reduce("out", off, "tmp", k * count + off, n, (r,) if last is None else (r, last))
+                last = plan.reduce("out", off, "tmp", k * count + rel, n, (r,) if last is None else (r, last))
             done[j] = last
         else:  # middle: partial ⊕= own data, pass it on
-            red = plan.reduce("tmp", off, "in", off, n, (recvs[0],))
-            done[j] = plan.send(towards, "tmp", off, n, j, (red,))
+            red = plan.reduce("tmp", rel, "in", off, n, (recvs[0],))
+            done[j] = plan.send(towards, "tmp", rel, n, msg0 + j, (red,))
     return done
 
 
@@ -105,4 +108,30 @@ def chain_allreduce(rank: int, line: list[int], count: int, chunk: int) -> Plan:
     else:  # our "in" is our "out": a result chunk may land only after we sent our partial of it
         add_line_broadcast(plan, line, root, count, chunk, msg0=n_chunks,
                            after={j: (s,) for j, s in done.items()})
+    return plan
+
+
+def line_all_gather(rank: int, line: list[int], segs: list[tuple[int, int]], chunk: int) -> Plan:
+    """Every rank's segment of "out" (in place there) to every rank along the line, out along both
+    branches from its owner, pipelined: a cable carries, each way, the segments of the ranks behind it, as
+    little as any algorithm can move over it. `segs` by rank."""
+    plan = Plan(rank, len(line), "line")
+    msg = 0
+    for owner in line:  # one order on every rank: pairwise message order holds
+        off, n = segs[owner]
+        add_line_broadcast(plan, line, owner, n, chunk, msg0=msg, base=off)
+        msg += len(chunks(off, n, chunk))
+    return plan
+
+
+def line_reduce_scatter(rank: int, line: list[int], segs: list[tuple[int, int]], chunk: int) -> Plan:
+    """Each rank's segment reduced onto it along the line, in from both branches, pipelined (the mirror of
+    `line_all_gather`). "in" and "out" alias one working copy: a rank writes only its own segment."""
+    plan = Plan(rank, len(line), "line")
+    msg = tmp = 0
+    for owner in line:
+        off, n = segs[owner]
+        add_line_reduce(plan, line, owner, n, chunk, base=off, msg0=msg, tmp0=tmp)
+        msg += len(chunks(off, n, chunk))
+        tmp = plan.tmp
     return plan

@@ -7,6 +7,7 @@ computes bit-identical results.
 from __future__ import annotations
 
 from .plan import Plan
+from .segments import chunks, split_even
 
 Segments = list[tuple[int, int]]
 
@@ -80,6 +81,28 @@ def flat_broadcast(rank: int, world: int, root: int, count: int) -> Plan:
             plan.send((root + k) % world, "out", 0, count, 0)
     elif world > 1:
         plan.recv(root, "out", 0, count, 0)
+    return plan
+
+
+def scatter_forward_broadcast(rank: int, world: int, root: int, count: int, chunk: int) -> Plan:
+    """For a full mesh of cables: the root sends piece i of the message to the i-th other rank, each over
+    its own cable, and every rank forwards its piece, chunk by chunk, to all the others: each of the root's
+    cables carries 1/(W-1) of the message, so the root sends it in 1/(W-1) of the time one cable takes."""
+    plan = Plan(rank, world, "scatter+fwd")
+    others = [(root + k) % world for k in range(1, world)]
+    msg = 0
+    for owner, (off, n) in zip(others, split_even(count, len(others))):
+        for j, (coff, cn) in enumerate(chunks(off, n, chunk)):
+            if rank == root:
+                plan.send(owner, "out", coff, cn, msg + j)
+            elif rank == owner:
+                got = plan.recv(root, "out", coff, cn, msg + j)
+                for p in others:
+                    if p != owner:
+                        plan.send(p, "out", coff, cn, msg + j, (got,))
+            else:
+                plan.recv(owner, "out", coff, cn, msg + j)
+        msg += len(chunks(off, n, chunk))
     return plan
 
 

@@ -107,13 +107,42 @@ def merge(a: Plan, b: Plan) -> Plan:
     return out
 
 
+def reversed_ring(order: list[int]) -> list[int]:
+    """The same ring, travelled the other way round (same first rank)."""
+    return [order[0]] + order[1:][::-1]
+
+
 def bidirectional_ring_allreduce(rank: int, order: list[int], count: int, chunk: int) -> Plan:
     """Half the data around the ring one way, half the other way: every cable busy in both directions."""
     half = count // 2
     segs_a = [(o, n) for o, n in split_even(half, len(order))]
     segs_b = [(half + o, n) for o, n in split_even(count - half, len(order))]
     fwd = ring_allreduce(rank, order, segs_a, chunk)
-    back = ring_allreduce(rank, [order[0]] + order[1:][::-1], segs_b, chunk)
+    back = ring_allreduce(rank, reversed_ring(order), segs_b, chunk)
     plan = merge(fwd, back)
+    plan.algo = "biring"
+    return plan
+
+
+def _halves(segs: Segments) -> tuple[Segments, Segments]:
+    """Each segment cut in two: its first halves, and its second halves."""
+    return [(o, n // 2) for o, n in segs], [(o + n // 2, n - n // 2) for o, n in segs]
+
+
+def bidirectional_ring_all_gather(rank: int, order: list[int], segs: Segments, chunk: int) -> Plan:
+    """`ring_all_gather` with each segment's first half travelling one way round and its second half the
+    other: both directions of every cable carry (W-1)/2W of the output, where one way leaves one idle."""
+    first, second = _halves(segs)
+    plan = merge(ring_all_gather(rank, order, first, chunk),
+                 ring_all_gather(rank, reversed_ring(order), second, chunk))
+    plan.algo = "biring"
+    return plan
+
+
+def bidirectional_ring_reduce_scatter(rank: int, order: list[int], segs: Segments, chunk: int) -> Plan:
+    """`ring_reduce_scatter` with the halves of each segment reduced in opposite directions round the ring."""
+    first, second = _halves(segs)
+    plan = merge(ring_reduce_scatter(rank, order, first, chunk),
+                 ring_reduce_scatter(rank, reversed_ring(order), second, chunk))
     plan.algo = "biring"
     return plan

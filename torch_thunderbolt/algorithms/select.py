@@ -57,24 +57,54 @@ def allreduce_plan(cfg: Config, rank: int, world: int, count: int, elem: int, sh
     return ring.ring_allreduce(rank, shape.order, split_even(count, world), chunk)
 
 
+def _block_algo(cfg: Config, world: int, counts: list[int], shape: Shape) -> str:
+    """How a large all_gather or reduce_scatter moves its blocks over the cables: "line" along a chain
+    (each block out from, or in to, its owner along both branches), "direct" on a full mesh of four or
+    more (one hop over each pair's own cable), "biring" round a ring (half of each block each way), "ring"
+    otherwise. Each keeps every cable of the least cabled rank busy in both directions."""
+    if cfg.algo != "auto":
+        return {"chain": "line"}.get(cfg.algo, cfg.algo)
+    if shape.is_line:
+        return "line"
+    if shape.kind == "mesh" and world >= 4:
+        return "direct"
+    return "biring" if world >= 3 and min(counts) >= 2 else "ring"
+
+
 def reduce_scatter_plan(cfg: Config, rank: int, world: int, counts: list[int], elem: int,
                         shape: Shape) -> tuple[Plan, bool]:
-    """Returns (plan, in_place): ring plans reduce a full copy in "out"; direct ones read "in"."""
+    """Returns (plan, in_place): ring and line plans reduce a full copy in "out"; direct ones read "in"."""
     segs = list(zip(offsets(counts), counts))
     if world == 1 or _small(cfg, sum(counts) * elem):
         return direct.direct_reduce_scatter(rank, world, segs), False
+    chunk = chunk_elems(cfg, elem)
     if _hierarchical(cfg, world, shape):
-        return hierarchy.hierarchical_reduce_scatter(rank, shape.groups, counts, chunk_elems(cfg, elem)), True
-    return ring.ring_reduce_scatter(rank, shape.order, segs, chunk_elems(cfg, elem)), True
+        return hierarchy.hierarchical_reduce_scatter(rank, shape.groups, counts, chunk), True
+    algo = _block_algo(cfg, world, counts, shape)
+    if algo == "direct":
+        return direct.direct_reduce_scatter(rank, world, segs), False
+    if algo == "line":
+        return chain.line_reduce_scatter(rank, _line_from(shape, shape.order[0]), segs, chunk), True
+    if algo == "biring":
+        return ring.bidirectional_ring_reduce_scatter(rank, shape.order, segs, chunk), True
+    return ring.ring_reduce_scatter(rank, shape.order, segs, chunk), True
 
 
 def all_gather_plan(cfg: Config, rank: int, world: int, counts: list[int], elem: int, shape: Shape) -> Plan:
     segs = list(zip(offsets(counts), counts))
     if world == 1 or _small(cfg, sum(counts) * elem):
         return direct.direct_all_gather(rank, world, segs)
+    chunk = chunk_elems(cfg, elem)
     if _hierarchical(cfg, world, shape):
-        return hierarchy.hierarchical_all_gather(rank, shape.groups, counts, chunk_elems(cfg, elem))
-    return ring.ring_all_gather(rank, shape.order, segs, chunk_elems(cfg, elem))
+        return hierarchy.hierarchical_all_gather(rank, shape.groups, counts, chunk)
+    algo = _block_algo(cfg, world, counts, shape)
+    if algo == "direct":
+        return direct.direct_all_gather(rank, world, segs)
+    if algo == "line":
+        return chain.line_all_gather(rank, _line_from(shape, shape.order[0]), segs, chunk)
+    if algo == "biring":
+        return ring.bidirectional_ring_all_gather(rank, shape.order, segs, chunk)
+    return ring.ring_all_gather(rank, shape.order, segs, chunk)
 
 
 def broadcast_plan(cfg: Config, rank: int, world: int, root: int, count: int, elem: int, shape: Shape) -> Plan:
@@ -86,6 +116,9 @@ def broadcast_plan(cfg: Config, rank: int, world: int, root: int, count: int, el
     if (cfg.algo == "auto" and 1 < len(shape.groups) < world
             and count * elem <= cfg.chunk_bytes * MIN_PIPELINE_PIECES):
         return hierarchy.hierarchical_broadcast(rank, shape.groups, root, count, chunk, line=shape.is_line)
+    if cfg.algo == "auto" and shape.kind == "mesh" and world >= 4 and count >= world:
+        # every cable of the root at once (a ring would use two of them)
+        return direct.scatter_forward_broadcast(rank, world, root, count, chunk)
     if cfg.algo != "chain" and not shape.is_line and world >= 3 and count >= 2:
         return chain.two_way_ring_broadcast(rank, shape.order, root, count, chunk)
     return chain.chain_broadcast(rank, _line_from(shape, root), root, count, chunk)
