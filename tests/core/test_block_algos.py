@@ -51,6 +51,8 @@ def test_block_plans_keep_pairwise_order_and_use_only_cabled_neighbours(world: i
             assert talks_only_to(p, shape.neighbours[p.rank]), (build.__name__, p.rank)
     for root in range(world):
         check_pairwise_order([direct.scatter_forward_broadcast(r, world, root, 1000, CHUNK) for r in range(world)])
+    for count in (world, 1001, sum(counts)):
+        check_pairwise_order([direct.mesh_allreduce(r, world, count) for r in range(world)])
 
 
 def test_a_line_moves_over_each_cable_no_more_than_the_blocks_behind_it() -> None:
@@ -97,7 +99,9 @@ def test_results_are_exact_on_every_shape(kind: str, world: int) -> None:
             comm.reduce_scatter(rs, make_input(comm.rank, sum(counts), dt, seed + 1), counts, "sum")
             bc = make_input(comm.rank, n, dt, seed + 2)
             comm.broadcast(bc, seed % world)
-            out.append((ag, rs, bc))
+            ar = make_input(comm.rank, n, dt, seed + 3)
+            comm.all_reduce(ar, "sum")
+            out.append((ag, rs, bc, ar))
         return out
 
     got = memory_world(world, body, cfg)
@@ -106,8 +110,11 @@ def test_results_are_exact_on_every_shape(kind: str, world: int) -> None:
         want_ag = torch.cat([make_input(r, counts[r], dt, seed) for r in range(world)])
         want_rs = ref.reduce_scatter([make_input(r, sum(counts), dt, seed + 1) for r in range(world)], "sum", counts)
         want_bc = make_input(seed % world, n, dt, seed + 2)
+        want_ar = ref.reduce_all([make_input(r, n, dt, seed + 3) for r in range(world)], "sum")
         for r in range(world):
-            ag, rs, bc = got[r][seed]
+            ag, rs, bc, ar = got[r][seed]
+            assert torch.allclose(ar.double(), want_ar.double(), rtol=1e-5, atol=1e-3), (kind, world, n, r)
+            assert torch.equal(ar, got[0][seed][3]), "all_reduce must give the same bits on every rank"
             assert torch.equal(ag, want_ag), (kind, world, n, r)
             assert torch.allclose(rs.double(), want_rs[r].double(), rtol=1e-5, atol=1e-3), (kind, world, n, r)
             assert torch.equal(bc, want_bc), (kind, world, n, r)
@@ -122,5 +129,6 @@ def test_auto_lays_the_blocks_on_the_cables() -> None:
     assert select.all_gather_plan(cfg, 0, 4, big, 4, Shape.full(4)).algo == "direct"
     assert select.reduce_scatter_plan(cfg, 0, 4, big, 4, Shape.full(4)) [0].algo == "direct"
     assert select.broadcast_plan(cfg, 0, 4, 0, 1 << 20, 4, Shape.full(4)).algo == "scatter+fwd"
+    assert select.allreduce_plan(cfg, 0, 4, 1 << 20, 4, Shape.full(4)).algo == "mesh"
     assert select.all_gather_plan(cfg, 0, 2, big[:2], 4, Shape.full(2)).algo == "ring"
     assert select.all_gather_plan(Config(algo="ring"), 0, 4, big, 4, Shape.full(4)).algo == "ring"

@@ -52,6 +52,8 @@ def allreduce_plan(cfg: Config, rank: int, world: int, count: int, elem: int, sh
         return hierarchy.hierarchical_allreduce(rank, shape.groups, count, chunk, line=shape.is_line)
     if cfg.algo == "chain" or (cfg.algo == "auto" and shape.is_line):
         return chain.chain_allreduce(rank, shape.order, count, chunk_elems(cfg, elem, count))
+    if cfg.algo == "auto" and shape.kind == "mesh" and world >= 4:  # one hop over every cable
+        return direct.mesh_allreduce(rank, world, count)
     if cfg.algo == "biring" or (cfg.algo == "auto" and world > 2 and count >= 2 * world):
         return ring.bidirectional_ring_allreduce(rank, shape.order, count, chunk)
     return ring.ring_allreduce(rank, shape.order, split_even(count, world), chunk)
