@@ -21,9 +21,6 @@ instead of three.
 broadcast: the root copies a round into its buffer and posts; the others copy it out. The root does not
 wait for them at the end: it checks their op words when its next windowed op starts (`settle`).
 
-all_gather: every rank copies a buffer's worth of its block into its buffer and posts; the others copy it
-out.
-
 reduce and gather (to a root: the first per-host phase of a multi-host op): every other rank copies a
 buffer's worth into its buffer and posts; the root posts its op word, then combines (or copies) theirs
 straight out of the peers' buffers into its own tensor. The other ranks return without waiting for the
@@ -214,37 +211,6 @@ def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float
     # window reads that off the root's counter: `Window.unchecked`): no rank writes that buffer's word
     # again before our DONE (a rank writes a buffer's word only after the step that frees it, or after
     # its root's post).
-
-
-def all_gather(win: Window, x: torch.Tensor, blocks: list[tuple[int, int]], sig: int, deadline: float,
-               what: object) -> None:
-    """Every member's block of `x` (1-D contiguous uint8; `blocks[p]` = (start, length) in bytes of member
-    p's block, which it holds already) to every member, a buffer's worth of each block per round."""
-    n, r = win.world, win.rank
-    if n == 1:
-        return
-    settle(win, deadline, what)
-    cap = win.nbytes
-    rounds = max(1, -(-max((m for _, m in blocks), default=0) // cap))
-    word = op_word(sig)
-    others = win.others
-    base = win.rounds
-    for t in range(rounds):
-        g = base + t
-        k = g % BUFFERS
-        lo = t * cap
-        win.wait(free_step(g), others, deadline, what)
-        s, m = blocks[r]
-        m = max(0, min(cap, m - lo))
-        _view(win, r, k, torch.uint8)[:m].copy_(x[s + lo : s + lo + m])
-        win.post(STEPS * g + ARRIVED, k, word)
-        win.wait(STEPS * g + ARRIVED, others, deadline, what)
-        _check_words(win, others, k, word)
-        for p in others:
-            s, m = blocks[p]
-            m = max(0, min(cap, m - lo))
-            x[s + lo : s + lo + m].copy_(_view(win, p, k, torch.uint8)[:m])
-        win.post(STEPS * g + DONE)
 
 
 def reduce(win: Window, x: torch.Tensor, root: int, combine: Combiner, sig: int, deadline: float,

@@ -80,7 +80,7 @@ def new_with_dead_creator(before: set[str]) -> list[str]:
     left = []
     for name in segments_and_doorbells() - before:
         pid = shm_segment.creator_pid(name.removesuffix(".sock"))
-        if pid is None or not _alive(pid):
+        if pid is None or not shm_segment.process_alive(pid):
             left.append(name)
     return sorted(left)
 
@@ -144,16 +144,6 @@ def session_leftovers(before: Snapshot, run_dir: Path) -> dict[str, list[str]]:
         "lab namespaces": settled(lambda: sorted(lab_namespaces() - before.namespaces)),
         "shared-memory segments": settled(lambda: sorted(shm_entries() - before.shm)),
     }
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _cmdline(p: psutil.Process) -> list[str]:

@@ -65,7 +65,8 @@ def _start_time(pid: int) -> float | None:
         return None
 
 
-def _alive(pid: int, started: float | None = None) -> bool:
+def process_alive(pid: int, started: float | None = None) -> bool:
+    """Whether process `pid` exists (and, given its start time, is still the same process)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -187,7 +188,7 @@ def cleanup_stale_segments(plat: Platform | None = None) -> list[str]:
                 info = json.loads(marker.read_text() or "{}")
             except (OSError, ValueError):
                 info = {}
-            if _alive(pid, info.get("started")):
+            if process_alive(pid, info.get("started")):
                 continue
             _unlink_name(marker.name, Path(info["path"]) if info.get("path") else None)
             try:
@@ -197,7 +198,7 @@ def cleanup_stale_segments(plat: Platform | None = None) -> list[str]:
             removed.append(marker.name)
         for sock in d.glob(f"{PREFIX}*.sock"):
             m = _SOCK_RE.match(sock.name)
-            if m and not _alive(int(m.group(1))):
+            if m and not process_alive(int(m.group(1))):
                 try:
                     sock.unlink()
                 except FileNotFoundError:
@@ -216,7 +217,7 @@ def _sweep_dev_shm(seen: set[str], plat: Platform | None = None) -> list[str]:
     out = []
     for entry in shm.iterdir():
         pid = creator_pid(entry.name)
-        if pid is None or entry.name in seen or _alive(pid):
+        if pid is None or entry.name in seen or process_alive(pid):
             continue
         _unlink_name(entry.name, None)
         out.append(entry.name)
