@@ -160,10 +160,13 @@ def test_cable_phases_are_the_middle_of_the_full_plans(layout: str) -> None:
     world = sum(map(len, groups))
     counts = [300 + r for r in range(world)]
     for r in range(world):
-        pairs = [(hierarchy.hierarchical_allreduce(r, groups, 5000, 100), hierarchy.cable_allreduce(r, groups, 5000, 100)),
-                 (hierarchy.hierarchical_broadcast(r, groups, 2, 5000, 100), hierarchy.cable_broadcast(r, groups, 2, 5000, 100, False))]
+        pairs = [(hierarchy.hierarchical_allreduce(r, groups, 5000, 100),
+                  hierarchy.cable_allreduce(r, groups, 5000, 100)),
+                 (hierarchy.hierarchical_broadcast(r, groups, 2, 5000, 100),
+                  hierarchy.cable_broadcast(r, groups, 2, 5000, 100, False))]
         if hierarchy.contiguous_hosts(groups):
-            pairs += [(hierarchy.hierarchical_all_gather(r, groups, counts, 100), hierarchy.cable_all_gather(r, groups, counts, 100)),
+            pairs += [(hierarchy.hierarchical_all_gather(r, groups, counts, 100),
+                       hierarchy.cable_all_gather(r, groups, counts, 100)),
                       (hierarchy.hierarchical_reduce_scatter(r, groups, counts, 100),
                        hierarchy.cable_reduce_scatter(r, groups, counts, 100))]
         host = next(g for g in groups if r in g)

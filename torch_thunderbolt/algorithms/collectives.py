@@ -183,8 +183,9 @@ class Communicator:
             x.mul_(premul)
         n, es = x.numel(), x.element_size()
         if self._flat:
+            combine = self._combiner(op, x.dtype)
             self._run_window(lambda sig, deadline, what: windowed.all_reduce(
-                self.window, x, self._combiner(op, x.dtype), sig, deadline, what, self.cfg.small_bytes), "all_reduce", x, count=n, op=op)
+                self.window, x, combine, sig, deadline, what, self.cfg.small_bytes), "all_reduce", x, count=n, op=op)
         else:
             plan = self._plan(("ar", n, es), lambda: select.allreduce_plan(
                 self.cfg, self.rank, self.world, n, es, self.shape))
@@ -274,8 +275,9 @@ class Communicator:
         if _overlap(out, x):  # the in-place form: out is this rank's slice of x, which peers still need
             x = x.clone()
         if self._flat:
+            combine = self._combiner(op, x.dtype)
             self._run_window(lambda sig, deadline, what: windowed.reduce_scatter(
-                self.window, out, x, counts, self._combiner(op, x.dtype), sig, deadline, what), "reduce_scatter", x, count=sum(counts),
+                self.window, out, x, counts, combine, sig, deadline, what), "reduce_scatter", x, count=sum(counts),
                 op=op, layout=tuple(counts))
         else:
             self._reduce_scatter_plan(out, x, counts, op)
