@@ -22,7 +22,6 @@ from ..transport.engine import Transport
 from .reduce_ops import Reducer
 
 SEND, RECV, REDUCE, COPY = 0, 1, 2, 3
-KIND_NAMES = ("send", "recv", "reduce", "copy")
 
 
 class Step(NamedTuple):
@@ -67,14 +66,6 @@ class Plan:
         if g is None or g.n != len(self.steps):
             g = self.__dict__["_graph"] = _Graph(self.steps)
         return g
-
-    def traffic(self) -> dict[int, int]:
-        """Elements this rank sends to each peer."""
-        out: dict[int, int] = {}
-        for s in self.steps:
-            if s.kind == SEND:
-                out[s.peer] = out.get(s.peer, 0) + s.n
-        return out
 
 
 class _Graph:

@@ -5,7 +5,6 @@ copied back in place when the op finishes.
 """
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -125,4 +124,3 @@ def rows_to_elems(t: torch.Tensor, splits: list[int] | None, world: int, what: s
     return [s * per_row for s in splits]
 
 
-WriteBack = Callable[[], None]

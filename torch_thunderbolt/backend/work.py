@@ -127,7 +127,3 @@ class Work(dist._Work):
         self.wait()
 
 
-def completed_work(what: str, result: Any = None) -> Work:
-    w = Work(what, result)
-    w.finish()
-    return w

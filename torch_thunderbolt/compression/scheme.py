@@ -27,7 +27,6 @@ ENV_BLOCK_VAR = "THUNDERBOLT_COMPRESSION_BLOCK"
 UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
 # Smallest positive subnormal / 2: the absolute error floor of one rounding near zero.
 ABS_ROUNDOFF = {"fp16": 2.0**-25, "bf16": 2.0**-134}
-FP16_MAX = 65504.0
 
 
 def check_mode(mode: str) -> str:
@@ -61,9 +60,6 @@ class ChunkLayout:
     @property
     def padded(self) -> int:
         return self.world_size * self.shard
-
-    def blocks_per_shard(self, block_size: int) -> int:
-        return math.ceil(self.shard / block_size) if self.shard else 0
 
 
 def chunk_layout(numel: int, world_size: int) -> ChunkLayout:

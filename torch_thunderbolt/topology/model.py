@@ -77,9 +77,6 @@ class Host:
                 return p
         raise ConfigError(f"host {self.name!r} has no Thunderbolt port {ifname_or_name!r}")
 
-    def uuids(self) -> set[str]:
-        return {p.uuid for p in self.ports if p.uuid}
-
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["format"] = DUMP_FORMAT

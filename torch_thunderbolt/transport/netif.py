@@ -86,13 +86,6 @@ def address_towards(host: str) -> str:
                               "set THUNDERBOLT_IFNAME") from exc
 
 
-def interface_of(address: str, table: Interfaces) -> str:
-    for name, addrs in table.items():
-        if address in addrs:
-            return name
-    return "?"
-
-
 def choose_addresses(ifnames: tuple[str, ...], store_host: str | None, table: Interfaces | None = None) -> list[str]:
     if ifnames:
         return resolve_ifnames(ifnames, table if table is not None else local_interfaces())
