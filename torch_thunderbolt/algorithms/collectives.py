@@ -21,6 +21,7 @@ from ..config import Config
 from ..protocol.signature import describe_sig, encode_sig
 from ..transport.engine import Transport
 from . import direct, hierarchy, select, windowed
+from .small import DirectAllReduce
 from .segments import offsets
 from .plan import Plan, run_plan
 from .reduce_ops import Combiner, Reducer, make_combiner, make_reducer
@@ -65,6 +66,7 @@ class Communicator:
         # costs a small op as much time as its sends.
         self._combiners: dict[tuple[str, torch.dtype], Combiner] = {}
         self._reducers: dict[tuple[str, torch.dtype], Reducer] = {}
+        self._small: dict[tuple[int, torch.dtype], DirectAllReduce] = {}  # small all_reduces' buffers, by size
         # The shared window of this host's ranks, if the transport has window memory for them. The windowed
         # collectives replace plans only when no algorithm is forced: over the whole group (`_flat`), or
         # for the per-host phases of hierarchical plans (`_per_host`: the window spans this host's ranks).
@@ -192,10 +194,34 @@ class Communicator:
             if self._per_host and plan.algo == "hier":
                 self._run_window(lambda sig, deadline, what: self._hier_all_reduce(x, op, sig, deadline, what),
                                  "all_reduce", x, count=n, op=op, cables=True)
+            elif plan.algo == "direct" and self.world > 1:
+                self._direct_all_reduce(x, op)
             else:
                 self._run(plan, "all_reduce", {"in": x, "out": x}, op, x, count=n)
         if op == "avg":
             x.div_(self.world)
+
+    def _direct_all_reduce(self, x: torch.Tensor, op: str) -> None:
+        """The direct plan's messages without its plan walk (see small.py)."""
+        n = x.numel()
+        key = (n, x.dtype)
+        small = self._small.get(key)
+        if small is None:
+            if len(self._small) > 64:
+                self._small.clear()
+            small = self._small[key] = DirectAllReduce(self.rank, self.world, n, x.dtype)
+        self.seq += 1
+        sig = self._sig("all_reduce", x, 0, n, op, None)
+        what = OpLabel("all_reduce", self.seq, x.dtype, n)
+        if self.cfg.debug:
+            log.debug("rank %d: op #%d %s, direct exchange, signature %016x", self.rank, self.seq,
+                      describe_sig(sig), sig)
+        try:
+            small.run(self.t, x, self._reducer(op, x.dtype), self.seq, sig, time.monotonic() + self.timeout, what)
+        except BaseException as exc:
+            self.t.abort(exc)  # as in _run: the group cannot be trusted any more
+            raise
+        self.t.retire(self.seq)
 
     def _hier_all_reduce(self, x: torch.Tensor, op: str, sig: int, deadline: float, what: OpLabel) -> None:
         """Reduce within the host to its leader on its window, all-reduce among the hosts' leaders over the

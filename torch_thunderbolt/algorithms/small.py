@@ -1,0 +1,51 @@
+"""The direct all_reduce of small messages, run without a plan walk.
+
+A small all_reduce is latency-bound: its data costs a few µs to move, and walking its plan (dependency
+counts, per-peer queues, a byte view per buffer, a scratch slice per op) cost as much again. This runs the
+same messages as `direct.direct_allreduce` (every rank sends its whole input to every other rank as message
+0 of the op, and reduces what it received in rank order, so every rank ends with the same bits), on
+receive buffers and byte views made once per message size and kept.
+
+A rank running this and a rank running the plan exchange the same frames, so the two can meet in one op.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..protocol.framing import Space
+from ..transport.engine import Transport
+from .plan import tensor_bytes
+from .reduce_ops import Reducer
+
+
+class DirectAllReduce:
+    """The receive slots of one message size: `slots[r]` holds rank r's contribution once it arrived."""
+
+    __slots__ = ("rank", "world", "to", "frm", "slots", "views")
+
+    def __init__(self, rank: int, world: int, count: int, dtype: torch.dtype) -> None:
+        self.rank, self.world = rank, world
+        # The plan's order: send to rank+1, rank+2, ...; receive from rank-1, rank-2, ...
+        self.to = [(rank + k) % world for k in range(1, world)]
+        self.frm = [(rank - k) % world for k in range(1, world)]
+        scratch = torch.empty(world * count, dtype=dtype)
+        self.slots = [scratch[r * count : (r + 1) * count] for r in range(world)]
+        self.views = {p: tensor_bytes(self.slots[p]) for p in self.frm}
+
+    def run(self, t: Transport, x: torch.Tensor, reduce: Reducer, tag: int, sig: int, deadline: float,
+            what: object) -> None:
+        """x := x_0 ⊕ x_1 ⊕ ... ⊕ x_{world-1} (rank order) on every rank, `x` being this rank's x_rank."""
+        key = (Space.COLL, tag, 0)
+        # Sends first, as the plan posts them: a rank that finds a mismatch in what arrived (and stops)
+        # has still sent its own part, so its peers find the mismatch too instead of waiting for it.
+        own = tensor_bytes(x)
+        reqs = [t.isend(p, key, own, sig) for p in self.to]
+        views = self.views
+        reqs += [t.irecv(p, key, views[p], sig) for p in self.frm]
+        t.wait(reqs, deadline, what)  # the sends too: they read `x`, which the reduction overwrites
+        slots = self.slots
+        if self.rank:
+            slots[self.rank].copy_(x)
+            x.copy_(slots[0])
+        for r in range(1, self.world):
+            reduce(x, slots[r])
