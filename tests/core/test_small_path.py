@@ -92,3 +92,55 @@ def test_a_peer_sending_another_size_is_a_mismatch_not_a_wrong_result() -> None:
     errors = memory_world(2, body, Config(), comm_timeout=5)
     assert "finished" not in errors
     assert all("mismatched operation" in e for e in errors), errors  # both see it, neither waits it out
+
+
+def _plans(rank: int, world: int, n: int):
+    segs = [(r * n, n) for r in range(world)]
+    return {
+        "all_reduce": direct.direct_allreduce(rank, world, n),
+        "reduce_scatter": direct.direct_reduce_scatter(rank, world, segs),
+        "all_gather": direct.direct_all_gather(rank, world, segs),
+        "broadcast": direct.flat_broadcast(rank, world, 1, n),
+        "reduce": direct.direct_reduce(rank, world, world - 1, n),
+        "all_to_all": direct.all_to_all(rank, world, segs, segs),
+        "gather": direct.gather(rank, world, 0, segs),
+        "scatter": direct.scatter(rank, world, world - 1, segs),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_phase_plans_run_without_the_walk_give_what_the_walk_gives(world: int) -> None:
+    from torch_thunderbolt.algorithms.plan import _Run
+
+    n = 50
+
+    def body(comm):
+        out = {}
+        for name, plan in _plans(comm.rank, comm.world, n).items():
+            assert plan.graph().one_phase, name
+            got = []
+            for walk in (False, True):
+                g = torch.Generator().manual_seed(comm.rank)
+                bufs = {"in": torch.randn(world * n, generator=g), "out": torch.randn(world * n, generator=g),
+                        "tmp": torch.zeros(max(plan.tmp, 1))}
+                comm.seq += 1
+                if walk:
+                    _Run(plan, comm.t, bufs, make_reducer("sum", torch.float32), comm.seq, 0).run(None, name)
+                else:
+                    run_plan(plan, comm.t, bufs, make_reducer("sum", torch.float32), tag=comm.seq)
+                comm.t.retire(comm.seq)
+                got.append(bufs["out"])
+            out[name] = got
+        return out
+
+    for r, res in enumerate(memory_world(world, body, Config())):
+        for name, (fast, walked) in res.items():
+            assert torch.equal(fast, walked), (name, r)
+
+
+def test_plans_with_dependent_messages_or_large_local_steps_keep_the_walk() -> None:
+    from torch_thunderbolt.algorithms import ring
+    from torch_thunderbolt.algorithms.segments import split_even
+
+    assert not ring.ring_allreduce(0, [0, 1, 2], split_even(3000, 3), 100).graph().one_phase
+    assert direct.direct_allreduce(0, 2, 1 << 20).graph().local_elems * 4 > (256 << 10)

@@ -22,6 +22,7 @@ from ..transport.engine import Transport
 from .reduce_ops import Reducer
 
 SEND, RECV, REDUCE, COPY = 0, 1, 2, 3
+ONE_PHASE_LOCAL_BYTES = 256 << 10  # see run_plan
 
 
 class Step(NamedTuple):
@@ -82,6 +83,14 @@ class _Graph:
             if s.kind in (SEND, RECV):  # per-peer FIFO, so posting order follows plan order
                 self.queues.setdefault((s.kind, s.peer), []).append(i)
         self.roots = [i for i, s in enumerate(steps) if not s.deps]
+        # One phase: every send and receive can be posted at once (none waits on another step). Such a plan
+        # runs as one post of every message, one wait and its local steps in plan order (a step's
+        # dependencies come before it); `_Run`'s bookkeeping would cost a small op as much as its data.
+        self.comm = [i for i, s in enumerate(steps) if s.kind in (SEND, RECV)]
+        self.local = [i for i, s in enumerate(steps) if s.kind not in (SEND, RECV)]
+        self.one_phase = all(not steps[i].deps for i in self.comm) and all(
+            d < i for i, s in enumerate(steps) for d in s.deps)
+        self.local_elems = sum(steps[i].n for i in self.local)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -164,9 +173,41 @@ class _Run:
                 todo.append(c)
 
 
+def _run_one_phase(plan: Plan, graph: _Graph, t: Transport, bufs: dict[str, torch.Tensor], reducer: Reducer,
+                   tag: int, sig: int, deadline: float | None, what: object) -> None:
+    """A one-phase plan: every message posted in plan order (so per peer too), one wait, then the local
+    steps in plan order (they wait for every message: run_plan sends here only plans with little local work)."""
+    steps = plan.steps
+    es = next(iter(bufs.values())).element_size()
+    views: dict[str, memoryview] = {}
+    reqs = []
+    for i in graph.comm:
+        s = steps[i]
+        view = views.get(s.buf)
+        if view is None:
+            view = views[s.buf] = tensor_bytes(bufs[s.buf])
+        part = view[s.off * es : (s.off + s.n) * es]
+        key = (Space.COLL, tag, s.msg)
+        reqs.append(t.isend(s.peer, key, part, sig) if s.kind == SEND else t.irecv(s.peer, key, part, sig))
+    t.wait(reqs, deadline, what)
+    for i in graph.local:
+        s = steps[i]
+        dst = bufs[s.buf][s.off : s.off + s.n]
+        src = bufs[s.src][s.src_off : s.src_off + s.n]
+        if s.kind == REDUCE:
+            reducer(dst, src)
+        else:
+            dst.copy_(src)
+
+
 def run_plan(plan: Plan, transport: Transport, bufs: dict[str, torch.Tensor], reducer: Reducer, *,
              tag: int, sig: int = 0, deadline: float | None = None, what: object = "") -> None:
     """Run `plan` on this rank. `bufs` maps buffer names to flat tensors of one dtype."""
     if not plan.steps:
         return
-    _Run(plan, transport, bufs, reducer, tag, sig).run(deadline, what)
+    graph = plan.graph()
+    # Local steps of more than a few pieces' worth of data: `_Run` overlaps them with what is still arriving.
+    if graph.one_phase and graph.local_elems * next(iter(bufs.values())).element_size() <= ONE_PHASE_LOCAL_BYTES:
+        _run_one_phase(plan, graph, transport, bufs, reducer, tag, sig, deadline, what)
+    else:
+        _Run(plan, transport, bufs, reducer, tag, sig).run(deadline, what)
