@@ -24,6 +24,7 @@ LINUX_TCP_USER_TIMEOUT = 18  # linux/tcp.h, for Pythons built without socket.TCP
 # macOS has no TCP_USER_TIMEOUT; TCP_RXT_CONNDROPTIME (netinet/tcp.h: 0x80, seconds) drops a connection
 # whose retransmissions go unanswered that long. Python's socket module does not name it.
 DARWIN_TCP_RXT_CONNDROPTIME = 0x80
+TCP_INFO_SND_WND = 228  # linux/tcp.h: offset of tcpi_snd_wnd in struct tcp_info
 
 # macOS tools by absolute path: a non-login ssh session's PATH may not hold them, and a user's PATH could
 # shadow them.
@@ -56,6 +57,11 @@ class Platform:
     # (level, option, milliseconds per unit) of the per-socket "unacknowledged data for this long = link lost"
     # option, or None where there is none.
     link_timeout: tuple[int, int, int] | None = None
+    # Whether that option also ends a connection whose peer is alive but keeps its receive window closed
+    # (a rank busy elsewhere does not read, and its stream parks a frame): Linux applies TCP_USER_TIMEOUT to
+    # zero-window probes, macOS's TCP_RXT_CONNDROPTIME counts retransmissions only. Where it does, the TCP
+    # links lift the option while the peer's window is closed (`peer_window`, transport/tcp.py).
+    timeout_on_closed_window: bool = False
     tcp_congestion: bool = False  # per-socket TCP_CONGESTION exists (THUNDERBOLT_CC works)
     # macOS 15+ "Local Network" privacy: connections to directly attached subnets fail with EHOSTUNREACH or
     # EPERM when the app the process runs under lacks the permission. Retrying cannot help.
@@ -73,13 +79,26 @@ class Platform:
                        loopback="lo", host_identity="boot-id+netns", has_proc=True, shm_list_dir="/dev/shm",
                        link_timeout=(socket.IPPROTO_TCP,
                                      getattr(socket, "TCP_USER_TIMEOUT", LINUX_TCP_USER_TIMEOUT), 1),
-                       tcp_congestion=True, local_network_privacy=False)
+                       timeout_on_closed_window=True, tcp_congestion=True, local_network_privacy=False)
         if name == "darwin":
             return cls(name="darwin", machine=machine, sockbuf_over_limit="enobufs", sockbuf_reported_factor=1,
                        loopback="lo0", host_identity="platform-uuid+boot-session", has_proc=False,
                        shm_list_dir=None, link_timeout=(socket.IPPROTO_TCP, DARWIN_TCP_RXT_CONNDROPTIME, 1000),
                        tcp_congestion=False, local_network_privacy=True)
         return cls(name=name, machine=machine)  # the BSDs and others: conservative defaults
+
+    def peer_window(self, sock: socket.socket) -> int | None:
+        """The receive window the peer of a TCP socket last advertised, in bytes (0: closed), or None where
+        this system does not tell (only Linux is asked: `tcpi_snd_wnd` of TCP_INFO, Linux 5.4 and later)."""
+        if self.name != "linux" or not hasattr(socket, "TCP_INFO"):
+            return None
+        try:
+            raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_SND_WND + 4)
+        except OSError:
+            return None
+        if len(raw) < TCP_INFO_SND_WND + 4:  # an older kernel's shorter struct
+            return None
+        return int.from_bytes(raw[TCP_INFO_SND_WND : TCP_INFO_SND_WND + 4], sys.byteorder)
 
     @property
     def is_x86(self) -> bool:

@@ -21,9 +21,10 @@ import socket
 import threading
 import time
 from collections import deque
+from typing import Any, Sequence
 
 from ..errors import MismatchError, ProtocolError, ThunderboltError
-from ..platform import SOCKET_IO_CAP
+from ..platform import SOCKET_IO_CAP, Platform, current
 from ..protocol.framing import (FRAME_HEADER_SIZE, Frame, FrameDecoder, Kind, Space, encode_control,
                                 encode_frame_header)
 from ..protocol.signature import describe_sig
@@ -32,6 +33,7 @@ from .engine import Transport
 from .failover import Fields, RxCount, StreamLog, is_link_failure
 
 log = logging.getLogger("torch_thunderbolt.tcp")
+WINDOW_LOOK = 0.1  # seconds between looks at a blocked stream's peer window (a getsockopt each)
 OPS_REMEMBERED = 256  # a PING names an op the peer waits for now: one this far behind us is long settled
 _STAGING = 1 << 16
 ABORT_PAYLOAD = object()  # marks an inbound ABORT payload
@@ -69,7 +71,7 @@ class Stream:
     """One socket to a peer and what is in flight on it."""
 
     __slots__ = ("sock", "fd", "peer", "stream", "addr", "local", "decoder", "sendq", "inbound", "parked", "bye",
-                 "staging", "dead", "log", "rx")
+                 "staging", "dead", "log", "rx", "lifted", "window_at")
 
     def __init__(self, sock: socket.socket, peer: int, stream: int, max_message: int) -> None:
         sock.setblocking(False)
@@ -88,6 +90,8 @@ class Stream:
         self.staging = bytearray(_STAGING)
         self.log: StreamLog | None = None  # set when failover is on for this peer
         self.rx: RxCount | None = None
+        self.lifted = False  # the link timeout is lifted while the peer's window is closed (TcpLinks.blocked)
+        self.window_at = 0.0  # when that window was last looked at
 
     @property
     def where(self) -> str:
@@ -199,6 +203,8 @@ class TcpLink(Link):
             try:
                 k = c.sock.sendmsg(bufs)
             except (BlockingIOError, InterruptedError):
+                if self.kind.guard_window:
+                    self.kind.blocked(c)
                 return moved
             except OSError as exc:
                 if c.parked is None and not c.bye:
@@ -206,6 +212,8 @@ class TcpLink(Link):
                 self.conn_error(c, exc)  # no-op if that read already failed the transport
                 return True
             moved = True
+            if c.lifted:  # the window opened again
+                self.kind.set_link_timeout(c, lifted=False)
             if out.sent == 0 and k and c.log is not None:  # its first byte is on this stream now
                 if out.fields is None:
                     c.log.control(hl)
@@ -421,8 +429,14 @@ class TcpLinks(LinkKind):
     name = "tcp"
 
     def __init__(self, conns: dict[int, list[socket.socket]], *, stripe_bytes: int = 256 << 10,
-                 max_message: int = 1 << 40, spin_us: int = 0, probe_after: float = 1.5) -> None:
+                 max_message: int = 1 << 40, spin_us: int = 0, probe_after: float = 1.5,
+                 plat: Platform | None = None, link_timeout: Sequence[tuple[int, int, int]] = ()) -> None:
         self.log = log
+        # Where the link timeout would also end a connection whose peer keeps its window closed, a stream
+        # whose sends find no room lifts it while that lasts (Platform.timeout_on_closed_window).
+        self.plat = plat or current()
+        self.link_timeout = list(link_timeout)
+        self.guard_window = self.plat.timeout_on_closed_window and bool(self.link_timeout)
         self.stripe_bytes = stripe_bytes
         self.links: dict[int, TcpLink] = {p: TcpLink(self, p, socks, max_message) for p, socks in conns.items()}
         self.spin = spin_us / 1e6
@@ -446,6 +460,32 @@ class TcpLinks(LinkKind):
             self._keeper = threading.Thread(target=self._keep_going, name=f"tb-failover-r{engine.rank}",
                                             daemon=True)
             self._keeper.start()
+
+    def blocked(self, c: Stream) -> None:
+        """A send on `c` found no room. If the peer's receive window is closed, the peer is alive (its kernel
+        answers our window probes) but not reading, maybe for long (a rank busy elsewhere, its frame
+        parked): lift the link timeout on `c` until data moves again, or the kernel would end the
+        connection after THUNDERBOLT_LINK_TIMEOUT_MS. Looked at once per WINDOW_LOOK seconds at most."""
+        if c.lifted:
+            return
+        now = time.monotonic()
+        if now - c.window_at < WINDOW_LOOK:
+            return
+        c.window_at = now
+        if self.plat.peer_window(c.sock) == 0:
+            self.set_link_timeout(c, lifted=True)
+
+    def set_link_timeout(self, c: Stream, lifted: bool) -> None:
+        """Lift the link timeout on `c` (0: the kernel's own limits), or put it back."""
+        for level, option, value in self.link_timeout:
+            try:
+                c.sock.setsockopt(level, option, 0 if lifted else value)
+            except OSError:  # a socket that just failed: its error reaches the engine through the next call
+                return
+        c.lifted = lifted
+        log.debug("rank %d: %s the link timeout on the stream to rank %d %s (the peer's window %s)",
+                  self.engine.rank, "lifted" if lifted else "restored", c.peer, c.where,
+                  "is closed" if lifted else "opened")
 
     def stream(self, peer: int, i: int) -> Stream:
         return self.links[peer].streams[i]
@@ -530,7 +570,7 @@ def _header(f: Fields) -> bytes:
     return encode_frame_header(Kind.DATA, Space(f.space), f.sig, f.tag, f.seq, f.offset, f.length, f.total)
 
 
-def tcp_transport(rank: int, world: int, conns: dict[int, list[socket.socket]], **options: float) -> Transport:
+def tcp_transport(rank: int, world: int, conns: dict[int, list[socket.socket]], **options: Any) -> Transport:
     """A transport over already connected, authenticated sockets (`conns[peer]`: that peer's streams);
     `options` as TcpLinks takes them."""
     return Transport(rank, world, [TcpLinks(conns, **options)])
