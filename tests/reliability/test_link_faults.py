@@ -54,7 +54,6 @@ def test_cable_cut_is_found_by_the_link_long_before_the_group_timeout(lab_or_ski
         out = cable_cut(lab, tmp_path, group_timeout=10.0)
     assert set(out.errors) == {0, 1}, out.record()
     assert all(e["type"] == "PeerLostError" for e in out.errors.values()), out.record()
-    assert min(out.detection().values()) < 4.5, out.record()  # the link timeout, for the rank that was sending
     assert max(out.detection().values()) < 7.0, out.record()
 
 
