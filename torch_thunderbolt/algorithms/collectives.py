@@ -45,6 +45,11 @@ class OpLabel:
         return f"{self.name} (op #{self.seq}, {str(self.dtype).removeprefix('torch.')}, {self.count} elements)"
 
 
+# How `Communicator._run_body` runs an op, as the debug log says it.
+_HOW = {"window": "on the shared window", "hier": "in hierarchy (per-host phases on the shared window)",
+        "direct": "as a direct exchange (no plan walk)"}
+
+
 def _noop(d: torch.Tensor, s: torch.Tensor) -> None:
     raise AssertionError("this plan has no reductions")
 
@@ -114,23 +119,22 @@ class Communicator:
             raise
         self.t.retire(self.seq)
 
-    def _run_window(self, body: Callable[[int, float, OpLabel], None], what: str, like: torch.Tensor,
-                    root: int = 0, count: int = 0, op: str = "none", layout: object = None,
-                    cables: bool = False) -> None:
-        """Run `body(sig, deadline, what)`: a windowed op, or (`cables`) a hierarchical one whose cable
-        phase posts messages under this op's tag."""
+    def _run_body(self, body: Callable[[int, float, OpLabel], None], what: str, like: torch.Tensor,
+                  root: int = 0, count: int = 0, op: str = "none", layout: object = None,
+                  how: str = "window") -> None:
+        """Run `body(sig, deadline, what)` as op number `self.seq`: a windowed op, or one whose messages go
+        under this op's tag (`how` = "hier": the cable phase of a hierarchical op; "direct": small.py)."""
         self.seq += 1
         sig = self._sig(what, like, root, count, op, layout)
         if self.cfg.debug:
             log.debug("rank %d: op #%d %s %s, signature %016x", self.rank, self.seq, describe_sig(sig),
-                      "in hierarchy (per-host phases on the shared window)" if cables else "on the shared window",
-                      sig)
+                      _HOW[how], sig)
         try:
             body(sig, time.monotonic() + self.timeout, OpLabel(what, self.seq, like.dtype, count))
         except BaseException as exc:
             self.t.abort(exc)  # peers may be waiting on this rank's next step: tell them why it won't come
             raise
-        if cables:
+        if how != "window":
             self.t.retire(self.seq)
 
     def _cables(self, plan: Plan, bufs: dict[str, torch.Tensor], op: str | None, like: torch.Tensor, sig: int,
@@ -186,14 +190,14 @@ class Communicator:
         n, es = x.numel(), x.element_size()
         if self._flat:
             combine = self._combiner(op, x.dtype)
-            self._run_window(lambda sig, deadline, what: windowed.all_reduce(
+            self._run_body(lambda sig, deadline, what: windowed.all_reduce(
                 self.window, x, combine, sig, deadline, what, self.cfg.small_bytes), "all_reduce", x, count=n, op=op)
         else:
             plan = self._plan(("ar", n, es), lambda: select.allreduce_plan(
                 self.cfg, self.rank, self.world, n, es, self.shape))
             if self._per_host and plan.algo == "hier":
-                self._run_window(lambda sig, deadline, what: self._hier_all_reduce(x, op, sig, deadline, what),
-                                 "all_reduce", x, count=n, op=op, cables=True)
+                self._run_body(lambda sig, deadline, what: self._hier_all_reduce(x, op, sig, deadline, what),
+                                 "all_reduce", x, count=n, op=op, how="hier")
             elif plan.algo == "direct" and self.world > 1:
                 self._direct_all_reduce(x, op)
             else:
@@ -210,18 +214,9 @@ class Communicator:
             if len(self._small) > 64:
                 self._small.clear()
             small = self._small[key] = DirectAllReduce(self.rank, self.world, n, x.dtype)
-        self.seq += 1
-        sig = self._sig("all_reduce", x, 0, n, op, None)
-        what = OpLabel("all_reduce", self.seq, x.dtype, n)
-        if self.cfg.debug:
-            log.debug("rank %d: op #%d %s, direct exchange, signature %016x", self.rank, self.seq,
-                      describe_sig(sig), sig)
-        try:
-            small.run(self.t, x, self._reducer(op, x.dtype), self.seq, sig, time.monotonic() + self.timeout, what)
-        except BaseException as exc:
-            self.t.abort(exc)  # as in _run: the group cannot be trusted any more
-            raise
-        self.t.retire(self.seq)
+        reduce = self._reducer(op, x.dtype)
+        self._run_body(lambda sig, deadline, what: small.run(self.t, x, reduce, self.seq, sig, deadline, what),
+                       "all_reduce", x, count=n, op=op, how="direct")
 
     def _hier_all_reduce(self, x: torch.Tensor, op: str, sig: int, deadline: float, what: OpLabel) -> None:
         """Reduce within the host to its leader on its window, all-reduce among the hosts' leaders over the
@@ -236,14 +231,14 @@ class Communicator:
     def broadcast(self, x: torch.Tensor, root: int) -> None:
         n, es = x.numel(), x.element_size()
         if self._flat:
-            self._run_window(lambda sig, deadline, what: windowed.broadcast(
+            self._run_body(lambda sig, deadline, what: windowed.broadcast(
                 self.window, _bytes(x), root, sig, deadline, what), "broadcast", x, root=root, count=n)
             return
         plan = self._plan(("bc", n, es, root), lambda: select.broadcast_plan(
             self.cfg, self.rank, self.world, root, n, es, self.shape))
         if self._per_host and plan.algo == "hier":
-            self._run_window(lambda sig, deadline, what: self._hier_broadcast(x, root, sig, deadline, what),
-                             "broadcast", x, root=root, count=n, cables=True)
+            self._run_body(lambda sig, deadline, what: self._hier_broadcast(x, root, sig, deadline, what),
+                             "broadcast", x, root=root, count=n, how="hier")
         else:
             self._run(plan, "broadcast", {"out": x}, None, x, root=root, count=n)
 
@@ -277,8 +272,8 @@ class Communicator:
         plan = self._plan(("ag", tuple(counts), es), lambda: select.all_gather_plan(
             self.cfg, self.rank, self.world, counts, es, self.shape))
         if self._per_host and plan.algo == "hier":
-            self._run_window(lambda sig, deadline, what: self._hier_all_gather(out, counts, sig, deadline, what),
-                             "all_gather", out, count=sum(counts), layout=tuple(counts), cables=True)
+            self._run_body(lambda sig, deadline, what: self._hier_all_gather(out, counts, sig, deadline, what),
+                             "all_gather", out, count=sum(counts), layout=tuple(counts), how="hier")
         else:
             self._run(plan, "all_gather", {"out": out}, None, out, count=sum(counts), layout=tuple(counts))
 
@@ -302,7 +297,7 @@ class Communicator:
             x = x.clone()
         if self._flat:
             combine = self._combiner(op, x.dtype)
-            self._run_window(lambda sig, deadline, what: windowed.reduce_scatter(
+            self._run_body(lambda sig, deadline, what: windowed.reduce_scatter(
                 self.window, out, x, counts, combine, sig, deadline, what), "reduce_scatter", x, count=sum(counts),
                 op=op, layout=tuple(counts))
         else:
@@ -330,9 +325,9 @@ class Communicator:
         plan, in_place = self._plan(("rs", tuple(counts), es), lambda: select.reduce_scatter_plan(
             self.cfg, self.rank, self.world, counts, es, self.shape))
         if self._per_host and plan.algo == "hier":
-            self._run_window(lambda sig, deadline, what: self._hier_reduce_scatter(
+            self._run_body(lambda sig, deadline, what: self._hier_reduce_scatter(
                 out, x, counts, op, sig, deadline, what), "reduce_scatter", x, count=sum(counts), op=op,
-                layout=tuple(counts), cables=True)
+                layout=tuple(counts), how="hier")
         elif in_place:  # ring, hierarchy: reduce a full working copy ("in" and "out"), then keep our block
             work = self._tmp_full(x)
             self._run(plan, "reduce_scatter", {"in": work, "out": work}, op, x, count=sum(counts),

@@ -12,7 +12,7 @@ from .segments import chunks, split_even
 Segments = list[tuple[int, int]]
 
 
-def _peers(rank: int, world: int) -> tuple[list[int], list[int]]:
+def peer_order(rank: int, world: int) -> tuple[list[int], list[int]]:
     """Send to rank+1, rank+2, ... and receive from rank-1, rank-2, ...: no rank is everyone's first."""
     return [(rank + k) % world for k in range(1, world)], [(rank - k) % world for k in range(1, world)]
 
@@ -34,7 +34,7 @@ def direct_allreduce(rank: int, world: int, count: int) -> Plan:
     if world == 1:
         return plan
     plan.tmp = world * count
-    to, frm = _peers(rank, world)
+    to, frm = peer_order(rank, world)
     sends = tuple(plan.send(p, "out", 0, count, 0) for p in to)
     recvs = {p: plan.recv(p, "tmp", p * count, count, 0) for p in frm}
     source = {p: ("tmp", p * count) for p in frm}
@@ -59,7 +59,7 @@ def mesh_allreduce(rank: int, world: int, count: int) -> Plan:
     segs = split_even(count, world)
     my_off, my_n = segs[rank]
     plan.tmp = world * my_n
-    to, frm = _peers(rank, world)
+    to, frm = peer_order(rank, world)
     sent = {p: plan.send(p, "out", segs[p][0], segs[p][1], 0) for p in to}
     recvs = {p: plan.recv(p, "tmp", p * my_n, my_n, 0) for p in frm}
     source = {p: ("tmp", p * my_n) for p in frm}
@@ -83,7 +83,7 @@ def direct_reduce_scatter(rank: int, world: int, segs: Segments) -> Plan:
     plan = Plan(rank, world, "direct")
     my_off, my_n = segs[rank]
     plan.tmp = world * my_n
-    to, frm = _peers(rank, world)
+    to, frm = peer_order(rank, world)
     for p in to:
         plan.send(p, "in", segs[p][0], segs[p][1], 0)
     recvs = {p: plan.recv(p, "tmp", p * my_n, my_n, 0) for p in frm}
@@ -96,7 +96,7 @@ def direct_reduce_scatter(rank: int, world: int, segs: Segments) -> Plan:
 def direct_all_gather(rank: int, world: int, segs: Segments) -> Plan:
     """Every rank's segment of "out" is in place on that rank; send it to all, receive all others."""
     plan = Plan(rank, world, "direct")
-    to, frm = _peers(rank, world)
+    to, frm = peer_order(rank, world)
     for p in to:
         plan.send(p, "out", segs[rank][0], segs[rank][1], 0)
     for p in frm:
@@ -145,7 +145,7 @@ def direct_reduce(rank: int, world: int, root: int, count: int) -> Plan:
         plan.send(root, "in", 0, count, 0)
         return plan
     plan.tmp = world * count
-    _, frm = _peers(rank, world)
+    _, frm = peer_order(rank, world)
     recvs = {p: plan.recv(p, "tmp", p * count, count, 0) for p in frm}
     source = {p: ("tmp", p * count) for p in frm}
     after: tuple[int, ...] = ()
@@ -165,7 +165,7 @@ def gather(rank: int, world: int, root: int, segs: Segments) -> Plan:
         plan.send(root, "in", 0, segs[rank][1], 0)
         return plan
     plan.copy("out", segs[root][0], "in", 0, segs[root][1])
-    for p in _peers(rank, world)[1]:
+    for p in peer_order(rank, world)[1]:
         plan.recv(p, "out", segs[p][0], segs[p][1], 0)
     return plan
 
@@ -177,7 +177,7 @@ def scatter(rank: int, world: int, root: int, segs: Segments) -> Plan:
         plan.recv(root, "out", 0, segs[rank][1], 0)
         return plan
     plan.copy("out", 0, "in", segs[root][0], segs[root][1])
-    for p in _peers(rank, world)[0]:
+    for p in peer_order(rank, world)[0]:
         plan.send(p, "in", segs[p][0], segs[p][1], 0)
     return plan
 
@@ -186,7 +186,7 @@ def all_to_all(rank: int, world: int, send_segs: Segments, recv_segs: Segments) 
     """"in"[send_segs[p]] goes to rank p, which stores it at "out"[its recv_segs[rank]]."""
     plan = Plan(rank, world, "direct")
     plan.copy("out", recv_segs[rank][0], "in", send_segs[rank][0], send_segs[rank][1])
-    to, frm = _peers(rank, world)
+    to, frm = peer_order(rank, world)
     for p in to:
         plan.send(p, "in", send_segs[p][0], send_segs[p][1], 0)
     for p in frm:
@@ -197,7 +197,7 @@ def all_to_all(rank: int, world: int, send_segs: Segments, recv_segs: Segments) 
 def barrier(rank: int, world: int) -> Plan:
     """Zero-byte messages to and from every rank: nobody leaves before everybody arrived."""
     plan = Plan(rank, world, "direct")
-    to, frm = _peers(rank, world)
+    to, frm = peer_order(rank, world)
     for p in to:
         plan.send(p, "out", 0, 0, 0)
     for p in frm:

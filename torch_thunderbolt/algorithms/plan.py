@@ -142,12 +142,7 @@ class _Run:
     def _start(self, i: int, todo: deque[int]) -> None:
         s = self.plan.steps[i]
         if s.kind == REDUCE or s.kind == COPY:
-            dst = self.bufs[s.buf][s.off : s.off + s.n]
-            src = self.bufs[s.src][s.src_off : s.src_off + s.n]
-            if s.kind == REDUCE:
-                self.reducer(dst, src)
-            else:
-                dst.copy_(src)
+            _local(s, self.bufs, self.reducer)
             self._complete(i, todo)
             return
         self.ready[i] = True
@@ -158,12 +153,7 @@ class _Run:
 
     def _post(self, j: int) -> None:
         s = self.plan.steps[j]
-        view = self.views[s.buf][s.off * self.es : (s.off + s.n) * self.es]
-        key = (Space.COLL, self.tag, s.msg)
-        if s.kind == SEND:
-            self.inflight[j] = self.t.isend(s.peer, key, view, self.sig)
-        else:
-            self.inflight[j] = self.t.irecv(s.peer, key, view, self.sig)
+        self.inflight[j] = _message(self.t, s, self.views[s.buf], self.es, self.tag, self.sig)
 
     def _complete(self, i: int, todo: deque[int]) -> None:
         self.remaining -= 1
@@ -186,18 +176,27 @@ def _run_one_phase(plan: Plan, graph: _Graph, t: Transport, bufs: dict[str, torc
         view = views.get(s.buf)
         if view is None:
             view = views[s.buf] = tensor_bytes(bufs[s.buf])
-        part = view[s.off * es : (s.off + s.n) * es]
-        key = (Space.COLL, tag, s.msg)
-        reqs.append(t.isend(s.peer, key, part, sig) if s.kind == SEND else t.irecv(s.peer, key, part, sig))
+        reqs.append(_message(t, s, view, es, tag, sig))
     t.wait(reqs, deadline, what)
     for i in graph.local:
-        s = steps[i]
-        dst = bufs[s.buf][s.off : s.off + s.n]
-        src = bufs[s.src][s.src_off : s.src_off + s.n]
-        if s.kind == REDUCE:
-            reducer(dst, src)
-        else:
-            dst.copy_(src)
+        _local(steps[i], bufs, reducer)
+
+
+def _message(t: Transport, s: Step, view: memoryview, es: int, tag: int, sig: int) -> Request:
+    """Post the SEND or RECV step `s` of op `tag` (`view`: the bytes of its buffer, `es` bytes per element)."""
+    part = view[s.off * es : (s.off + s.n) * es]
+    key = (Space.COLL, tag, s.msg)
+    return t.isend(s.peer, key, part, sig) if s.kind == SEND else t.irecv(s.peer, key, part, sig)
+
+
+def _local(s: Step, bufs: dict[str, torch.Tensor], reducer: Reducer) -> None:
+    """A REDUCE (dst ⊕= src) or COPY step."""
+    dst = bufs[s.buf][s.off : s.off + s.n]
+    src = bufs[s.src][s.src_off : s.src_off + s.n]
+    if s.kind == REDUCE:
+        reducer(dst, src)
+    else:
+        dst.copy_(src)
 
 
 def run_plan(plan: Plan, transport: Transport, bufs: dict[str, torch.Tensor], reducer: Reducer, *,

@@ -14,6 +14,7 @@ import torch
 
 from ..protocol.framing import Space
 from ..transport.engine import Transport
+from .direct import peer_order
 from .plan import tensor_bytes
 from .reduce_ops import Reducer
 
@@ -25,9 +26,7 @@ class DirectAllReduce:
 
     def __init__(self, rank: int, world: int, count: int, dtype: torch.dtype) -> None:
         self.rank, self.world = rank, world
-        # The plan's order: send to rank+1, rank+2, ...; receive from rank-1, rank-2, ...
-        self.to = [(rank + k) % world for k in range(1, world)]
-        self.frm = [(rank - k) % world for k in range(1, world)]
+        self.to, self.frm = peer_order(rank, world)  # the plan's order
         scratch = torch.empty(world * count, dtype=dtype)
         self.slots = [scratch[r * count : (r + 1) * count] for r in range(world)]
         self.views = {p: tensor_bytes(self.slots[p]) for p in self.frm}

@@ -189,7 +189,7 @@ def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float
         return
     settle(win, deadline, what)
     total, cap = x.numel(), win.nbytes
-    rounds = max(1, -(-total // cap))
+    rounds = block_rounds([total], cap)
     word = op_word(sig)
     others = win.others
     base = win.rounds
@@ -225,7 +225,7 @@ def reduce(win: Window, x: torch.Tensor, root: int, combine: Combiner, sig: int,
     if cap == 0:
         raise ValueError(f"the shared window ({win.nbytes} bytes) is too small for {x.dtype}")
     total = x.numel()
-    rounds = max(1, -(-total // cap))
+    rounds = block_rounds([total], cap)
     word = op_word(sig)
     others = win.others
     base = win.rounds
@@ -267,7 +267,7 @@ def gather(win: Window, x: torch.Tensor, blocks: list[tuple[int, int]], root: in
         return
     settle(win, deadline, what)
     cap = win.nbytes
-    rounds = max(1, -(-max((m for _, m in blocks), default=0) // cap))
+    rounds = block_rounds([m for _, m in blocks], cap)
     word = op_word(sig)
     others = win.others
     base = win.rounds
@@ -294,7 +294,8 @@ def gather(win: Window, x: torch.Tensor, blocks: list[tuple[int, int]], root: in
 
 
 def block_rounds(counts: list[int], cap: int) -> int:
-    """Rounds of reduce_scatter: the largest block, `cap` elements at a time (at least one round)."""
+    """Rounds of a windowed op: the largest block, `cap` at a time (at least one round, so even an empty op
+    is checked against its peers)."""
     return max(1, -(-max(counts, default=0) // cap))
 
 
