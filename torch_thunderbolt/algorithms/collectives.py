@@ -72,6 +72,8 @@ class Communicator:
         self._combiners: dict[tuple[str, torch.dtype], Combiner] = {}
         self._reducers: dict[tuple[str, torch.dtype], Reducer] = {}
         self._small: dict[tuple[int, torch.dtype], DirectAllReduce] = {}  # small all_reduces' buffers, by size
+        # ... and on the window: (views, kernel, op word) by size, dtype and reduce op
+        self._one_shots: dict[tuple[int, torch.dtype, str], tuple[windowed.OneShotAllReduce, Combiner, int]] = {}
         # The shared window of this host's ranks, if the transport has window memory for them. The windowed
         # collectives replace plans only when no algorithm is forced: over the whole group (`_flat`), or
         # for the per-host phases of hierarchical plans (`_per_host`: the window spans this host's ranks).
@@ -83,6 +85,8 @@ class Communicator:
         self._per_host = auto and not self._flat and host is not None and self.window.spans(host)
         # The window position of this host's leader (the first rank of its group), which the cables reach.
         self._leader = self.window.members.index(host[0]) if self._per_host else 0
+        # All_reduces up to this size run one-shot on the window (when the group runs on it at all).
+        self._one_shot_bytes = min(cfg.small_bytes, self.window.nbytes) if self._flat else -1
 
     # -- machinery -----------------------------------------------------------------------------------------
     def _plan(self, key: tuple, build: Callable[[], Plan]) -> Plan:
@@ -188,7 +192,9 @@ class Communicator:
         if op == "premul_sum" and premul is not None:
             x.mul_(premul)
         n, es = x.numel(), x.element_size()
-        if self._flat:
+        if self._flat and n * es <= self._one_shot_bytes:
+            self._one_shot_all_reduce(x, op)
+        elif self._flat:
             combine = self._combiner(op, x.dtype)
             self._run_body(lambda sig, deadline, what: windowed.all_reduce(
                 self.window, x, combine, sig, deadline, what, self.cfg.small_bytes), "all_reduce", x, count=n, op=op)
@@ -204,6 +210,21 @@ class Communicator:
                 self._run(plan, "all_reduce", {"in": x, "out": x}, op, x, count=n)
         if op == "avg":
             x.div_(self.world)
+
+    def _one_shot_all_reduce(self, x: torch.Tensor, op: str) -> None:
+        """A small all_reduce on the window: one copy in, one wait, one reduction (see windowed.py), its
+        views and op word made once per size, dtype and reduce op."""
+        key = (x.numel(), x.dtype, op)
+        lean = self._one_shots.get(key)
+        if lean is None:
+            if len(self._one_shots) > 64:
+                self._one_shots.clear()
+            sig = self._sig("all_reduce", x, 0, x.numel(), op, None)
+            lean = self._one_shots[key] = (windowed.OneShotAllReduce(self.window, x.numel(), x.dtype),
+                                           self._combiner(op, x.dtype), windowed.op_word(sig, windowed.ONE_SHOT))
+        one_shot, combine, word = lean
+        self._run_body(lambda sig, deadline, what: one_shot.run(x, combine, word, deadline, what),
+                       "all_reduce", x, count=x.numel(), op=op)
 
     def _direct_all_reduce(self, x: torch.Tensor, op: str) -> None:
         """The direct plan's messages without its plan walk (see small.py)."""

@@ -131,10 +131,10 @@ def all_reduce(win: Window, x: torch.Tensor, combine: Combiner, sig: int, deadli
     n, r = win.world, win.rank
     if n == 1:
         return
-    settle(win, deadline, what)
     if x.numel() * x.element_size() <= min(one_shot_bytes, win.nbytes):
-        _one_shot_all_reduce(win, x, combine, op_word(sig, ONE_SHOT), deadline, what)
+        OneShotAllReduce(win, x.numel(), x.dtype).run(x, combine, op_word(sig, ONE_SHOT), deadline, what)
         return
+    settle(win, deadline, what)
     cap = _slice_cap(win, x)
     word = op_word(sig)
     others = win.others
@@ -165,21 +165,38 @@ def all_reduce(win: Window, x: torch.Tensor, combine: Combiner, sig: int, deadli
         win.post(STEPS * g + DONE)
 
 
-def _one_shot_all_reduce(win: Window, x: torch.Tensor, combine, word: int, deadline: float, what: object) -> None:
-    n, r, m = win.world, win.rank, x.numel()
-    g = win.rounds
-    k = g % BUFFERS
-    others = win.others
-    win.wait(free_step(g), others, deadline, what)
-    _view(win, r, k, x.dtype)[:m].copy_(x)
-    win.post(STEPS * g + ARRIVED, k, word)
-    win.wait(STEPS * g + ARRIVED, others, deadline, what)
-    _check_words(win, others, k, word)
-    acc = _view(win, 0, k, x.dtype)[:m]
-    for p in range(1, n):
-        combine(x, acc, _view(win, p, k, x.dtype)[:m])
-        acc = x
-    win.post(STEPS * g + DONE)
+class OneShotAllReduce:
+    """The one-shot all_reduce of one element count and dtype on a window, its buffers' views made once
+    (`bufs[k][p]`: member p's buffer k): a small all_reduce is latency-bound, and making or looking up
+    three views per op cost it as much as its copy and its reduction."""
+
+    __slots__ = ("win", "count", "bufs")
+
+    def __init__(self, win: Window, count: int, dtype: torch.dtype) -> None:
+        self.win, self.count = win, count
+        self.bufs = [[_view(win, p, k, dtype)[:count] for p in range(win.world)] for k in range(BUFFERS)]
+
+    def run(self, x: torch.Tensor, combine: Combiner, word: int, deadline: float, what: object) -> None:
+        """x := x_0 ⊕ ... ⊕ x_{n-1} (positions in order, so every member gets the same bits)."""
+        win = self.win
+        if win.world == 1:
+            return
+        done = win.memory.counter(win.rank)
+        if done % STEPS:  # a broadcast root's last round is still to be checked (see settle)
+            settle(win, deadline, what)
+            done = win.memory.counter(win.rank)
+        g = -(-done // STEPS)
+        k = g % BUFFERS
+        others, bufs = win.others, self.bufs[k]
+        win.wait(free_step(g), others, deadline, what)
+        bufs[win.rank].copy_(x)
+        win.post(STEPS * g + ARRIVED, k, word)
+        win.wait(STEPS * g + ARRIVED, others, deadline, what)
+        _check_words(win, others, k, word)
+        combine(x, bufs[0], bufs[1])
+        for p in range(2, win.world):
+            combine(x, x, bufs[p])
+        win.post(STEPS * g + DONE)
 
 
 def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float, what: object) -> None:

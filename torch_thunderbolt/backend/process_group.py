@@ -26,8 +26,8 @@ from ..config import Config
 from ..errors import CollectiveTimeout
 from ..transport.base import ANY_SOURCE
 from ..transport.engine import Transport
-from .tensors import (Staged, byte_view, check_same_dtype, flat_cat, on_device, reduce_op, rows_to_elems,
-                      split_into)
+from .tensors import (Staged, byte_view, check_same_dtype, flat_cat, flat_view, on_device, reduce_op,
+                      rows_to_elems, split_into)
 from .work import Work
 from .worker import Worker
 
@@ -127,6 +127,17 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
     # -- reducing collectives (through the worker, in issue order) -------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if len(tensors) == 1 and not tensors[0].is_sparse:
+            flat = flat_view(tensors[0])
+            if flat is not None and not self._compress(flat, op):
+                # One contiguous CPU tensor (a DDP bucket, most direct calls): reduced in place, with no
+                # staging to copy back and no device check, the steps that dominate a small op.
+                def run_flat() -> None:
+                    self._with_timeout(opts).all_reduce(flat, op, factor)
+
+                work = Work(f"all_reduce on rank {self._rank}", tensors)
+                return self._worker.submit(work, run_flat, inline_ok=flat.numel() * flat.element_size()
+                                           <= self._cfg.small_bytes)
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, op, opts)
         staged = [Staged(t) for t in tensors]

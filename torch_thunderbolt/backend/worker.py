@@ -23,6 +23,7 @@ class Worker:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified whenever _busy drops to 0
         self._busy = 0  # ops queued or running
+        self._waiting = 0  # callers asleep on _idle: notifying none costs a small op a few Python calls
         self._name = name
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -49,7 +50,11 @@ class Worker:
             if self._stopped:
                 raise RuntimeError(f"{self._name}: the process group has been shut down")
             while self._busy:
-                self._idle.wait()
+                self._waiting += 1
+                try:
+                    self._idle.wait()
+                finally:
+                    self._waiting -= 1
             self._busy += 1
         self._run(work, fn)
         return work
@@ -67,7 +72,7 @@ class Worker:
     def _done(self) -> None:
         with self._lock:
             self._busy -= 1
-            if not self._busy:
+            if not self._busy and self._waiting:
                 self._idle.notify_all()
 
     def _loop(self) -> None:

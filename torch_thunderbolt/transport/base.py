@@ -10,6 +10,7 @@ import abc
 import logging
 import re
 import socket
+import threading
 from typing import Any, Iterable
 
 from ..errors import CollectiveTimeout, MismatchError, PeerAbortedError, PeerLostError, ProtocolError
@@ -17,6 +18,29 @@ from ..protocol.framing import Space
 
 Key = tuple[int, int, int]  # (space, tag, seq)
 ANY_SOURCE = -1
+
+
+class EngineLock(threading.Condition):
+    """An engine's one lock (reentrant) and the condition its non-driving threads sleep on, counting those
+    sleepers: the driving thread signals after every completion, and with nobody asleep (the common case:
+    one thread per group) a Condition's notify_all still costs a small op several Python calls."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.RLock())
+        self.sleepers = 0
+
+    def sleep(self, timeout: float) -> None:
+        """Wait (lock held) until signalled or `timeout` seconds pass."""
+        self.sleepers += 1
+        try:
+            self.wait(timeout)
+        finally:
+            self.sleepers -= 1
+
+    def signal(self) -> None:
+        """Wake every sleeper (lock held); nothing to do when there is none."""
+        if self.sleepers:
+            self.notify_all()
 
 
 class Request:

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Sequence
 
 from ..errors import BackendClosedError, CollectiveTimeout, PeerLostError
 from ..protocol.framing import Space, abort_body
-from .base import ANY_SOURCE, Key, Link, LinkKind, Request, bytes_view
+from .base import ANY_SOURCE, EngineLock, Key, Link, LinkKind, Request, bytes_view
 from .matching import Matcher
 from .names import RankNames
 from .spin import SpinGuard
@@ -50,7 +50,7 @@ class Transport:
     """The engine of one group: the links to every peer (`kinds`, each a LinkKind with its links by peer).
     `names`: how errors name the ranks of a subgroup (None: its ranks are the global ones)."""
 
-    def __init__(self, rank: int, world: int, kinds: Sequence[LinkKind], cv: threading.Condition | None = None,
+    def __init__(self, rank: int, world: int, kinds: Sequence[LinkKind], cv: EngineLock | None = None,
                  names: RankNames | None = None) -> None:
         self.rank = rank
         self.world = world
@@ -62,7 +62,7 @@ class Transport:
         self.last_traffic = time.monotonic()
         self.matcher = Matcher(rank)
         # One lock for the engine; the in-memory kind passes one shared by its whole world.
-        self._cv = cv or threading.Condition(threading.RLock())
+        self._cv = cv or EngineLock()
         self._p2p_send_seq: dict[tuple[int, int], int] = defaultdict(int)
         # Memory this host's ranks of the group read directly, for the collectives designed for it; a kind
         # that has some (shm, memory) sets it when it attaches.
@@ -150,7 +150,7 @@ class Transport:
                 raise PeerLostError(f"rank {self.rank}: rank {peer} has shut down its process group",
                                     rank=self.rank, peer=peer, address=self.peer_address(peer))
             if req.done:
-                self._cv.notify_all()
+                self._cv.signal()
             elif self._polling:
                 self._wake()
         return req
@@ -209,14 +209,14 @@ class Transport:
         if not self._progress_lock.acquire(blocking=False):
             with self._cv:  # another thread drives the engine; it notifies on completions
                 if timeout > 0:
-                    self._cv.wait(min(timeout, 0.05 if until is None else 0.001))
+                    self._cv.sleep(min(timeout, 0.05 if until is None else 0.001))
             return
         try:
             self._drive(timeout, until or _never)
         finally:
             self._progress_lock.release()
             with self._cv:
-                self._cv.notify_all()
+                self._cv.signal()
 
     def pump_if_idle(self) -> None:
         """Pump once if no thread drives the engine now (a kind's own thread keeping its protocol going)."""
@@ -229,7 +229,7 @@ class Transport:
         finally:
             self._progress_lock.release()
             with self._cv:  # a waiter that found the engine taken sleeps until notified
-                self._cv.notify_all()
+                self._cv.signal()
 
     def _drive(self, timeout: float, done: Callable[[], bool]) -> None:
         with self._cv:
@@ -365,7 +365,7 @@ class Transport:
             for link in self._links:
                 for r in link.queued():
                     r.error = err
-            self._cv.notify_all()
+            self._cv.signal()
             if tell_peers:
                 body = abort_body(err)
                 for link in self._links:
@@ -373,7 +373,7 @@ class Transport:
                 _deliver(writes)
             for link in self._links:
                 link.close()
-            self._cv.notify_all()
+            self._cv.signal()
 
     def remote_abort(self, peer: int, err: BaseException) -> None:
         """`peer` told us why it failed: fail with its reason, and forward it (our closing sockets must not
@@ -402,7 +402,7 @@ class Transport:
                 s.close()
             for kind in self.kinds:
                 kind.release()
-            self._cv.notify_all()
+            self._cv.signal()
         for kind in self.kinds:
             kind.join()
 
@@ -426,6 +426,11 @@ class Transport:
     def peer_address(self, peer: int) -> str:
         link = self._route.get(peer)
         return link.address if link is not None else f"rank {peer}"
+
+    def eager(self) -> bool:
+        """Whether a waiter may busy-poll now: this engine spins at all, its last wait did not sleep through
+        a whole poll, and its core is not contended (see spin.py)."""
+        return self.spin > 0 and not self._quiet and not self._spinner.paused()
 
     def check_usable(self) -> None:
         """Raise the group's error if it broke or was closed."""

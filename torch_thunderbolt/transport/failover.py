@@ -22,7 +22,7 @@ from __future__ import annotations
 import errno
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from ..errors import ProtocolError
 
@@ -36,9 +36,9 @@ def is_link_failure(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in LINK_ERRNOS
 
 
-@dataclass(frozen=True)
-class Fields:
-    """What a DATA frame header says, minus the stream it travels on."""
+class Fields(NamedTuple):
+    """What a DATA frame header says, minus the stream it travels on (a tuple: one is built per message
+    part, and a frozen dataclass costs a small send a microsecond to build)."""
 
     space: int
     sig: int

@@ -8,12 +8,11 @@ TCP transport would.
 """
 from __future__ import annotations
 
-import threading
 from typing import Sequence
 
 from ..errors import PeerLostError
 from ..protocol.framing import Frame, Kind, Space
-from .base import Link, LinkKind, Request
+from .base import EngineLock, Link, LinkKind, Request
 from .engine import Transport
 from .window import BUFFERS, WindowMemory
 
@@ -24,7 +23,7 @@ class MemoryHub:
 
     def __init__(self, world: int, window_bytes: int = 0, hosts: "Sequence[Sequence[int]] | None" = None) -> None:
         self.world = world
-        self.cv = threading.Condition()  # reentrant: one lock for the whole world (see memory_transport)
+        self.cv = EngineLock()  # reentrant: one lock for the whole world (see memory_transport)
         self.buffers = {(r, k): bytearray(window_bytes) for r in range(world) for k in range(BUFFERS)}
         self.counters = [0] * world
         self.words = [[0] * BUFFERS for _ in range(world)]
@@ -41,7 +40,7 @@ class MemoryHub:
                     t.fail(PeerLostError(f"rank {t.rank}: lost rank {rank}", rank=t.rank, peer=rank),
                            tell_peers=False)
             self.transports[rank].closed = True
-            self.cv.notify_all()
+            self.cv.signal()
 
 
 def memory_transport(hub: MemoryHub, rank: int) -> Transport:
@@ -77,7 +76,7 @@ class MemoryLink(Link):
         req.done = True
         dst.kinds[0].arrived += 1
         dst.wake_sleeper()
-        self.hub.cv.notify_all()
+        self.hub.cv.signal()
 
     def pump(self) -> bool:
         return self.kind.news()
@@ -135,4 +134,4 @@ class MemoryWindowMemory(WindowMemory):
             for p in self.members:
                 if p != self.rank:
                     self.hub.transports[p].wake_sleeper()
-            self.hub.cv.notify_all()
+            self.hub.cv.signal()

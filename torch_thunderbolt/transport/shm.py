@@ -127,7 +127,7 @@ class ShmLink(Link):
                 self.sendq.popleft()
                 self.kind.bytes_sent += req.nbytes
                 req.done = True
-                engine._cv.notify_all()
+                engine._cv.signal()
         if moved:
             self.kind.to_ring.add(self)
         return moved
@@ -154,7 +154,7 @@ class ShmLink(Link):
                 moved = True
                 self.kind.bytes_received += length
                 if engine.matcher.part_done(self.peer, frame.key, obj, length):
-                    engine._cv.notify_all()
+                    engine._cv.signal()
         except ThunderboltError as exc:  # mismatch or corrupt slot: this group can't continue
             engine.fail(exc)
             return True

@@ -237,6 +237,7 @@ class TcpLink(Link):
     # -- reading --------------------------------------------------------------------------------------------
     def _read(self, c: Stream) -> bool:
         moved = False
+        drained = False
         engine = self.engine
         try:
             while engine.broken is None:
@@ -252,11 +253,14 @@ class TcpLink(Link):
                     if frame is not None and c.rx is not None:
                         c.rx.consumed += FRAME_HEADER_SIZE
                 if frame is None:
+                    if drained:  # the last read found the socket emptied: the next one would raise
+                        return moved
                     k = c.sock.recv_into(c.staging)
                     if k == 0:
                         self._eof(c)
                         return True
                     c.decoder.feed(memoryview(c.staging)[:k])
+                    drained = k < len(c.staging)
                     moved = True
                     continue
                 c.parked = None
@@ -567,7 +571,7 @@ class TcpLinks(LinkKind):
 
 
 def _header(f: Fields) -> bytes:
-    return encode_frame_header(Kind.DATA, Space(f.space), f.sig, f.tag, f.seq, f.offset, f.length, f.total)
+    return encode_frame_header(Kind.DATA, f.space, f.sig, f.tag, f.seq, f.offset, f.length, f.total)
 
 
 def tcp_transport(rank: int, world: int, conns: dict[int, list[socket.socket]], **options: Any) -> Transport:

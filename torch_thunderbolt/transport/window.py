@@ -42,6 +42,12 @@ class WindowMemory(abc.ABC):
     def publish(self, value: int, k: int | None, word: int) -> None:
         """Store `word` for our buffer `k` (unless None), then `value` as our counter; wake sleeping members."""
 
+    def reached(self, peers: list[int], value: int, looks: int) -> bool:
+        """Whether every owner in `peers` has published at least `value`, looking up to `looks` times in a
+        row (at least once) without yielding. Implementations whose loads are cheap spin; the default
+        looks once."""
+        return all(self.counter(p) >= value for p in peers)
+
     def fence(self) -> None:
         """Order loads: those before it (a peer's ring) complete before those after it (its counter)."""
 
