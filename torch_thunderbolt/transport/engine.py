@@ -63,6 +63,7 @@ class Transport:
         self.matcher = Matcher(rank)
         # One lock for the engine; the in-memory kind passes one shared by its whole world.
         self._cv = cv or EngineLock()
+        self._lock = self._cv.mutex  # the same lock, taken without the Condition's wrappers
         self._p2p_send_seq: dict[tuple[int, int], int] = defaultdict(int)
         # Memory this host's ranks of the group read directly, for the collectives designed for it; a kind
         # that has some (shm, memory) sets it when it attaches.
@@ -118,7 +119,7 @@ class Transport:
         self._check_peer(peer)
         req = Request(peer, key, sig, bytes_view(buf), is_send=True)
         link = self._route[peer]
-        with self._cv:
+        with self._lock:
             self.check_usable()
             for kind in self.kinds:
                 kind.note_post(req)
@@ -135,7 +136,7 @@ class Transport:
         if peer != ANY_SOURCE:
             self._check_peer(peer)
         req = Request(peer, key, sig, bytes_view(buf), is_send=False)
-        with self._cv:
+        with self._lock:
             self.check_usable()
             for kind in self.kinds:
                 kind.note_post(req)
@@ -156,7 +157,7 @@ class Transport:
         return req
 
     def isend_p2p(self, peer: int, tag: int, buf: memoryview) -> Request:
-        with self._cv:
+        with self._lock:
             seq = self._p2p_send_seq[(peer, tag)]
             self._p2p_send_seq[(peer, tag)] = seq + 1
         return self.isend(peer, (Space.P2P, tag, seq), buf)
@@ -207,7 +208,7 @@ class Transport:
         for (a shared window's counters). One thread drives at a time; the others sleep until it reports
         completions (or 50 ms pass)."""
         if not self._progress_lock.acquire(blocking=False):
-            with self._cv:  # another thread drives the engine; it notifies on completions
+            with self._lock:  # another thread drives the engine; it notifies on completions
                 if timeout > 0:
                     self._cv.sleep(min(timeout, 0.05 if until is None else 0.001))
             return
@@ -215,7 +216,7 @@ class Transport:
             self._drive(timeout, until or _never)
         finally:
             self._progress_lock.release()
-            with self._cv:
+            with self._lock:
                 self._cv.signal()
 
     def pump_if_idle(self) -> None:
@@ -223,16 +224,16 @@ class Transport:
         if not self._progress_lock.acquire(blocking=False):
             return
         try:
-            with self._cv:
+            with self._lock:
                 if self.broken is None:
                     self._pump()
         finally:
             self._progress_lock.release()
-            with self._cv:  # a waiter that found the engine taken sleeps until notified
+            with self._lock:  # a waiter that found the engine taken sleeps until notified
                 self._cv.signal()
 
     def _drive(self, timeout: float, done: Callable[[], bool]) -> None:
-        with self._cv:
+        with self._lock:
             if self._pump() or timeout <= 0 or self.broken is not None or done():
                 self._quiet = False
                 return
@@ -243,7 +244,7 @@ class Transport:
         # something slow (a late peer, the user's compute) and spinning would just burn CPU.
         if not self._quiet and self._spinner.spin(min(self.spin, timeout), lambda: self._look(done, spin_poll)):
             return
-        with self._cv:
+        with self._lock:
             for kind in self.kinds:
                 kind.before_sleep()
             if self._pump() or self.broken is not None or done():
@@ -260,7 +261,7 @@ class Transport:
             for kind in self.kinds:
                 kind.after_sleep()
         self._drain_wake()
-        with self._cv:
+        with self._lock:
             for fd, _ in events:
                 link = self._by_fd.get(fd)
                 if link is not None:
@@ -278,7 +279,7 @@ class Transport:
             return True
         if not any(k.ready() for k in self._lookers) and not (poller is not None and poller.poll(0)):
             return False
-        with self._cv:
+        with self._lock:
             return self._pump() or self.broken is not None
 
     def _pump(self) -> bool:
@@ -326,7 +327,7 @@ class Transport:
     # -- life cycle -----------------------------------------------------------------------------------------
     def retire(self, tag: int) -> None:
         """Collective op `tag` finished on this rank: data for it (or older ops) that still arrives is an error."""
-        with self._cv:
+        with self._lock:
             self.retired = max(self.retired, tag)
             for link in self._links:
                 if self.broken is None:
@@ -349,7 +350,7 @@ class Transport:
     def fail(self, err: BaseException, tell_peers: bool = True) -> None:
         """Enter BROKEN for good: every pending and queued request gets `err` at once, later operations get
         it from `_check_usable`, peers learn the root cause, then every link closes."""
-        with self._cv:
+        with self._lock:
             if self.broken is not None:
                 return
             if self.names is not None:
@@ -391,7 +392,7 @@ class Transport:
         if self.closed:
             return
         self.closed = True
-        with self._cv:
+        with self._lock:
             if self.broken is None:
                 for link in self._links:
                     link.say_bye()
@@ -410,7 +411,7 @@ class Transport:
     def parked_collective(self, peers: Iterable[int]) -> tuple[int, int] | None:
         """(peer, op signature) of collective data from one of `peers` held back for a receive nobody has
         posted yet, or None."""
-        with self._cv:
+        with self._lock:
             for p in peers:
                 link = self._route.get(p)
                 sig = link.parked_sig() if link is not None else None
