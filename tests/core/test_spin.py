@@ -97,3 +97,33 @@ def test_pauses_double_while_contention_persists_and_reset_after_a_clean_spin() 
     for _ in range(CONTENDED_SPINS - 1):
         contended_spin(g, cpu)
     assert wait_out_pause(g, cpu) == FIRST_PAUSE
+
+
+def test_the_engine_lock_signals_only_when_someone_sleeps_and_wakes_a_sleeper() -> None:
+    import threading
+    import time
+
+    from torch_thunderbolt.transport.base import EngineLock
+
+    lock = EngineLock()
+    with lock.mutex:
+        lock.signal()  # nobody asleep: nothing to do, and no error
+        assert lock.sleepers == 0
+    woke = threading.Event()
+
+    def sleeper() -> None:
+        with lock:
+            lock.sleep(30.0)
+        woke.set()
+
+    t = threading.Thread(target=sleeper)
+    t.start()
+    for _ in range(1000):
+        with lock.mutex:
+            if lock.sleepers:
+                lock.signal()
+                break
+        time.sleep(0.001)
+    assert woke.wait(10.0), "the sleeper was not woken by signal()"
+    t.join(5.0)
+    assert lock.sleepers == 0

@@ -168,3 +168,46 @@ def test_a_slow_receiver_is_never_overrun(monkeypatch) -> None:
 
     for got in run_world(3, body, window_bytes=64):
         assert torch.equal(got, data)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_kept_one_shot_all_reduce_is_exact_over_every_buffer_and_after_an_unchecked_broadcast(
+        world: int) -> None:
+    """Small all_reduces keep their views and op word per size, dtype and reduce op: the same object runs
+    on each buffer in turn, and after a broadcast whose root returned without checking its peers."""
+    ops = (("sum", torch.int32), ("max", torch.float64), ("sum", torch.float64))
+
+    def body(comm):
+        out = []
+        for i in range(3 * windowed.BUFFERS):
+            op, dtype = ops[i % len(ops)]
+            x = (torch.arange(7, dtype=dtype) * (comm.rank + 1) + i) % 11
+            comm.all_reduce(x, op)
+            y = torch.full((5,), float(comm.rank))
+            comm.broadcast(y, i % comm.world)  # its root comes to the next all_reduce with a round to settle
+            out.append((x, y))
+        assert len(comm._one_shots) == len(ops), comm._one_shots.keys()
+        return out
+
+    got = run_world(world, body, window_bytes=256)
+    for i in range(3 * windowed.BUFFERS):
+        op, dtype = ops[i % len(ops)]
+        xs = [(torch.arange(7, dtype=dtype) * (r + 1) + i) % 11 for r in range(world)]
+        for r in range(world):
+            assert torch.equal(got[r][i][0], ref.all_reduce(xs, op)[r]), (i, r)
+            assert torch.equal(got[r][i][1], torch.full((5,), float(i % world))), (i, r)
+
+
+def test_reached_looks_at_least_once_and_spins_no_longer_than_asked() -> None:
+    from torch_thunderbolt.transport.shm_window import CTL_BYTES, ShmWindowMemory, area_bytes
+
+    areas = {p: memoryview(bytearray(area_bytes(64))) for p in range(3)}
+    mem = ShmWindowMemory([0, 1, 2], 0, areas, 64, wake=lambda: None)
+    assert CTL_BYTES < area_bytes(64)
+    areas[1][:8].cast("Q")[0] = 5
+    areas[2][:8].cast("Q")[0] = 4
+    assert mem.reached([1], 5, 0)  # one look even when asked for none
+    assert not mem.reached([1, 2], 5, 1000)  # rank 2 is behind: every look fails
+    areas[2][:8].cast("Q")[0] = 9
+    assert mem.reached([1, 2], 5, 1)

@@ -71,7 +71,7 @@ class Stream:
     """One socket to a peer and what is in flight on it."""
 
     __slots__ = ("sock", "fd", "peer", "stream", "addr", "local", "decoder", "sendq", "inbound", "parked", "bye",
-                 "staging", "dead", "log", "rx", "lifted", "window_at")
+                 "staging", "dead", "log", "rx", "lifted", "window_at", "emptied")
 
     def __init__(self, sock: socket.socket, peer: int, stream: int, max_message: int) -> None:
         sock.setblocking(False)
@@ -92,6 +92,9 @@ class Stream:
         self.rx: RxCount | None = None
         self.lifted = False  # the link timeout is lifted while the peer's window is closed (TcpLinks.blocked)
         self.window_at = 0.0  # when that window was last looked at
+        # The last read of this pass returned less than it asked for: the socket was empty then, and one
+        # more read would only raise (over a microsecond in Python). What arrives later, poll() reports.
+        self.emptied = False
 
     @property
     def where(self) -> str:
@@ -231,17 +234,19 @@ class TcpLink(Link):
                 req.pending -= 1
                 if req.pending == 0:
                     req.done = True
-                    engine._cv.notify_all()
+                    engine._cv.signal()
         return moved
 
     # -- reading --------------------------------------------------------------------------------------------
     def _read(self, c: Stream) -> bool:
         moved = False
-        drained = False
+        c.emptied = False
         engine = self.engine
         try:
             while engine.broken is None:
                 if c.inbound is not None:
+                    if c.emptied and not c.decoder.buffered:
+                        return moved
                     step = self._read_payload(c)
                     if step is None:
                         return moved
@@ -253,14 +258,14 @@ class TcpLink(Link):
                     if frame is not None and c.rx is not None:
                         c.rx.consumed += FRAME_HEADER_SIZE
                 if frame is None:
-                    if drained:  # the last read found the socket emptied: the next one would raise
+                    if c.emptied:
                         return moved
                     k = c.sock.recv_into(c.staging)
                     if k == 0:
                         self._eof(c)
                         return True
                     c.decoder.feed(memoryview(c.staging)[:k])
-                    drained = k < len(c.staging)
+                    c.emptied = k < len(c.staging)
                     moved = True
                     continue
                 c.parked = None
@@ -307,11 +312,13 @@ class TcpLink(Link):
             c.inbound[3] = got  # saved now: the recv below may raise BlockingIOError
             if c.rx is not None:
                 c.rx.consumed += k
-        if got < len(dest):
-            k = c.sock.recv_into(dest[got : got + SOCKET_IO_CAP])  # BlockingIOError when empty; cap: see _flush
+        if got < len(dest) and not c.emptied:
+            want = min(len(dest) - got, SOCKET_IO_CAP)
+            k = c.sock.recv_into(dest[got : got + want])  # BlockingIOError when empty; cap: see _flush
             if k == 0:
                 self._eof(c)
                 return None
+            c.emptied = k < want
             c.decoder.consumed_direct(k)
             got += k
             if c.rx is not None:
@@ -326,7 +333,7 @@ class TcpLink(Link):
             return None
         self.kind.bytes_received += frame.length
         if engine.matcher.part_done(c.peer, frame.key, target, frame.length):
-            engine._cv.notify_all()
+            engine._cv.signal()
         return True
 
     def _eof(self, c: Stream) -> None:
@@ -365,7 +372,7 @@ class TcpLink(Link):
         if c.inbound is not None:  # payload bytes already in place count: the resend starts after them
             dest, target, frame, got = c.inbound
             if target is not ABORT_PAYLOAD and got and self.engine.matcher.part_done(c.peer, frame.key, target, got):
-                self.engine._cv.notify_all()
+                self.engine._cv.signal()
         c.inbound, c.parked = None, None
         unstarted = [o for o in c.sendq if o.entry is None and o.fields is not None]
         c.sendq.clear()  # started frames are in the log and go again when the peer's RESYNC says from where

@@ -257,6 +257,18 @@ def whole_api() -> None:
         x = torch.arange(20.0).view(4, 5).t() * (r + 1); dist.all_reduce(x)
         return torch.equal(x, torch.arange(20.0).view(4, 5).t() * (w * (w + 1) / 2))
     check("non_contiguous", noncontig)
+
+    def one_cpu_tensor_shapes():
+        # A single contiguous CPU tensor is reduced in place without staging: every shape it can have.
+        s = w * (w + 1) / 2
+        zero_dim = torch.tensor(float(r + 1)); dist.all_reduce(zero_dim)
+        grid = torch.full((3, 4), float(r + 1)); dist.all_reduce(grid)
+        base = torch.full((2,), float(r + 1)); odd = base[1:2].as_strided((1,), (7,)); dist.all_reduce(odd)
+        leaf = torch.full((6,), float(r + 1), requires_grad=True); dist.all_reduce(leaf)
+        empty = torch.empty(0); dist.all_reduce(empty)
+        return (zero_dim.item() == s and torch.equal(grid, torch.full((3, 4), s)) and base.tolist() == [r + 1, s]
+                and torch.equal(leaf.detach(), torch.full((6,), s)) and empty.numel() == 0)
+    check("one_cpu_tensor_shapes", one_cpu_tensor_shapes)
     dist.destroy_process_group()
     result(checks)
 
