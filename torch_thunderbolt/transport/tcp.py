@@ -92,8 +92,9 @@ class Stream:
         self.rx: RxCount | None = None
         self.lifted = False  # the link timeout is lifted while the peer's window is closed (TcpLinks.blocked)
         self.window_at = 0.0  # when that window was last looked at
-        # The last read of this pass returned less than it asked for: the socket was empty then, and one
-        # more read would only raise (over a microsecond in Python). What arrives later, poll() reports.
+        # This pass's last read was a short one into `staging`: every frame it brought is handled and the
+        # socket was empty then, so one more read would most likely only raise (over a microsecond in
+        # Python: a small message pays it once per pump). What arrives later, poll() reports.
         self.emptied = False
 
     @property
@@ -245,8 +246,6 @@ class TcpLink(Link):
         try:
             while engine.broken is None:
                 if c.inbound is not None:
-                    if c.emptied and not c.decoder.buffered:
-                        return moved
                     step = self._read_payload(c)
                     if step is None:
                         return moved
@@ -312,13 +311,13 @@ class TcpLink(Link):
             c.inbound[3] = got  # saved now: the recv below may raise BlockingIOError
             if c.rx is not None:
                 c.rx.consumed += k
-        if got < len(dest) and not c.emptied:
-            want = min(len(dest) - got, SOCKET_IO_CAP)
-            k = c.sock.recv_into(dest[got : got + want])  # BlockingIOError when empty; cap: see _flush
+        if got < len(dest):
+            # Read again even right after a short read: a bulk payload keeps arriving while Python loops.
+            c.emptied = False
+            k = c.sock.recv_into(dest[got : got + SOCKET_IO_CAP])  # BlockingIOError when empty; cap: see _flush
             if k == 0:
                 self._eof(c)
                 return None
-            c.emptied = k < want
             c.decoder.consumed_direct(k)
             got += k
             if c.rx is not None:
