@@ -86,7 +86,7 @@ class Window:
         """Until every member in `peers` (positions) posted at least `value`; CollectiveTimeout at `deadline`."""
         memory, engine = self.memory, self.engine
         counter = memory.counter
-        peers = list(peers)
+        peers = peers if type(peers) is list else list(peers)  # (callers mostly pass `others`)
         # Everyone there already costs one load per peer; a peer a few us away is caught by a short tight
         # spin (only while the engine would spin at all: never when ranks outnumber cores).
         if memory.reached(peers, value, 1) or (engine.eager() and memory.reached(peers, value, PRESPIN_LOOKS)):

@@ -69,6 +69,8 @@ class Work(dist._Work):
 
     # -- torch's Work API ----------------------------------------------------------------------------------
     def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._finished and self._exc is None:  # every blocking small op: torch waits on a finished work
+            return True
         seconds = None
         if timeout is not None and timeout.total_seconds() > 0:
             seconds = timeout.total_seconds()

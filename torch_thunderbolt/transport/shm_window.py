@@ -52,10 +52,10 @@ class ShmWindowMemory(WindowMemory):
     def reached(self, peers: list[int], value: int, looks: int) -> bool:
         # A tight spin on the counters' loads (~0.1 us a look): a peer that posts within a few us is seen
         # at once, where a round through the engine's spin (lock, pump, poll set, yield) takes several us.
-        ctrs = [self._ctr[p] for p in peers]
-        for _ in range(max(1, looks)):
-            for c in ctrs:
-                if c[0] < value:
+        ctr = self._ctr
+        for _ in range(looks or 1):
+            for p in peers:
+                if ctr[p][0] < value:
                     break
             else:
                 ring.publish_fence()  # arm64: the payload loads that follow must not move before these
