@@ -40,6 +40,11 @@ ABORT_PAYLOAD = object()  # marks an inbound ABORT payload
 
 
 STRIPE_ALIGN = 4096  # striped parts start on page boundaries where the message allows it
+# A striped message goes in pieces of at most this much, each to the next stream with room (see
+# TcpLink._dispatch): a cable slower than its neighbours then carries a smaller share, and a piece is
+# large enough that a frame header per piece costs nothing measurable.
+STRIPE_PIECE = 4 << 20
+STREAM_DEPTH = 2  # frames queued on a stream (the one being written included) before it gets no more pieces
 
 
 def split_aligned(nbytes: int, parts: int) -> list[tuple[int, int]]:
@@ -51,6 +56,12 @@ def split_aligned(nbytes: int, parts: int) -> list[tuple[int, int]]:
     out = [(i * per, per) for i in range(parts - 1)]
     out.append(((parts - 1) * per, nbytes - (parts - 1) * per))
     return out
+
+
+def stripe_pieces(nbytes: int, streams: int) -> list[tuple[int, int]]:
+    """How a striped message is cut: one piece per stream, or pieces of at most STRIPE_PIECE bytes when that
+    gives more (aligned as split_aligned aligns them)."""
+    return split_aligned(nbytes, max(streams, -(-nbytes // STRIPE_PIECE)))
 
 
 class Outgoing:
@@ -117,6 +128,11 @@ class TcpLink(Link):
         # A parked frame stops its stream, and a RESYNC behind it could wait for data that only the RESYNC
         # brings back: with failover (or after a lost stream), early frames are buffered instead.
         self.no_park = self.failover
+        # Pieces of messages not yet on a stream, in the order the messages were posted: [request, its
+        # pieces, the next one to hand out]. While any wait here, later messages wait behind them, so every
+        # stream carries its frames in message order (what lets a receiver park a frame without deadlock).
+        self.unsent: deque[list] = deque()
+        self._turn = 0  # the stream the next piece is offered to first
 
     @property
     def address(self) -> str:
@@ -134,14 +150,45 @@ class TcpLink(Link):
 
     # -- posting ------------------------------------------------------------------------------------------
     def post_send(self, req: Request) -> None:
-        space, tag, seq = req.key
         n = req.nbytes
         conns = [c for c in self.streams if not c.dead]
-        parts = split_aligned(n, len(conns)) if n >= self.kind.stripe_bytes and len(conns) > 1 else [(0, n)]
-        req.pending = len(parts)
-        for i, (off, ln) in enumerate(parts):
-            fields = Fields(space, req.sig, tag, seq, off, ln, n)
-            self.enqueue(conns[i], Outgoing(_header(fields), req.buf[off : off + ln], req, fields))
+        if n >= self.kind.stripe_bytes and len(conns) > 1:
+            pieces = stripe_pieces(n, len(conns))
+        elif not self.unsent:  # the common case: one frame on the first stream, written at once
+            req.pending = 1
+            self._put(conns[0], req, 0, n)
+            return
+        else:
+            pieces = [(0, n)]
+        req.pending = len(pieces)
+        self.unsent.append([req, pieces, 0])
+        self._dispatch()
+
+    def _put(self, c: Stream, req: Request, off: int, ln: int) -> None:
+        space, tag, seq = req.key
+        fields = Fields(space, req.sig, tag, seq, off, ln, req.nbytes)
+        self.enqueue(c, Outgoing(_header(fields), req.buf[off : off + ln], req, fields))
+
+    def _dispatch(self) -> None:
+        """Hand out unsent pieces in order, each to the next live stream (round robin) with fewer than
+        STREAM_DEPTH frames queued. A stream whose socket is full keeps its frames, so it is passed over:
+        cables of unequal speed each carry what they can, where a fixed split would wait for the slowest."""
+        unsent, streams = self.unsent, self.streams
+        while unsent:
+            for step in range(len(streams)):
+                c = streams[(self._turn + step) % len(streams)]
+                if not c.dead and len(c.sendq) < STREAM_DEPTH:
+                    break
+            else:
+                return  # every stream is busy: the next pump that drains one calls again
+            self._turn = (c.stream + 1) % len(streams)
+            entry = unsent[0]
+            req, pieces, i = entry
+            if i + 1 == len(pieces):
+                unsent.popleft()
+            else:
+                entry[2] = i + 1
+            self._put(c, req, *pieces[i])
 
     def posted_recv(self) -> None:
         for c in self.streams:
@@ -169,6 +216,8 @@ class TcpLink(Link):
                 moved |= self._flush(c)
             if c.parked is None and not c.bye:
                 moved |= self._read(c)
+        if self.unsent and engine.broken is None:
+            self._dispatch()
         return moved
 
     def gone(self) -> bool:
@@ -186,7 +235,8 @@ class TcpLink(Link):
             f"rank finished without expecting data from rank {c.peer} (different collectives, roots or order)")
 
     def queued(self) -> list[Request]:
-        return [out.req for c in self.streams for out in c.sendq if out.req is not None]
+        return ([out.req for c in self.streams for out in c.sendq if out.req is not None]
+                + [entry[0] for entry in self.unsent])
 
     def parked_sig(self) -> int | None:
         for c in self.streams:
@@ -404,6 +454,7 @@ class TcpLink(Link):
     # -- ending ---------------------------------------------------------------------------------------------
     def abort_writes(self, body: bytes) -> "list[tuple[socket.socket, list[memoryview]]]":
         frame = memoryview(encode_frame_header(Kind.ABORT, Space.COLL, 0, 0, 0, 0, len(body), len(body)) + body)
+        self.unsent.clear()
         writes = []
         for c in self.streams:
             if c.dead:
@@ -427,6 +478,7 @@ class TcpLink(Link):
                     pass
 
     def close(self) -> None:
+        self.unsent.clear()
         for c in self.streams:
             c.sendq.clear()
             close_socket(c.sock)
