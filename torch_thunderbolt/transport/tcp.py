@@ -44,7 +44,7 @@ STRIPE_ALIGN = 4096  # striped parts start on page boundaries where the message 
 # TcpLink._dispatch): a cable slower than its neighbours then carries a smaller share, and a piece is
 # large enough that a frame header per piece costs nothing measurable.
 STRIPE_PIECE = 4 << 20
-STREAM_DEPTH = 2  # frames queued on a stream (the one being written included) before it gets no more pieces
+STREAM_DEPTH = 1  # frames queued on a stream (the one being written included) before it gets no more pieces
 
 
 def split_aligned(nbytes: int, parts: int) -> list[tuple[int, int]]:
