@@ -103,9 +103,9 @@ def test_the_engine_lock_signals_only_when_someone_sleeps_and_wakes_a_sleeper() 
     import threading
     import time
 
-    from torch_thunderbolt.transport.base import EngineLock
+    from torch_thunderbolt.transport.base import CountedCondition
 
-    lock = EngineLock()
+    lock = CountedCondition()
     with lock.mutex:
         lock.signal()  # nobody asleep: nothing to do, and no error
         assert lock.sleepers == 0

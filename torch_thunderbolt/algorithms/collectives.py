@@ -72,7 +72,7 @@ class Communicator:
         self._combiners: dict[tuple[str, torch.dtype], Combiner] = {}
         self._reducers: dict[tuple[str, torch.dtype], Reducer] = {}
         self._small: dict[tuple[int, torch.dtype], DirectAllReduce] = {}  # small all_reduces' buffers, by size
-        # ... and on the window: (views, kernel, op word) by size, dtype and reduce op
+        # ... and on the window: (views, kernel, signature) by size, dtype and reduce op
         self._one_shots: dict[tuple[int, torch.dtype, str], tuple[windowed.OneShotAllReduce, Combiner, int]] = {}
         # The shared window of this host's ranks, if the transport has window memory for them. The windowed
         # collectives replace plans only when no algorithm is forced: over the whole group (`_flat`), or
@@ -125,11 +125,13 @@ class Communicator:
 
     def _run_body(self, body: Callable[[int, float, OpLabel], None], what: str, like: torch.Tensor,
                   root: int = 0, count: int = 0, op: str = "none", layout: object = None,
-                  how: str = "window") -> None:
+                  how: str = "window", sig: int | None = None) -> None:
         """Run `body(sig, deadline, what)` as op number `self.seq`: a windowed op, or one whose messages go
-        under this op's tag (`how` = "hier": the cable phase of a hierarchical op; "direct": small.py)."""
+        under this op's tag (`how` = "hier": the cable phase of a hierarchical op; "direct": small.py).
+        `sig`: the op's signature, when the caller keeps it already."""
         self.seq += 1
-        sig = self._sig(what, like, root, count, op, layout)
+        if sig is None:
+            sig = self._sig(what, like, root, count, op, layout)
         if self.cfg.debug:
             log.debug("rank %d: op #%d %s %s, signature %016x", self.rank, self.seq, describe_sig(sig),
                       _HOW[how], sig)
@@ -197,7 +199,7 @@ class Communicator:
         elif self._flat:
             combine = self._combiner(op, x.dtype)
             self._run_body(lambda sig, deadline, what: windowed.all_reduce(
-                self.window, x, combine, sig, deadline, what, self.cfg.small_bytes), "all_reduce", x, count=n, op=op)
+                self.window, x, combine, sig, deadline, what), "all_reduce", x, count=n, op=op)
         else:
             plan = self._plan(("ar", n, es), lambda: select.allreduce_plan(
                 self.cfg, self.rank, self.world, n, es, self.shape))
@@ -213,18 +215,18 @@ class Communicator:
 
     def _one_shot_all_reduce(self, x: torch.Tensor, op: str) -> None:
         """A small all_reduce on the window: one copy in, one wait, one reduction (see windowed.py), its
-        views and op word made once per size, dtype and reduce op."""
-        key = (x.numel(), x.dtype, op)
+        views and signature made once per size, dtype and reduce op."""
+        n = x.numel()
+        key = (n, x.dtype, op)
         lean = self._one_shots.get(key)
         if lean is None:
             if len(self._one_shots) > 64:
                 self._one_shots.clear()
-            sig = self._sig("all_reduce", x, 0, x.numel(), op, None)
-            lean = self._one_shots[key] = (windowed.OneShotAllReduce(self.window, x.numel(), x.dtype),
-                                           self._combiner(op, x.dtype), windowed.op_word(sig, windowed.ONE_SHOT))
-        one_shot, combine, word = lean
-        self._run_body(lambda sig, deadline, what: one_shot.run(x, combine, word, deadline, what),
-                       "all_reduce", x, count=x.numel(), op=op)
+            lean = self._one_shots[key] = (windowed.OneShotAllReduce(self.window, n, x.dtype),
+                                           self._combiner(op, x.dtype), self._sig("all_reduce", x, 0, n, op, None))
+        one_shot, combine, sig = lean
+        self._run_body(lambda sig, deadline, what: one_shot.run(x, combine, sig, deadline, what),
+                       "all_reduce", x, count=n, op=op, sig=sig)
 
     def _direct_all_reduce(self, x: torch.Tensor, op: str) -> None:
         """The direct plan's messages without its plan walk (see small.py)."""

@@ -14,9 +14,9 @@ where a ring over slot queues does a copy in and a copy out per step. A round (1
 the shared L3 cache, so peers read each other's writes from cache. Four buffers per rank let a rank run
 rounds ahead of the slowest peer; counters never reset, a step is `round * STEPS + phase`.
 
-Small all_reduces (up to THUNDERBOLT_SMALL) are one-shot instead: every rank copies its whole input into
-its buffer and reduces all buffers itself, in rank order (so every rank gets the same bits): one wait
-instead of three.
+Small all_reduces (up to THUNDERBOLT_SMALL and one buffer; the Communicator chooses) are one-shot
+instead (`OneShotAllReduce`): every rank copies its whole input into its buffer and reduces all buffers
+itself, in rank order (so every rank gets the same bits): one wait instead of three.
 
 broadcast: the root copies a round into its buffer and posts; the others copy it out. The root does not
 wait for them at the end: it checks their op words when its next windowed op starts (`settle`).
@@ -124,15 +124,11 @@ def settle(win: Window, deadline: float, what: object) -> None:
 ONE_SHOT = 0x5A5A0001  # XORed into the op word: a one-shot rank must never pair with a sliced one
 
 
-def all_reduce(win: Window, x: torch.Tensor, combine: Combiner, sig: int, deadline: float, what: object,
-               one_shot_bytes: int = 0) -> None:
+def all_reduce(win: Window, x: torch.Tensor, combine: Combiner, sig: int, deadline: float, what: object) -> None:
     """Reduce the 1-D contiguous `x` in place over every rank of the window with `combine` (the reduce op's
-    kernel, reduce_ops.make_combiner); one-shot up to `one_shot_bytes` (and at most one buffer)."""
+    kernel, reduce_ops.make_combiner), in rounds of slices (small ones run `OneShotAllReduce` instead)."""
     n, r = win.world, win.rank
     if n == 1:
-        return
-    if x.numel() * x.element_size() <= min(one_shot_bytes, win.nbytes):
-        OneShotAllReduce(win, x.numel(), x.dtype).run(x, combine, op_word(sig, ONE_SHOT), deadline, what)
         return
     settle(win, deadline, what)
     cap = _slice_cap(win, x)
@@ -170,17 +166,18 @@ class OneShotAllReduce:
     (`bufs[k][p]`: member p's buffer k): a small all_reduce is latency-bound, and making or looking up
     three views per op cost it as much as its copy and its reduction."""
 
-    __slots__ = ("win", "count", "bufs")
+    __slots__ = ("win", "bufs")
 
     def __init__(self, win: Window, count: int, dtype: torch.dtype) -> None:
-        self.win, self.count = win, count
+        self.win = win
         self.bufs = [[_view(win, p, k, dtype)[:count] for p in range(win.world)] for k in range(BUFFERS)]
 
-    def run(self, x: torch.Tensor, combine: Combiner, word: int, deadline: float, what: object) -> None:
+    def run(self, x: torch.Tensor, combine: Combiner, sig: int, deadline: float, what: object) -> None:
         """x := x_0 ⊕ ... ⊕ x_{n-1} (positions in order, so every member gets the same bits)."""
         win = self.win
         if win.world == 1:
             return
+        word = op_word(sig, ONE_SHOT)
         done = win.memory.counter(win.rank)
         if done % STEPS:  # a broadcast root's last round is still to be checked (see settle)
             settle(win, deadline, what)

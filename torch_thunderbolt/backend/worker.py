@@ -14,6 +14,7 @@ import queue
 import threading
 from typing import Callable
 
+from ..transport.base import CountedCondition
 from .work import Work
 
 
@@ -21,9 +22,8 @@ class Worker:
     def __init__(self, name: str) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)  # notified whenever _busy drops to 0
+        self._idle = CountedCondition(self._lock)  # signalled whenever _busy drops to 0
         self._busy = 0  # ops queued or running
-        self._waiting = 0  # callers asleep on _idle: notifying none costs a small op a few Python calls
         self._name = name
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -50,11 +50,7 @@ class Worker:
             if self._stopped:
                 raise RuntimeError(f"{self._name}: the process group has been shut down")
             while self._busy:
-                self._waiting += 1
-                try:
-                    self._idle.wait()
-                finally:
-                    self._waiting -= 1
+                self._idle.sleep()
             self._busy += 1
         self._run(work, fn)
         return work
@@ -72,8 +68,8 @@ class Worker:
     def _done(self) -> None:
         with self._lock:
             self._busy -= 1
-            if not self._busy and self._waiting:
-                self._idle.notify_all()
+            if not self._busy:
+                self._idle.signal()
 
     def _loop(self) -> None:
         while True:

@@ -20,20 +20,21 @@ Key = tuple[int, int, int]  # (space, tag, seq)
 ANY_SOURCE = -1
 
 
-class EngineLock(threading.Condition):
-    """An engine's one lock (reentrant) and the condition its non-driving threads sleep on, counting those
-    sleepers: the driving thread signals after every completion, and with nobody asleep (the common case:
-    one thread per group) a Condition's notify_all still costs a small op several Python calls."""
+class CountedCondition(threading.Condition):
+    """A lock (reentrant unless one is given) and a condition that counts the threads asleep on it: an
+    engine's non-driving threads (the driving thread signals after every completion) and a group's callers
+    waiting for its worker to go idle. With nobody asleep, the common case of one thread per group, a
+    Condition's notify_all still costs a small op several Python calls; `signal` costs one test."""
 
-    def __init__(self) -> None:
-        self.mutex = threading.RLock()
+    def __init__(self, lock: "threading.Lock | threading.RLock | None" = None) -> None:
+        self.mutex = lock if lock is not None else threading.RLock()
         super().__init__(self.mutex)
         self.sleepers = 0
-        # `with lock.mutex:` takes the same lock as `with lock:` without a Condition's Python-level
-        # __enter__ and __exit__ (two calls each time, and a small op takes the lock five times).
+        # `with cond.mutex:` takes the same lock as `with cond:` without a Condition's Python-level
+        # __enter__ and __exit__ (two calls each time, and a small op takes the engine's lock five times).
 
-    def sleep(self, timeout: float) -> None:
-        """Wait (lock held) until signalled or `timeout` seconds pass."""
+    def sleep(self, timeout: float | None = None) -> None:
+        """Wait (lock held) until signalled or `timeout` seconds pass (None: until signalled)."""
         self.sleepers += 1
         try:
             self.wait(timeout)

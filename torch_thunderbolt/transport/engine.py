@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Sequence
 
 from ..errors import BackendClosedError, CollectiveTimeout, PeerLostError
 from ..protocol.framing import Space, abort_body
-from .base import ANY_SOURCE, EngineLock, Key, Link, LinkKind, Request, bytes_view
+from .base import ANY_SOURCE, CountedCondition, Key, Link, LinkKind, Request, bytes_view
 from .matching import Matcher
 from .names import RankNames
 from .spin import SpinGuard
@@ -50,7 +50,7 @@ class Transport:
     """The engine of one group: the links to every peer (`kinds`, each a LinkKind with its links by peer).
     `names`: how errors name the ranks of a subgroup (None: its ranks are the global ones)."""
 
-    def __init__(self, rank: int, world: int, kinds: Sequence[LinkKind], cv: EngineLock | None = None,
+    def __init__(self, rank: int, world: int, kinds: Sequence[LinkKind], cv: CountedCondition | None = None,
                  names: RankNames | None = None) -> None:
         self.rank = rank
         self.world = world
@@ -62,7 +62,7 @@ class Transport:
         self.last_traffic = time.monotonic()
         self.matcher = Matcher(rank)
         # One lock for the engine; the in-memory kind passes one shared by its whole world.
-        self._cv = cv or EngineLock()
+        self._cv = cv or CountedCondition()
         self._lock = self._cv.mutex  # the same lock, taken without the Condition's wrappers
         self._p2p_send_seq: dict[tuple[int, int], int] = defaultdict(int)
         # Memory this host's ranks of the group read directly, for the collectives designed for it; a kind

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from ..errors import PeerLostError
 from ..protocol.framing import Frame, Kind, Space
-from .base import EngineLock, Link, LinkKind, Request
+from .base import CountedCondition, Link, LinkKind, Request
 from .engine import Transport
 from .window import BUFFERS, WindowMemory
 
@@ -23,7 +23,7 @@ class MemoryHub:
 
     def __init__(self, world: int, window_bytes: int = 0, hosts: "Sequence[Sequence[int]] | None" = None) -> None:
         self.world = world
-        self.cv = EngineLock()  # reentrant: one lock for the whole world (see memory_transport)
+        self.cv = CountedCondition()  # reentrant: one lock for the whole world (see memory_transport)
         self.buffers = {(r, k): bytearray(window_bytes) for r in range(world) for k in range(BUFFERS)}
         self.counters = [0] * world
         self.words = [[0] * BUFFERS for _ in range(world)]
