@@ -40,17 +40,50 @@ MIXED = ([[net(0), "127.0.0.0/8"], [net(0), "127.0.0.0/8"], [net(0), "127.0.0.0/
 
 
 # -- the cable bound -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cabling, gbps, text", [
+EQUAL_HOSTS = [
     (RING3, 2 * PER_GBIT, "2 cables x 1 Gbit/s per rank (ring of 3)"),
     (CHAIN3, 1 * PER_GBIT, "1 cable x 1 Gbit/s per rank (chain of 3)"),  # the ends set it
     (MESH4, 3 * PER_GBIT, "3 cables x 1 Gbit/s per rank (mesh of 4)"),
     (PAIR2, 2 * PER_GBIT, "2 cables x 1 Gbit/s per rank (pair of 2)"),
-])
-@pytest.mark.parametrize("op", COLLECTIVES)
+]
+
+
+@pytest.mark.parametrize("cabling, gbps, text, op", [
+    (*row, op) for row in EQUAL_HOSTS for op in COLLECTIVES
+    if not (row[0] is CHAIN3 and op == "all_reduce")])  # test_chain_all_reduce_bound_... below
 def test_cable_bound_one_rank_per_host_is_rate_times_least_cables(cabling, gbps, text, op):
     # nccl-tests' busbw factor makes every collective's bound the same: rate x the cables of a rank
     bound = bounds.cable_bound(op, *cabling, GBIT)
     assert bound == bounds.Bound(pytest.approx(gbps), bounds.CABLES, text)
+
+
+CHAIN4 = one_rank_per_host([[net(0)], [net(0), net(1)], [net(1), net(2)], [net(2)]])
+
+
+@pytest.mark.parametrize("cabling, n", [(CHAIN3, 3), (CHAIN4, 4)])
+def test_chain_all_reduce_bound_is_set_by_the_ends_receiving_the_whole_result(cabling, n):
+    # The ends have one cable each and must receive all of S over it: t >= S / rate, busbw = 2(n-1)/n x S/t.
+    # The reduction's bytes over all cables (2(n-1) cables for 2(n-1) x S) give the same t here.
+    # The per-rank bound of the equally cabled shapes (rate x 1 cable) is lower: a chain all_reduce that
+    # lets the middle ranks reduce for the ends beats it (measured: 1.21 of it on a 1 Gbit/s lab chain).
+    bound = bounds.cable_bound("all_reduce", *cabling, GBIT)
+    assert bound.gbps == pytest.approx(PER_GBIT * 2 * (n - 1) / n)
+    assert bound.description == f"1 cable x 1 Gbit/s on the host of rank 0, which must receive the whole result (chain of {n})"
+
+
+def test_all_reduce_bound_of_unequal_hosts_where_the_reduction_binds():
+    # Ring of 3 plus a fourth host hanging off rank 0: cables per host 3, 2, 2, 1. The end host must receive
+    # S over 1 cable (t >= S/r); the reduction moves 6 S over 8 cables (t >= 3/4 S/r): the end binds.
+    nets, _ = RING3
+    star = one_rank_per_host([nets[0] + [net(3)], nets[1], nets[2], [net(3)]])
+    assert [g.cables for g in bounds.host_cabling(*star)] == [3, 2, 2, 1]
+    assert bounds.cable_bound("all_reduce", *star, GBIT).gbps == pytest.approx(PER_GBIT * 3 / 2)
+    # Two such rings (hosts with 3 cables and 2) joined: 3, 3, 2, 2 -> 10 cables for 6 S: 5/3 < 2 binds.
+    two = one_rank_per_host([[net(0), net(1), net(2)], [net(0), net(3), net(4)], [net(1), net(3)], [net(2), net(4)]])
+    assert [g.cables for g in bounds.host_cabling(*two)] == [3, 3, 2, 2]
+    ar = bounds.cable_bound("all_reduce", *two, GBIT)
+    assert ar.gbps == pytest.approx(PER_GBIT * 10 / 6 * 3 / 2)
+    assert ar.description.startswith("10 cables x 1 Gbit/s in all for the 2(h-1)/h of the buffer")
 
 
 @pytest.mark.parametrize("cabling, cables", [(RING3, 1), (CHAIN3, 1), (MESH4, 1), (PAIR2, 2)])
@@ -65,7 +98,7 @@ def test_sendrecv_without_a_direct_cable_has_no_bound():
     nets, hosts = CHAIN3
     reordered = ([nets[0], nets[2], nets[1]], hosts)  # rank 0 and rank 1 are the chain's two ends
     assert bounds.cable_bound("sendrecv", *reordered, GBIT) is None
-    assert bounds.cable_bound("all_reduce", *reordered, GBIT).gbps == pytest.approx(PER_GBIT)
+    assert bounds.cable_bound("all_gather", *reordered, GBIT).gbps == pytest.approx(PER_GBIT)
 
 
 def test_cables_between_counts_shared_networks_and_ignores_the_same_host_and_loopback():

@@ -89,9 +89,10 @@ def test_parse_rate():
     assert parse_rate("none") == (None, 0) and parse_rate(None) == (None, 0)
 
 
-def test_tbf_burst_scales_with_rate_and_mtu():
-    assert tbf_burst_bytes(10**10, None) == 625_000
-    assert tbf_burst_bytes(10**6, 65535) == 2 * (65535 + 14)
+def test_tbf_burst_scales_with_rate_and_holds_gso_packets():
+    assert tbf_burst_bytes(10**10) == 625_000  # 0.5 ms at the rate
+    assert tbf_burst_bytes(10**9) == 4 * 65536  # 0.5 ms would be 62.5 KB, less than one GSO packet
+    assert tbf_burst_bytes(3 * 10**8) == 4 * 65536
 
 
 def test_teardown_deletes_each_namespace():

@@ -2,10 +2,11 @@
 
 Three kinds, one per situation (`choose_bound`):
   - "cables": ranks on several hosts and `--cable-rate` given. Every cable is full duplex at the rate in
-    each direction; nccl-tests' busbw factor normalises the ops so that, with one rank per host, busbw can
-    at most reach `rate x the cables a rank has`, the least cabled rank setting it (the lower bound on
-    time is the bytes each rank must send and receive over its own cables). sendrecv: `rate x the cables
-    between rank 0 and rank 1`.
+    each direction; nccl-tests' busbw factor normalises the ops so that, with one rank per host and
+    every host equally cabled, busbw can at most reach `rate x the cables a rank has`. The lower bound on
+    time is the bytes each host must send or receive over its own cables, the host that leaves the
+    least setting it; all_reduce also by the bytes a reduction moves in all over all cables together
+    (see `_all_reduce_bound`). sendrecv: `rate x the cables between rank 0 and rank 1`.
   - "tcp_link": one host, a TCP backend, `--link`: the raw TCP rate between rank 0 and rank 1 at the
     backend's stream count, both directions at once for the symmetric ops (the `eff` column).
   - "memcpy": one host, shared memory, `--memcpy`: single-core memcpy GB/s.
@@ -140,11 +141,8 @@ def _host_factor(op: str, n: int, h: int, k: int) -> float:
 
     The bytes a host must move over its own cables, with nothing charged for traffic inside the host:
     all_gather receives the (n-k)/n of the output held elsewhere, reduce_scatter sends as much, all_to_all
-    sends k(n-k)/n of a rank's input, broadcast receives (or sends) the whole buffer, all_reduce moves
-    2(h-1)/h of it each way (as between h ranks of one each). busbw = algbw x nccl-tests' factor, hence
-    the ratios."""
-    if op == "all_reduce":
-        return (n - 1) / n * h / (h - 1)
+    sends k(n-k)/n of a rank's input, broadcast receives (or sends) the whole buffer. busbw = algbw x
+    nccl-tests' factor, hence the ratios. all_reduce is `_all_reduce_bound`'s."""
     if op in ("all_gather", "reduce_scatter"):
         return (n - 1) / (n - k)
     if op == "all_to_all":
@@ -176,17 +174,51 @@ def cable_bound(op: str, nets: Sequence[Sequence[str]], hosts: Sequence[str], ra
         return Bound(cables * per_cable, CABLES, f"{_plural(cables, 'cable')} x {rate} between rank 0 and rank 1")
     groups = host_cabling(nets, hosts)
     n, h = len(hosts), len(groups)
+    kind = cabling_kind(nets, hosts)
+    if op == "all_reduce":
+        return _all_reduce_bound(groups, n, per_cable, rate, kind)
     # The host that leaves the least: fewest cables for the bytes it must move over them.
     worst = min(groups, key=lambda g: (g.cables * _host_factor(op, n, h, len(g.ranks)), g.ranks))
     gbps = per_cable * worst.cables * _host_factor(op, n, h, len(worst.ranks))
-    kind = cabling_kind(nets, hosts)
+    return Bound(gbps, CABLES, _where(worst, groups, n, rate, kind))
+
+
+def _where(worst: HostCabling, groups: Sequence[HostCabling], n: int, rate: str, kind: str) -> str:
+    """'2 cables x 1 Gbit/s per rank (ring of 3)': the cables that set a bound, and whose they are."""
     if all(len(g.ranks) == 1 for g in groups):
-        text = f"{_plural(worst.cables, 'cable')} x {rate} per rank ({kind} of {n})"
-    else:
-        ranks = ",".join(map(str, worst.ranks))
-        text = (f"{_plural(worst.cables, 'cable')} x {rate} on the host of rank{'s' if len(worst.ranks) > 1 else ''} "
-                f"{ranks} ({kind} of {h} hosts, {n} ranks)")
-    return Bound(gbps, CABLES, text)
+        return f"{_plural(worst.cables, 'cable')} x {rate} per rank ({kind} of {n})"
+    ranks = ",".join(map(str, worst.ranks))
+    return (f"{_plural(worst.cables, 'cable')} x {rate} on the host of rank{'s' if len(worst.ranks) > 1 else ''} "
+            f"{ranks} ({_shape(groups, n, kind)})")
+
+
+def _shape(groups: Sequence[HostCabling], n: int, kind: str) -> str:
+    return f"{kind} of {n}" if len(groups) == n else f"{kind} of {len(groups)} hosts, {n} ranks"
+
+
+def _all_reduce_bound(groups: Sequence[HostCabling], n: int, per_cable: float, rate: str, kind: str) -> Bound:
+    """all_reduce of S bytes between h hosts, the more restrictive of two lower bounds on its time:
+      - every host must receive S (the others' share of every element) and send as much of its own, over
+        its own cables: the least cabled host sets this one;
+      - a reduction moves 2(h-1)/h x S into each host (reduce-scatter, then all-gather), 2(h-1) x S in
+        all, over all the hosts' cables together.
+    With every host equally cabled the second binds (both are equal between 2 hosts) and busbw reaches
+    `rate x the cables of a host`, scaled by (n-1)/n x h/(h-1) where hosts run several ranks. Where hosts
+    differ, the first can bind: a chain's two ends have one cable, but the hosts between them reduce for
+    them, so a 3-host chain's bound is 4/3 x rate, not rate. busbw = S/t x 2(n-1)/n."""
+    h = len(groups)
+    least = min(groups, key=lambda g: (g.cables, g.ranks))
+    total = sum(g.cables for g in groups)
+    cables = min(least.cables, total / (2 * (h - 1)))  # S/t is at most this many cables' rate
+    gbps = per_cable * cables * 2 * (n - 1) / n
+    if all(g.cables == least.cables for g in groups):
+        return Bound(gbps, CABLES, _where(least, groups, n, rate, kind))
+    if cables < least.cables:
+        return Bound(gbps, CABLES, f"{_plural(total, 'cable')} x {rate} in all for the 2(h-1)/h of the buffer a "
+                                   f"reduction moves into each host ({_shape(groups, n, kind)})")
+    owner = f"rank{'s' if len(least.ranks) > 1 else ''} {','.join(map(str, least.ranks))}"
+    return Bound(gbps, CABLES, f"{_plural(least.cables, 'cable')} x {rate} on the host of {owner}, which must "
+                               f"receive the whole result ({_shape(groups, n, kind)})")
 
 
 # -- one host ------------------------------------------------------------------------------------------------
