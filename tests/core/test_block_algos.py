@@ -132,3 +132,46 @@ def test_auto_lays_the_blocks_on_the_cables() -> None:
     assert select.allreduce_plan(cfg, 0, 4, 1 << 20, 4, Shape.full(4)).algo == "mesh"
     assert select.all_gather_plan(cfg, 0, 2, big[:2], 4, Shape.full(2)).algo == "ring"
     assert select.all_gather_plan(Config(algo="ring"), 0, 4, big, 4, Shape.full(4)).algo == "ring"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+@pytest.mark.parametrize("counts_kind", ["even", "uneven with zeros"])
+def test_reduce_scatter_plans_read_the_input_where_it_lies_and_write_only_the_ranks_block(world, counts_kind):
+    """The line and ring reduce-scatters need no working copy of the input: no step writes "in", and
+    "out" is written only within this rank's block, from 0. Every reduce into "out" follows a copy into
+    that very range from "in" (so the block starts from the rank's own data, not from garbage)."""
+    from torch_thunderbolt.algorithms.plan import COPY, REDUCE
+
+    counts = COUNTS[counts_kind](world)
+    segs = list(zip(offsets(counts), counts))
+    order = list(range(world))[::-1]
+    builds = [chain.line_reduce_scatter, ring.bidirectional_ring_reduce_scatter, ring.ring_reduce_scatter_into]
+    for build in builds:
+        if build is ring.bidirectional_ring_reduce_scatter and min(counts) < 2:
+            continue
+        for r in range(world):
+            plan = build(r, order, segs, CHUNK)
+            assert all(s.buf != "in" for s in plan.steps if s.kind in (RECV, REDUCE, COPY)), (build.__name__, r)
+            filled: set[int] = set()
+            for i, s in enumerate(plan.steps):
+                if s.buf != "out":
+                    continue
+                assert s.kind in (REDUCE, COPY) and 0 <= s.off and s.off + s.n <= counts[r], (build.__name__, r, s)
+                if s.kind == COPY:
+                    assert s.src == "in" and s.src_off == segs[r][0] + s.off
+                    filled.add(i)
+                else:
+                    same = {f for f in filled if (plan.steps[f].off, plan.steps[f].n) == (s.off, s.n)}
+                    assert same & _ancestors(plan, i), (build.__name__, r, s)
+            written = sum(s.n for s in plan.steps if s.buf == "out" and s.kind == COPY)
+            assert written == counts[r], (build.__name__, r)
+
+
+def _ancestors(plan, i: int) -> set[int]:
+    seen, todo = set(), list(plan.steps[i].deps)
+    while todo:
+        d = todo.pop()
+        if d not in seen:
+            seen.add(d)
+            todo.extend(plan.steps[d].deps)
+    return seen

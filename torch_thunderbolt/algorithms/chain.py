@@ -39,9 +39,11 @@ def add_line_broadcast(plan: Plan, line: list[int], root: int, count: int, chunk
 
 
 def add_line_reduce(plan: Plan, line: list[int], root: int, count: int, chunk: int, base: int = 0,
-                    msg0: int = 0, tmp0: int = 0) -> dict[int, int]:
+                    msg0: int = 0, tmp0: int = 0, out_base: int | None = None) -> dict[int, int]:
     """Reduce "in"[base : base + count] of every rank into "out" on root; "in" of other ranks is not
     modified. Scratch from `tmp0` on, message ids from `msg0` on (for several reductions in one plan).
+    With `out_base` None the root's "out" holds its own data at the same offsets (it may be "in"); else
+    the root fills "out"[off - out_base] from its "in" first and "in" is never written.
     Returns, per chunk, the step that finishes it on the root (or that last read it elsewhere)."""
     towards, away = _towards_and_away(line, plan.rank, root)
     plan.tmp = max(plan.tmp, tmp0 + count * max(1, len(away)))
@@ -53,9 +55,10 @@ def add_line_reduce(plan: Plan, line: list[int], root: int, count: int, chunk: i
             continue
         recvs = [plan.recv(src, "tmp", k * count + rel, n, msg0 + j) for k, src in enumerate(away)]
         if towards is None:  # root: out ⊕= every branch's partial
-            last = None
+            dst = off if out_base is None else off - out_base
+            last = None if out_base is None else plan.copy("out", dst, "in", off, n)
             for k, r in enumerate(recvs):
-                last = plan.reduce("out", off, "tmp", k * count + rel, n, (r,) if last is None else (r, last))
+                last = plan.reduce("out", dst, "tmp", k * count + rel, n, (r,) if last is None else (r, last))
             done[j] = last
         else:  # middle: partial ⊕= own data, pass it on
             red = plan.reduce("tmp", rel, "in", off, n, (recvs[0],))
@@ -126,12 +129,12 @@ def line_all_gather(rank: int, line: list[int], segs: list[tuple[int, int]], chu
 
 def line_reduce_scatter(rank: int, line: list[int], segs: list[tuple[int, int]], chunk: int) -> Plan:
     """Each rank's segment reduced onto it along the line, in from both branches, pipelined (the mirror of
-    `line_all_gather`). "in" and "out" alias one working copy: a rank writes only its own segment."""
+    `line_all_gather`). Reads "in" (never written) and writes this rank's segment to "out" from 0."""
     plan = Plan(rank, len(line), "line")
     msg = tmp = 0
     for owner in line:
         off, n = segs[owner]
-        add_line_reduce(plan, line, owner, n, chunk, base=off, msg0=msg, tmp0=tmp)
+        add_line_reduce(plan, line, owner, n, chunk, base=off, msg0=msg, tmp0=tmp, out_base=segs[rank][0])
         msg += len(chunks(off, n, chunk))
         tmp = plan.tmp
     return plan

@@ -351,7 +351,7 @@ class Communicator:
             self._run_body(lambda sig, deadline, what: self._hier_reduce_scatter(
                 out, x, counts, op, sig, deadline, what), "reduce_scatter", x, count=sum(counts), op=op,
                 layout=tuple(counts), how="hier")
-        elif in_place:  # ring, hierarchy: reduce a full working copy ("in" and "out"), then keep our block
+        elif in_place:  # the hierarchy: reduce a full working copy ("in" and "out"), then keep our block
             work = self._tmp_full(x)
             self._run(plan, "reduce_scatter", {"in": work, "out": work}, op, x, count=sum(counts),
                       layout=tuple(counts))

@@ -51,6 +51,41 @@ def _add_reduce_scatter(plan: Plan, order: list[int], segs: Segments, chunk: int
     return last
 
 
+def _add_reduce_scatter_into(plan: Plan, order: list[int], segs: Segments, chunk: int, out_base: int) -> None:
+    """Reduce-scatter that reads "in" where it lies (never writing it) and writes only this rank's segment,
+    into "out" at `out_base` less its offset in "in": no working copy of the whole input. A partial sum
+    travels in "tmp": each rank adds its own "in" to the partial it receives and sends the sum on from
+    there; the owner adds the last partial to its own "in" in "out". The partial and the own data meet
+    in the other order than in `_add_reduce_scatter`: every reduce op is commutative element by element,
+    so the bits are the same."""
+    _, left, right = ring_neighbours(order, plan.rank)
+    last_step = len(order) - 2
+    all_pieces = [c for r in range(len(order)) for c in chunks(*segs[r], chunk)]
+    stride = max(n for _, n in all_pieces)
+    tmp_half = max(len(chunks(*segs[r], chunk)) for r in range(len(order))) * stride
+    plan.tmp = max(plan.tmp, 2 * tmp_half)
+    partial: dict[int, int] = {}  # piece -> the reduce that left its partial in tmp half (step - 1) % 2
+    read_by: dict[tuple[int, int], int] = {}  # (tmp half, piece) -> the send that last read it (WAR)
+    for s, j, msg, _send_pos, sp, _recv_pos, rp in _ring_steps(order, plan.rank, segs, chunk, 1, 0):
+        if sp is not None:
+            if s == 0:  # our own data of the segment we never receive
+                plan.send(right, "in", sp[0], sp[1], msg)
+            else:
+                half = (s - 1) % 2
+                read_by[(half, j)] = plan.send(right, "tmp", half * tmp_half + j * stride, sp[1], msg,
+                                               (partial[j],))
+        if rp is not None:
+            half = s % 2
+            toff = half * tmp_half + j * stride
+            war = read_by.get((half, j))
+            r = plan.recv(left, "tmp", toff, rp[1], msg, () if war is None else (war,))
+            if s < last_step:  # tmp = in ⊕ partial, written where the partial arrived
+                partial[j] = plan.reduce("tmp", toff, "in", rp[0], rp[1], (r,))
+            else:  # our own segment
+                filled = plan.copy("out", rp[0] - out_base, "in", rp[0], rp[1])
+                plan.reduce("out", rp[0] - out_base, "tmp", toff, rp[1], (r, filled))
+
+
 def _add_all_gather(plan: Plan, order: list[int], segs: Segments, chunk: int, last: dict, msg0: int) -> None:
     """Circulate every rank's finished segment of "out" to all ranks."""
     _, left, right = ring_neighbours(order, plan.rank)
@@ -79,6 +114,19 @@ def ring_reduce_scatter(rank: int, order: list[int], segs: Segments, chunk: int)
     plan = Plan(rank, len(order), "ring")
     if len(order) > 1:
         _add_reduce_scatter(plan, order, segs, chunk)
+    return plan
+
+
+def ring_reduce_scatter_into(rank: int, order: list[int], segs: Segments, chunk: int,
+                             out_base: int | None = None) -> Plan:
+    """Reduce "in" so that this rank's segment of the reduction lands in "out" (just that segment, from
+    offset 0; `out_base`: where "out" starts in "in", default this rank's segment)."""
+    plan = Plan(rank, len(order), "ring")
+    base = segs[rank][0] if out_base is None else out_base
+    if len(order) > 1:
+        _add_reduce_scatter_into(plan, order, segs, chunk, base)
+    else:
+        plan.copy("out", segs[rank][0] - base, "in", segs[rank][0], segs[rank][1])
     return plan
 
 
@@ -140,9 +188,11 @@ def bidirectional_ring_all_gather(rank: int, order: list[int], segs: Segments, c
 
 
 def bidirectional_ring_reduce_scatter(rank: int, order: list[int], segs: Segments, chunk: int) -> Plan:
-    """`ring_reduce_scatter` with the halves of each segment reduced in opposite directions round the ring."""
+    """`ring_reduce_scatter_into` with the halves of each segment reduced in opposite directions round the
+    ring: reads "in", writes this rank's segment to "out"."""
     first, second = _halves(segs)
-    plan = merge(ring_reduce_scatter(rank, order, first, chunk),
-                 ring_reduce_scatter(rank, reversed_ring(order), second, chunk))
+    base = segs[rank][0]
+    plan = merge(ring_reduce_scatter_into(rank, order, first, chunk, base),
+                 ring_reduce_scatter_into(rank, reversed_ring(order), second, chunk, base))
     plan.algo = "biring"
     return plan

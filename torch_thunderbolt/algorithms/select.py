@@ -75,7 +75,9 @@ def _block_algo(cfg: Config, world: int, counts: list[int], shape: Shape) -> str
 
 def reduce_scatter_plan(cfg: Config, rank: int, world: int, counts: list[int], elem: int,
                         shape: Shape) -> tuple[Plan, bool]:
-    """Returns (plan, in_place): ring and line plans reduce a full copy in "out"; direct ones read "in"."""
+    """Returns (plan, in_place): in place, the plan reduces a full working copy of the input ("in" and
+    "out" both) and the caller keeps its block (the hierarchy); else it reads "in" and writes the
+    rank's block to "out"."""
     segs = list(zip(offsets(counts), counts))
     if world == 1 or _small(cfg, sum(counts) * elem):
         return direct.direct_reduce_scatter(rank, world, segs), False
@@ -86,10 +88,10 @@ def reduce_scatter_plan(cfg: Config, rank: int, world: int, counts: list[int], e
     if algo == "direct":
         return direct.direct_reduce_scatter(rank, world, segs), False
     if algo == "line":
-        return chain.line_reduce_scatter(rank, _line_from(shape, shape.order[0]), segs, chunk), True
+        return chain.line_reduce_scatter(rank, _line_from(shape, shape.order[0]), segs, chunk), False
     if algo == "biring":
-        return ring.bidirectional_ring_reduce_scatter(rank, shape.order, segs, chunk), True
-    return ring.ring_reduce_scatter(rank, shape.order, segs, chunk), True
+        return ring.bidirectional_ring_reduce_scatter(rank, shape.order, segs, chunk), False
+    return ring.ring_reduce_scatter_into(rank, shape.order, segs, chunk), False
 
 
 def all_gather_plan(cfg: Config, rank: int, world: int, counts: list[int], elem: int, shape: Shape) -> Plan:
