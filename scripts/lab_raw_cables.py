@@ -17,7 +17,7 @@ import sys
 import time
 
 from torch_thunderbolt.config import parse_size
-from torch_thunderbolt.lab.blueprint import parse_rate
+from torch_thunderbolt.lab.blueprint import LabPlan, parse_rate
 from torch_thunderbolt.lab.state import load_state
 
 FIRST_PORT = 6100
@@ -58,9 +58,8 @@ c.close()
 """
 
 
-def flows(name: str) -> list[tuple[str, str, str, int]]:
+def flows(plan: LabPlan) -> list[tuple[str, str, str, int]]:
     """(sender namespace, receiver namespace, receiver address, port) for both directions of every cable."""
-    plan = load_state(name)
     out, port = [], FIRST_PORT
     for cable in plan.cables:
         a, b = plan.namespaces[cable.a], plan.namespaces[cable.b]
@@ -69,9 +68,9 @@ def flows(name: str) -> list[tuple[str, str, str, int]]:
     return out
 
 
-def run_once(name: str, nbytes: int, timeout: float) -> list[float]:
+def run_once(lab: LabPlan, nbytes: int, timeout: float) -> list[float]:
     """Rates in bytes/s of every flow, all started together."""
-    plan = flows(name)
+    plan = flows(lab)
     receivers = [subprocess.Popen(["ip", "netns", "exec", dst, sys.executable, "-c", RECEIVER, addr, str(port),
                                    str(SOCKET_BUFFER)], stdout=subprocess.PIPE, text=True)
                  for _src, dst, addr, port in plan]
@@ -101,11 +100,12 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
     args = ap.parse_args()
-    rate = parse_rate(load_state(args.name).rate)[1] / 8
+    lab = load_state(args.name)
+    rate = parse_rate(lab.rate)[1] / 8
     if not rate:
         sys.exit(f"lab {args.name} is unshaped: there is no cable rate to compare with")
     for run in range(args.runs):
-        rates = run_once(args.name, parse_size(args.bytes), args.timeout)
+        rates = run_once(lab, parse_size(args.bytes), args.timeout)
         shares = [r / rate for r in rates]
         print(f"run {run + 1}: {len(rates)} flows, MB/s " + " ".join(f"{r / 1e6:.0f}" for r in rates)
               + f"; share of the cable rate: min {min(shares):.2f}, mean {statistics.fmean(shares):.2f}")
