@@ -52,7 +52,8 @@ def test_block_plans_keep_pairwise_order_and_use_only_cabled_neighbours(world: i
     for root in range(world):
         check_pairwise_order([direct.scatter_forward_broadcast(r, world, root, 1000, CHUNK) for r in range(world)])
     for count in (world, 1001, sum(counts)):
-        check_pairwise_order([direct.mesh_allreduce(r, world, count) for r in range(world)])
+        for chunk in (CHUNK, 10**9):  # pieces, and whole blocks
+            check_pairwise_order([direct.mesh_allreduce(r, world, count, chunk) for r in range(world)])
 
 
 def test_a_line_moves_over_each_cable_no_more_than_the_blocks_behind_it() -> None:
@@ -175,3 +176,20 @@ def _ancestors(plan, i: int) -> set[int]:
             seen.add(d)
             todo.extend(plan.steps[d].deps)
     return seen
+
+
+def test_the_mesh_all_reduce_sends_a_reduced_piece_before_the_last_piece_is_in() -> None:
+    """In pieces, the second exchange of piece 0 waits for piece 0 only: the reduction and the second
+    exchange overlap the first (with whole blocks, nothing leaves before the whole block is in)."""
+    world, count, chunk = 4, 4 * 1000, 250  # blocks of 1000, four pieces each
+    for r in range(world):
+        plan = direct.mesh_allreduce(r, world, count, chunk)
+        recvs = [i for i, s in enumerate(plan.steps) if s.kind == RECV and s.buf == "tmp"]
+        second = [i for i, s in enumerate(plan.steps) if s.kind == SEND and s.msg >= 4]
+        assert len(recvs) == 3 * 4 and len(second) == 3 * 4
+        last_piece_in = {i for i in recvs if plan.steps[i].msg == 3}
+        assert not (_ancestors(plan, second[0]) & last_piece_in), r
+        assert _ancestors(plan, second[-1]) & last_piece_in, r
+    whole = direct.mesh_allreduce(0, world, count, count)
+    first_out = next(i for i, s in enumerate(whole.steps) if s.kind == SEND and s.msg >= 1)
+    assert {i for i, s in enumerate(whole.steps) if s.kind == RECV and s.buf == "tmp"} <= _ancestors(whole, first_out)

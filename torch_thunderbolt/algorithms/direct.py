@@ -48,33 +48,42 @@ def direct_allreduce(rank: int, world: int, count: int) -> Plan:
     return plan
 
 
-def mesh_allreduce(rank: int, world: int, count: int) -> Plan:
+def mesh_allreduce(rank: int, world: int, count: int, chunk: int) -> Plan:
     """For a full mesh of cables: every rank sends each other rank that rank's block of "out" and reduces its
     own block from what it receives (in rank order), then sends its reduced block to every other rank. Each
     rank moves 2(W-1)/W of the data, over all its W-1 cables at once, one hop each; every rank ends with the
-    same bits (each block is reduced once, by its owner)."""
+    same bits (each block is reduced once, by its owner). Blocks go in pieces of `chunk`: a piece is
+    reduced as soon as every peer's part of it is in and sent on at once, so the reduction and the second
+    exchange overlap the first instead of waiting for whole blocks."""
     plan = Plan(rank, world, "mesh")
     if world == 1:
         return plan
     segs = split_even(count, world)
+    pieces = [chunks(off, n, chunk) for off, n in segs]
+    second = max(len(p) for p in pieces)  # message ids of the second exchange start here on every pair
     my_off, my_n = segs[rank]
     plan.tmp = world * my_n
     to, frm = peer_order(rank, world)
-    sent = {p: plan.send(p, "out", segs[p][0], segs[p][1], 0) for p in to}
-    recvs = {p: plan.recv(p, "tmp", p * my_n, my_n, 0) for p in frm}
-    source = {p: ("tmp", p * my_n) for p in frm}
-    after: tuple[int, ...] = ()
-    if rank == 0:
-        source[0] = ("out", my_off)
-    else:  # keep our own contribution: "out" takes rank 0's first
-        after = (plan.copy("tmp", rank * my_n, "out", my_off, my_n),)
-        source[rank] = ("tmp", rank * my_n)
-    _rank_order_reduce(plan, "out", my_off, my_n, source, recvs, after)
-    reduced = len(plan.steps) - 1
-    for p in to:
-        plan.send(p, "out", my_off, my_n, 1, (reduced,))
-    for p in frm:  # overwrites the block we sent that rank: only once it is on its way
-        plan.recv(p, "out", segs[p][0], segs[p][1], 1, (sent[p],))
+    sent = {p: [plan.send(p, "out", off, n, j) for j, (off, n) in enumerate(pieces[p])] for p in to}
+    recvs = {p: [plan.recv(p, "tmp", p * my_n + off - my_off, n, j) for j, (off, n) in enumerate(pieces[rank])]
+             for p in frm}
+    reduced = []
+    for j, (off, n) in enumerate(pieces[rank]):
+        rel = off - my_off
+        source = {p: ("tmp", p * my_n + rel) for p in frm}
+        after: tuple[int, ...] = ()
+        if rank == 0:
+            source[0] = ("out", off)
+        else:  # keep our own contribution: "out" takes rank 0's first
+            after = (plan.copy("tmp", rank * my_n + rel, "out", off, n),)
+            source[rank] = ("tmp", rank * my_n + rel)
+        _rank_order_reduce(plan, "out", off, n, source, {p: recvs[p][j] for p in frm}, after)
+        reduced.append(len(plan.steps) - 1)
+        for p in to:
+            plan.send(p, "out", off, n, second + j, (reduced[j],))
+    for p in frm:  # overwrites the piece we sent that rank: only once it is on its way
+        for j, (off, n) in enumerate(pieces[p]):
+            plan.recv(p, "out", off, n, second + j, (sent[p][j],))
     return plan
 
 
