@@ -87,18 +87,25 @@ def mesh_allreduce(rank: int, world: int, count: int, chunk: int) -> Plan:
     return plan
 
 
-def direct_reduce_scatter(rank: int, world: int, segs: Segments) -> Plan:
-    """"in" holds every segment; "out" receives this rank's reduced segment."""
+def direct_reduce_scatter(rank: int, world: int, segs: Segments, chunk: int | None = None) -> Plan:
+    """"in" holds every segment; "out" receives this rank's reduced segment. With `chunk` (the same on every
+    rank), segments go in pieces and each piece is reduced once every peer's part of it is in, so the
+    reduction overlaps what is still arriving."""
     plan = Plan(rank, world, "direct")
     my_off, my_n = segs[rank]
     plan.tmp = world * my_n
     to, frm = peer_order(rank, world)
+    pieces = [chunks(off, n, chunk) if chunk else [(off, n)] for off, n in segs]
     for p in to:
-        plan.send(p, "in", segs[p][0], segs[p][1], 0)
-    recvs = {p: plan.recv(p, "tmp", p * my_n, my_n, 0) for p in frm}
-    source = {p: ("tmp", p * my_n) for p in frm}
-    source[rank] = ("in", my_off)
-    _rank_order_reduce(plan, "out", 0, my_n, source, recvs, ())
+        for j, (off, n) in enumerate(pieces[p]):
+            plan.send(p, "in", off, n, j)
+    recvs = {p: [plan.recv(p, "tmp", p * my_n + off - my_off, n, j) for j, (off, n) in enumerate(pieces[rank])]
+             for p in frm}
+    for j, (off, n) in enumerate(pieces[rank]):
+        rel = off - my_off
+        source = {p: ("tmp", p * my_n + rel) for p in frm}
+        source[rank] = ("in", off)
+        _rank_order_reduce(plan, "out", rel, n, source, {p: recvs[p][j] for p in frm}, ())
     return plan
 
 

@@ -11,7 +11,7 @@ from .shape import Shape
 
 MIN_PIPELINE_PIECES = 8
 MIN_CHUNK_BYTES = 64 << 10
-# Pieces per block of the mesh all_reduce, at most: every piece costs Python steps on every rank. 1 MB pieces
+# Pieces per block of the mesh all_reduce and reduce_scatter, at most: every piece costs Python steps on every rank. 1 MB pieces
 # of a 64 MB all_reduce took 1.11-1.17x the whole blocks' time on the CPU-bound 10 Gbit/s lab mesh; four
 # per block 0.98-1.00 there and 0.91-0.94 at 1 Gbit/s, where the reduction then overlaps the exchanges.
 MESH_PIECES = 4
@@ -90,7 +90,8 @@ def reduce_scatter_plan(cfg: Config, rank: int, world: int, counts: list[int], e
         return hierarchy.hierarchical_reduce_scatter(rank, shape.groups, counts, chunk), True
     algo = _block_algo(cfg, world, counts, shape)
     if algo == "direct":
-        return direct.direct_reduce_scatter(rank, world, segs), False
+        pieces = max(chunk, -(-sum(counts) // (world * MESH_PIECES)))
+        return direct.direct_reduce_scatter(rank, world, segs, pieces), False
     if algo == "line":
         return chain.line_reduce_scatter(rank, _line_from(shape, shape.order[0]), segs, chunk), False
     if algo == "biring":
