@@ -48,6 +48,35 @@ def direct_allreduce(rank: int, world: int, count: int) -> Plan:
     return plan
 
 
+def _reduce_pieces(plan: Plan, pieces: list[list[tuple[int, int]]], src: str, dst: str,
+                   dst_base: int) -> tuple[dict[int, list[int]], list[int]]:
+    """The exchange of a direct reduce-scatter, piece by piece (`pieces[r]`: rank r's block in pieces,
+    the same on every rank): each peer's pieces of `src` to that peer, and every piece of this rank's
+    block reduced from all ranks' (in rank order) into `dst` at its offset less `dst_base` as soon as
+    every peer's part of it is in. Where `dst` is `src`, our own piece goes to tmp first, since `dst`
+    takes rank 0's first. Returns the sends by peer and, per own piece, the step that finishes it."""
+    rank, world = plan.rank, plan.world
+    my_off, my_n = pieces[rank][0][0], sum(n for _, n in pieces[rank])
+    plan.tmp = world * my_n
+    to, frm = peer_order(rank, world)
+    sent = {p: [plan.send(p, src, off, n, j) for j, (off, n) in enumerate(pieces[p])] for p in to}
+    recvs = {p: [plan.recv(p, "tmp", p * my_n + off - my_off, n, j) for j, (off, n) in enumerate(pieces[rank])]
+             for p in frm}
+    reduced = []
+    for j, (off, n) in enumerate(pieces[rank]):
+        rel = off - my_off
+        source = {p: ("tmp", p * my_n + rel) for p in frm}
+        after: tuple[int, ...] = ()
+        if src != dst or rank == 0:
+            source[rank] = (src, off)
+        else:  # keep our own contribution
+            after = (plan.copy("tmp", rank * my_n + rel, src, off, n),)
+            source[rank] = ("tmp", rank * my_n + rel)
+        _rank_order_reduce(plan, dst, off - dst_base, n, source, {p: recvs[p][j] for p in frm}, after)
+        reduced.append(len(plan.steps) - 1)
+    return sent, reduced
+
+
 def mesh_allreduce(rank: int, world: int, count: int, chunk: int) -> Plan:
     """For a full mesh of cables: every rank sends each other rank that rank's block of "out" and reduces its
     own block from what it receives (in rank order), then sends its reduced block to every other rank. Each
@@ -58,27 +87,12 @@ def mesh_allreduce(rank: int, world: int, count: int, chunk: int) -> Plan:
     plan = Plan(rank, world, "mesh")
     if world == 1:
         return plan
-    segs = split_even(count, world)
-    pieces = [chunks(off, n, chunk) for off, n in segs]
+    pieces = [chunks(off, n, chunk) for off, n in split_even(count, world)]
     second = max(len(p) for p in pieces)  # message ids of the second exchange start here on every pair
-    my_off, my_n = segs[rank]
-    plan.tmp = world * my_n
+    sent, reduced = _reduce_pieces(plan, pieces, "out", "out", 0)
     to, frm = peer_order(rank, world)
-    sent = {p: [plan.send(p, "out", off, n, j) for j, (off, n) in enumerate(pieces[p])] for p in to}
-    recvs = {p: [plan.recv(p, "tmp", p * my_n + off - my_off, n, j) for j, (off, n) in enumerate(pieces[rank])]
-             for p in frm}
-    reduced = []
+    # Plan order per pair stays first exchange, then second: the second's sends come after every first send.
     for j, (off, n) in enumerate(pieces[rank]):
-        rel = off - my_off
-        source = {p: ("tmp", p * my_n + rel) for p in frm}
-        after: tuple[int, ...] = ()
-        if rank == 0:
-            source[0] = ("out", off)
-        else:  # keep our own contribution: "out" takes rank 0's first
-            after = (plan.copy("tmp", rank * my_n + rel, "out", off, n),)
-            source[rank] = ("tmp", rank * my_n + rel)
-        _rank_order_reduce(plan, "out", off, n, source, {p: recvs[p][j] for p in frm}, after)
-        reduced.append(len(plan.steps) - 1)
         for p in to:
             plan.send(p, "out", off, n, second + j, (reduced[j],))
     for p in frm:  # overwrites the piece we sent that rank: only once it is on its way
@@ -92,20 +106,8 @@ def direct_reduce_scatter(rank: int, world: int, segs: Segments, chunk: int | No
     rank), segments go in pieces and each piece is reduced once every peer's part of it is in, so the
     reduction overlaps what is still arriving."""
     plan = Plan(rank, world, "direct")
-    my_off, my_n = segs[rank]
-    plan.tmp = world * my_n
-    to, frm = peer_order(rank, world)
     pieces = [chunks(off, n, chunk) if chunk else [(off, n)] for off, n in segs]
-    for p in to:
-        for j, (off, n) in enumerate(pieces[p]):
-            plan.send(p, "in", off, n, j)
-    recvs = {p: [plan.recv(p, "tmp", p * my_n + off - my_off, n, j) for j, (off, n) in enumerate(pieces[rank])]
-             for p in frm}
-    for j, (off, n) in enumerate(pieces[rank]):
-        rel = off - my_off
-        source = {p: ("tmp", p * my_n + rel) for p in frm}
-        source[rank] = ("in", off)
-        _rank_order_reduce(plan, "out", rel, n, source, {p: recvs[p][j] for p in frm}, ())
+    _reduce_pieces(plan, pieces, "in", "out", segs[rank][0])
     return plan
 
 
