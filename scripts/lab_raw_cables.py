@@ -3,7 +3,7 @@
     python scripts/lab_raw_cables.py --name shring3 --bytes 64M --runs 3
 
 One receiver and one sender process per direction of every cable of lab NAME, each in its host's
-namespace, one TCP stream each with the backend's socket buffer (4 MB) and TCP_NODELAY. Prints each
+namespace, one TCP stream each with the backend's default socket buffer and TCP_NODELAY. Prints each
 flow's rate and the smallest and mean over the flows as a share of the lab's cable rate. This is what
 the emulated cables deliver on this machine with no backend at all: the ceiling a collective's share of
 the cable bound can approach. Over a 1500-byte MTU, TCP payload is at most ~0.96 of the line rate.
@@ -16,12 +16,12 @@ import subprocess
 import sys
 import time
 
-from torch_thunderbolt.config import parse_size
+from torch_thunderbolt.config import Config, parse_size
 from torch_thunderbolt.lab.blueprint import LabPlan, parse_rate
 from torch_thunderbolt.lab.state import load_state
 
 FIRST_PORT = 6100
-SOCKET_BUFFER = 4 << 20
+SOCKET_BUFFER = Config().socket_buffer  # what the backend gives its streams by default
 
 RECEIVER = r"""
 import socket, sys, time

@@ -27,15 +27,21 @@ def _ring_steps(order: list[int], rank: int, segs: Segments, chunk: int, lag: in
             yield s, j, msg0 + s * per_step + j, send_pos, sp, recv_pos, rp
 
 
-def _add_reduce_scatter(plan: Plan, order: list[int], segs: Segments, chunk: int, msg0: int = 0) -> dict:
-    """Reduce every rank's segment into buffer "out" along the ring; returns {chunk key: last step}."""
-    _, left, right = ring_neighbours(order, plan.rank)
-    # Scratch: two halves (steps alternate), piece j at a fixed slot, so a receive only ever overwrites
-    # what the reduce two steps earlier read from that very slot.
+def _scratch(plan: Plan, order: list[int], segs: Segments, chunk: int) -> tuple[int, int]:
+    """A ring reduce-scatter's scratch: two halves (steps alternate), piece j at a fixed slot, so a receive
+    only ever overwrites what was read from that very slot two steps earlier. Reserves it in `plan`;
+    returns (slot stride, half size) in elements."""
     all_pieces = [c for r in range(len(order)) for c in chunks(*segs[r], chunk)]
     stride = max(n for _, n in all_pieces)
     tmp_half = max(len(chunks(*segs[r], chunk)) for r in range(len(order))) * stride
     plan.tmp = max(plan.tmp, 2 * tmp_half)
+    return stride, tmp_half
+
+
+def _add_reduce_scatter(plan: Plan, order: list[int], segs: Segments, chunk: int, msg0: int = 0) -> dict:
+    """Reduce every rank's segment into buffer "out" along the ring; returns {chunk key: last step}."""
+    _, left, right = ring_neighbours(order, plan.rank)
+    stride, tmp_half = _scratch(plan, order, segs, chunk)
     last: dict[tuple[int, int], int] = {}  # (segment pos, piece) -> step that last wrote it
     prev_use: dict[tuple[int, int], int] = {}  # (tmp half, piece) -> reduce step that read it (WAR)
     for s, j, msg, send_pos, sp, recv_pos, rp in _ring_steps(order, plan.rank, segs, chunk, 1, msg0):
@@ -60,10 +66,7 @@ def _add_reduce_scatter_into(plan: Plan, order: list[int], segs: Segments, chunk
     so the bits are the same."""
     _, left, right = ring_neighbours(order, plan.rank)
     last_step = len(order) - 2
-    all_pieces = [c for r in range(len(order)) for c in chunks(*segs[r], chunk)]
-    stride = max(n for _, n in all_pieces)
-    tmp_half = max(len(chunks(*segs[r], chunk)) for r in range(len(order))) * stride
-    plan.tmp = max(plan.tmp, 2 * tmp_half)
+    stride, tmp_half = _scratch(plan, order, segs, chunk)
     partial: dict[int, int] = {}  # piece -> the reduce that left its partial in tmp half (step - 1) % 2
     read_by: dict[tuple[int, int], int] = {}  # (tmp half, piece) -> the send that last read it (WAR)
     for s, j, msg, _send_pos, sp, _recv_pos, rp in _ring_steps(order, plan.rank, segs, chunk, 1, 0):

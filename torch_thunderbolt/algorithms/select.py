@@ -27,6 +27,12 @@ def chunk_elems(cfg: Config, elem: int, count: int | None = None) -> int:
     return chunk
 
 
+def _mesh_piece(chunk: int, count: int, world: int) -> int:
+    """Piece size on a mesh: `chunk`, or larger where a block of count/world would get more than MESH_PIECES
+    (the same on every rank, since it depends on the whole count only)."""
+    return max(chunk, -(-count // (world * MESH_PIECES)))
+
+
 def _small(cfg: Config, nbytes: int) -> bool:
     if cfg.algo == "direct":
         return True
@@ -57,7 +63,7 @@ def allreduce_plan(cfg: Config, rank: int, world: int, count: int, elem: int, sh
     if cfg.algo == "chain" or (cfg.algo == "auto" and shape.is_line):
         return chain.chain_allreduce(rank, shape.order, count, chunk_elems(cfg, elem, count))
     if cfg.algo == "auto" and shape.kind == "mesh" and world >= 4:  # one hop over every cable
-        return direct.mesh_allreduce(rank, world, count, max(chunk, -(-count // (world * MESH_PIECES))))
+        return direct.mesh_allreduce(rank, world, count, _mesh_piece(chunk, count, world))
     if cfg.algo == "biring" or (cfg.algo == "auto" and world > 2 and count >= 2 * world):
         return ring.bidirectional_ring_allreduce(rank, shape.order, count, chunk)
     return ring.ring_allreduce(rank, shape.order, split_even(count, world), chunk)
@@ -90,8 +96,7 @@ def reduce_scatter_plan(cfg: Config, rank: int, world: int, counts: list[int], e
         return hierarchy.hierarchical_reduce_scatter(rank, shape.groups, counts, chunk), True
     algo = _block_algo(cfg, world, counts, shape)
     if algo == "direct":
-        pieces = max(chunk, -(-sum(counts) // (world * MESH_PIECES)))
-        return direct.direct_reduce_scatter(rank, world, segs, pieces), False
+        return direct.direct_reduce_scatter(rank, world, segs, _mesh_piece(chunk, sum(counts), world)), False
     if algo == "line":
         return chain.line_reduce_scatter(rank, _line_from(shape, shape.order[0]), segs, chunk), False
     if algo == "biring":

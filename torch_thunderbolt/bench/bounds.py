@@ -187,9 +187,12 @@ def _where(worst: HostCabling, groups: Sequence[HostCabling], n: int, rate: str,
     """'2 cables x 1 Gbit/s per rank (ring of 3)': the cables that set a bound, and whose they are."""
     if all(len(g.ranks) == 1 for g in groups):
         return f"{_plural(worst.cables, 'cable')} x {rate} per rank ({kind} of {n})"
-    ranks = ",".join(map(str, worst.ranks))
-    return (f"{_plural(worst.cables, 'cable')} x {rate} on the host of rank{'s' if len(worst.ranks) > 1 else ''} "
-            f"{ranks} ({_shape(groups, n, kind)})")
+    return f"{_plural(worst.cables, 'cable')} x {rate} on the host of {_ranks(worst)} ({_shape(groups, n, kind)})"
+
+
+def _ranks(host: HostCabling) -> str:
+    """'rank 2', 'ranks 0,1'."""
+    return f"rank{'s' if len(host.ranks) > 1 else ''} {','.join(map(str, host.ranks))}"
 
 
 def _shape(groups: Sequence[HostCabling], n: int, kind: str) -> str:
@@ -216,9 +219,8 @@ def _all_reduce_bound(groups: Sequence[HostCabling], n: int, per_cable: float, r
     if cables < least.cables:
         return Bound(gbps, CABLES, f"{_plural(total, 'cable')} x {rate} in all for the 2(h-1)/h of the buffer a "
                                    f"reduction moves into each host ({_shape(groups, n, kind)})")
-    owner = f"rank{'s' if len(least.ranks) > 1 else ''} {','.join(map(str, least.ranks))}"
-    return Bound(gbps, CABLES, f"{_plural(least.cables, 'cable')} x {rate} on the host of {owner}, which must "
-                               f"receive the whole result ({_shape(groups, n, kind)})")
+    return Bound(gbps, CABLES, f"{_plural(least.cables, 'cable')} x {rate} on the host of {_ranks(least)}, which "
+                               f"must receive the whole result ({_shape(groups, n, kind)})")
 
 
 # -- one host ------------------------------------------------------------------------------------------------
