@@ -42,7 +42,7 @@ def test_same_bits_as_the_direct_plan_on_every_rank(world: int) -> None:
                 comm.all_reduce(fast, op)
                 _by_plan(comm, slow, op)
                 out.append((fast, slow))
-        assert comm._small, "the small path was not taken"
+        assert comm._small_ops, "the small path was not taken"
         return out
 
     got = memory_world(world, body, Config())
@@ -76,9 +76,9 @@ def test_the_buffers_are_kept_per_size_and_reused() -> None:
     def body(comm):
         for n in (5, 9, 5, 9, 5):
             comm.all_reduce(torch.ones(n))
-        return sorted(comm._small)
+        return sorted(comm._small_ops, key=str)
 
-    assert memory_world(2, body, Config())[0] == [(5, torch.float32), (9, torch.float32)]
+    assert memory_world(2, body, Config())[0] == [(5, torch.float32, "sum"), (9, torch.float32, "sum")]
 
 
 def test_a_peer_sending_another_size_is_a_mismatch_not_a_wrong_result() -> None:

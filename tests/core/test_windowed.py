@@ -187,7 +187,7 @@ def test_the_kept_one_shot_all_reduce_is_exact_over_every_buffer_and_after_an_un
             y = torch.full((5,), float(comm.rank))
             comm.broadcast(y, i % comm.world)  # its root comes to the next all_reduce with a round to settle
             out.append((x, y))
-        assert len(comm._one_shots) == len(ops), comm._one_shots.keys()
+        assert len(comm._small_ops) == len(ops), comm._small_ops.keys()
         return out
 
     got = run_world(world, body, window_bytes=256)

@@ -71,9 +71,10 @@ class Communicator:
         # costs a small op as much time as its sends.
         self._combiners: dict[tuple[str, torch.dtype], Combiner] = {}
         self._reducers: dict[tuple[str, torch.dtype], Reducer] = {}
-        self._small: dict[tuple[int, torch.dtype], DirectAllReduce] = {}  # small all_reduces' buffers, by size
-        # ... and on the window: (views, kernel, signature) by size, dtype and reduce op
-        self._one_shots: dict[tuple[int, torch.dtype, str], tuple[windowed.OneShotAllReduce, Combiner, int]] = {}
+        # Small all_reduces by element count, dtype and reduce op, each made once with its buffers, kernel
+        # and signature: one-shot on the window, or a direct exchange over the engine. `all_reduce` runs
+        # one it finds before any other step (its op was checked when it was made).
+        self._small_ops: dict[tuple[int, torch.dtype, str], "windowed.OneShotAllReduce | DirectAllReduce"] = {}
         # The shared window of this host's ranks, if the transport has window memory for them. The windowed
         # collectives replace plans only when no algorithm is forced: over the whole group (`_flat`), or
         # for the per-host phases of hierarchical plans (`_per_host`: the window spans this host's ranks).
@@ -190,6 +191,10 @@ class Communicator:
 
     # -- collectives ----------------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: str = "sum", premul: object = None) -> None:
+        small = self._small_ops.get((x.numel(), x.dtype, op))
+        if small is not None:
+            self._small_all_reduce(small, x, op, premul)
+            return
         self.check_op("all_reduce", op, x.dtype)
         if op == "premul_sum" and premul is not None:
             x.mul_(premul)
@@ -214,32 +219,49 @@ class Communicator:
             x.div_(self.world)
 
     def _one_shot_all_reduce(self, x: torch.Tensor, op: str) -> None:
-        """A small all_reduce on the window: one copy in, one wait, one reduction (see windowed.py), its
-        views and signature made once per size, dtype and reduce op."""
+        """A small all_reduce on the window: one copy in, one wait, one reduction (see windowed.py)."""
         n = x.numel()
-        key = (n, x.dtype, op)
-        lean = self._one_shots.get(key)
-        if lean is None:
-            if len(self._one_shots) > 64:
-                self._one_shots.clear()
-            lean = self._one_shots[key] = (windowed.OneShotAllReduce(self.window, n, x.dtype),
-                                           self._combiner(op, x.dtype), self._sig("all_reduce", x, 0, n, op, None))
-        one_shot, combine, sig = lean
-        self._run_body(lambda sig, deadline, what: one_shot.run(x, combine, sig, deadline, what),
-                       "all_reduce", x, count=n, op=op, sig=sig)
+        what = OpLabel("all_reduce", 0, x.dtype, n)
+        self._keep_small(x, op, windowed.OneShotAllReduce(self.window, n, x.dtype, self._combiner(op, x.dtype),
+                                                          self._sig("all_reduce", x, 0, n, op, None), what))
 
     def _direct_all_reduce(self, x: torch.Tensor, op: str) -> None:
         """The direct plan's messages without its plan walk (see small.py)."""
         n = x.numel()
-        key = (n, x.dtype)
-        small = self._small.get(key)
-        if small is None:
-            if len(self._small) > 64:
-                self._small.clear()
-            small = self._small[key] = DirectAllReduce(self.rank, self.world, n, x.dtype)
-        reduce = self._reducer(op, x.dtype)
-        self._run_body(lambda sig, deadline, what: small.run(self.t, x, reduce, self.seq, sig, deadline, what),
-                       "all_reduce", x, count=n, op=op, how="direct")
+        what = OpLabel("all_reduce", 0, x.dtype, n)
+        self._keep_small(x, op, DirectAllReduce(self.t, n, x.dtype, self._reducer(op, x.dtype),
+                                                self._sig("all_reduce", x, 0, n, op, None), what))
+
+    def _keep_small(self, x: torch.Tensor, op: str,
+                    small: "windowed.OneShotAllReduce | DirectAllReduce") -> None:
+        """Run this op's first small all_reduce (`all_reduce` has already applied premul to `x`), and keep
+        `small` for the next ones of its size, dtype and reduce op."""
+        if len(self._small_ops) > 64:
+            self._small_ops.clear()
+        self._small_ops[(x.numel(), x.dtype, op)] = small
+        self._small_all_reduce(small, x, "sum")  # no premul or avg here: the caller applies them
+
+    def _small_all_reduce(self, small: "windowed.OneShotAllReduce | DirectAllReduce", x: torch.Tensor,
+                          op: str, premul: object = None) -> None:
+        """Run a kept small all_reduce as op number `self.seq`, with `all_reduce`'s first and final touches:
+        the few steps of `_run_body` and `all_reduce` a latency-bound op cannot spare, inline."""
+        if premul is not None and op == "premul_sum":
+            x.mul_(premul)
+        self.seq += 1
+        what = small.what
+        what.seq = self.seq
+        if self.cfg.debug:
+            log.debug("rank %d: op #%d %s %s, signature %016x", self.rank, self.seq, describe_sig(small.sig),
+                      _HOW["direct"] if small.retires else "on the shared window (one-shot)", small.sig)
+        try:
+            small.run(x, self.seq, time.monotonic() + self.timeout)
+        except BaseException as exc:
+            self.t.abort(exc)  # peers may be waiting on this rank's next step: tell them why it won't come
+            raise
+        if small.retires:
+            self.t.retire(self.seq)
+        if op == "avg":
+            x.div_(self.world)
 
     def _hier_all_reduce(self, x: torch.Tensor, op: str, sig: int, deadline: float, what: OpLabel) -> None:
         """Reduce within the host to its leader on its window, all-reduce among the hosts' leaders over the

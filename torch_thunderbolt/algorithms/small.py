@@ -20,20 +20,24 @@ from .reduce_ops import Reducer
 
 
 class DirectAllReduce:
-    """The receive slots of one message size: `slots[r]` holds rank r's contribution once it arrived."""
+    """A small all_reduce of one element count, dtype and reduce op, made once: `slots[r]` holds rank r's
+    contribution once it arrived. `what` names the op in errors (the Communicator numbers it)."""
 
-    __slots__ = ("rank", "world", "to", "frm", "slots", "views")
+    __slots__ = ("t", "rank", "world", "to", "frm", "slots", "views", "reduce", "sig", "what")
+    retires = True  # its messages go through the engine's matching, under the op's tag
 
-    def __init__(self, rank: int, world: int, count: int, dtype: torch.dtype) -> None:
-        self.rank, self.world = rank, world
-        self.to, self.frm = peer_order(rank, world)  # the plan's order
-        scratch = torch.empty(world * count, dtype=dtype)
-        self.slots = [scratch[r * count : (r + 1) * count] for r in range(world)]
+    def __init__(self, t: Transport, count: int, dtype: torch.dtype, reduce: Reducer, sig: int,
+                 what: object) -> None:
+        self.t, self.rank, self.world = t, t.rank, t.world
+        self.to, self.frm = peer_order(t.rank, t.world)  # the plan's order
+        scratch = torch.empty(t.world * count, dtype=dtype)
+        self.slots = [scratch[r * count : (r + 1) * count] for r in range(t.world)]
         self.views = {p: tensor_bytes(self.slots[p]) for p in self.frm}
+        self.reduce, self.sig, self.what = reduce, sig, what
 
-    def run(self, t: Transport, x: torch.Tensor, reduce: Reducer, tag: int, sig: int, deadline: float,
-            what: object) -> None:
+    def run(self, x: torch.Tensor, tag: int, deadline: float) -> None:
         """x := x_0 ⊕ x_1 ⊕ ... ⊕ x_{world-1} (rank order) on every rank, `x` being this rank's x_rank."""
+        t, sig = self.t, self.sig
         key = (Space.COLL, tag, 0)
         # Sends first, as the plan posts them: a rank that finds a mismatch in what arrived (and stops)
         # has still sent its own part, so its peers find the mismatch too instead of waiting for it.
@@ -41,8 +45,8 @@ class DirectAllReduce:
         reqs = [t.isend(p, key, own, sig) for p in self.to]
         views = self.views
         reqs += [t.irecv(p, key, views[p], sig) for p in self.frm]
-        t.wait(reqs, deadline, what)  # the sends too: they read `x`, which the reduction overwrites
-        slots = self.slots
+        t.wait(reqs, deadline, self.what)  # the sends too: they read `x`, which the reduction overwrites
+        slots, reduce = self.slots, self.reduce
         if self.rank:
             slots[self.rank].copy_(x)
             x.copy_(slots[0])

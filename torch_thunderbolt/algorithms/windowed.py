@@ -162,34 +162,46 @@ def all_reduce(win: Window, x: torch.Tensor, combine: Combiner, sig: int, deadli
 
 
 class OneShotAllReduce:
-    """The one-shot all_reduce of one element count and dtype on a window, its buffers' views made once
-    (`bufs[k][p]`: member p's buffer k): a small all_reduce is latency-bound, and making or looking up
-    three views per op cost it as much as its copy and its reduction."""
+    """The one-shot all_reduce of one element count, dtype and reduce op on a window, everything it needs
+    made once (`bufs[k][p]`: member p's buffer k, the kernel, the op word): a small all_reduce is
+    latency-bound, and making or looking up three views per op cost it as much as its copy and reduction.
+    `what` names the op in errors (the Communicator numbers it)."""
 
-    __slots__ = ("win", "bufs")
+    __slots__ = ("win", "bufs", "combine", "sig", "word", "what")
+    retires = False  # its steps are window posts: nothing of it goes through the engine's matching
 
-    def __init__(self, win: Window, count: int, dtype: torch.dtype) -> None:
+    def __init__(self, win: Window, count: int, dtype: torch.dtype, combine: Combiner, sig: int,
+                 what: object) -> None:
         self.win = win
         self.bufs = [[_view(win, p, k, dtype)[:count] for p in range(win.world)] for k in range(BUFFERS)]
+        self.combine, self.sig, self.word, self.what = combine, sig, op_word(sig, ONE_SHOT), what
 
-    def run(self, x: torch.Tensor, combine: Combiner, sig: int, deadline: float, what: object) -> None:
-        """x := x_0 ⊕ ... ⊕ x_{n-1} (positions in order, so every member gets the same bits)."""
+    def run(self, x: torch.Tensor, tag: int, deadline: float) -> None:
+        """x := x_0 ⊕ ... ⊕ x_{n-1} (positions in order, so every member gets the same bits). `tag`, the
+        op's number, is not needed: window steps are ordered by the counters."""
         win = self.win
         if win.world == 1:
             return
-        word = op_word(sig, ONE_SHOT)
-        done = win.memory.counter(win.rank)
+        memory, word, what = win.memory, self.word, self.what
+        done = memory.counter(win.rank)
         if done % STEPS:  # a broadcast root's last round is still to be checked (see settle)
             settle(win, deadline, what)
-            done = win.memory.counter(win.rank)
+            done = memory.counter(win.rank)
         g = -(-done // STEPS)
         k = g % BUFFERS
         others, bufs = win.others, self.bufs[k]
-        win.wait(free_step(g), others, deadline, what)
+        # Window.wait looks once before anything else; looking here first saves a small op that call when
+        # the peers are there already, as they are for back-to-back ops.
+        step = free_step(g)
+        if not memory.reached(others, step, 1):
+            win.wait(step, others, deadline, what)
         bufs[win.rank].copy_(x)
         win.post(STEPS * g + ARRIVED, k, word)
         win.wait(STEPS * g + ARRIVED, others, deadline, what)
-        _check_words(win, others, k, word)
+        for p in others:
+            if memory.word(p, k) != word:
+                _check_words(win, others, k, word)  # raises, naming the peer and both ops
+        combine = self.combine
         combine(x, bufs[0], bufs[1])
         for p in range(2, win.world):
             combine(x, x, bufs[p])

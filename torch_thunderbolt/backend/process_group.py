@@ -33,6 +33,11 @@ from .worker import Worker
 
 log = logging.getLogger("torch_thunderbolt")
 DEVICE_TYPES = ("cpu", "mps", "cuda")  # cpu first: torch runs object collectives on the first listed
+# The ops works are named after (`_submit`'s `what`), whose names are formatted once per group.
+_COLLECTIVES = ("all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
+                "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single", "barrier", "broadcast",
+                "gather", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced",
+                "scatter", "sparse_all_reduce")
 MONITORED_BARRIER_TAG = -0x6D62  # a point-to-point tag of our own: user tags are not negative
 
 
@@ -55,6 +60,8 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         self._worker = Worker(f"tb-worker-r{transport.rank}")
         self._group_name = ""
         self._group_desc = description
+        # How works name their op ("all_reduce on rank 3"), formatted once: a small op pays for every string.
+        self._whats = {op: f"{op} on rank {self._rank}" for op in _COLLECTIVES}
         self._closed = False
         self._close_lock = threading.Lock()
         # monitored_barrier's receive buffers, kept past the call (see there)
@@ -109,7 +116,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
     def _submit(self, what: str, fn: Callable[[], None], result: Any, nbytes: int = 0, inputs: Any = None) -> Work:
         """Run `fn` (the op on flat CPU buffers) in issue order. Ops that touch a tensor on another device
         (`result` holds the outputs, `inputs` the inputs) run entirely in the caller's thread; see worker."""
-        work = Work(f"{what} on rank {self._rank}", result)
+        work = Work(self._whats.get(what) or f"{what} on rank {self._rank}", result)
         if on_device(result) or (inputs is not None and on_device(inputs)):
             work.device = True
             return self._worker.run_in_caller(work, fn)
@@ -132,12 +139,16 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             if flat is not None and not self._compress(flat, op):
                 # One contiguous CPU tensor (a DDP bucket, most direct calls): reduced in place, with no
                 # staging to copy back and no device check, the steps that dominate a small op.
+                what = self._whats["all_reduce"]
+                if flat.numel() * flat.element_size() <= self._cfg.small_bytes:
+                    ran, exc = self._worker.run_if_idle(self._with_timeout(opts).all_reduce, flat, op, factor)
+                    if ran:
+                        return Work.completed(what, tensors, exc)
+
                 def run_flat() -> None:
                     self._with_timeout(opts).all_reduce(flat, op, factor)
 
-                work = Work(f"all_reduce on rank {self._rank}", tensors)
-                return self._worker.submit(work, run_flat, inline_ok=flat.numel() * flat.element_size()
-                                           <= self._cfg.small_bytes)
+                return self._worker.submit(Work(what, tensors), run_flat)
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, op, opts)
         staged = [Staged(t) for t in tensors]

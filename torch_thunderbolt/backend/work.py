@@ -17,6 +17,23 @@ from ..errors import CollectiveTimeout
 
 
 class Work(dist._Work):
+    # Defaults as class attributes, set on the instance only when they change: a small op builds one Work,
+    # and each attribute set on this pybind subclass costs about as much as the op's own steps.
+    _event: threading.Event | None = None  # made only for a waiter that must sleep (an Event costs ~2 µs)
+    _exc: BaseException | None = None
+    _source = -1
+    # Touches a tensor on another device (mps, cuda): completed, and its future's callbacks run, only in
+    # a thread that issued or waits on it (see worker.py).
+    device = False
+    # p2p works make progress themselves when waited on. The work is passed in rather than captured, so
+    # a finished work is freed by reference counting: a cycle (work -> closure -> work) would keep its
+    # buffers alive until the garbage collector runs, and make it run every few dozen ops (a 4 KB
+    # ping-pong's p90 was 89-102 µs with the cycle, 62 µs with the collector off).
+    _wait_fn: "Callable[[Work, float | None], None] | None" = None
+    # Futures are made on demand: most works are only waited on, and a Future costs tens of µs.
+    _raw: torch.futures.Future | None = None
+    _fut: torch.futures.Future | None = None
+
     def __init__(self, what: str, result: Any = None,
                  wait_fn: "Callable[[Work, float | None], None] | None" = None) -> None:
         super().__init__()
@@ -24,21 +41,18 @@ class Work(dist._Work):
         self._result = result if result is not None else []
         self._lock = threading.Lock()
         self._finished = False
-        # An Event costs ~2 µs to build, as much as a small send: made only for a waiter that must sleep.
-        self._event: threading.Event | None = None
-        self._exc: BaseException | None = None
-        self._source = -1
-        # Touches a tensor on another device (mps, cuda): completed, and its future's callbacks run, only in
-        # a thread that issued or waits on it (see worker.py).
-        self.device = False
-        # p2p works make progress themselves when waited on. The work is passed in rather than captured, so
-        # a finished work is freed by reference counting: a cycle (work -> closure -> work) would keep its
-        # buffers alive until the garbage collector runs, and make it run every few dozen ops (a 4 KB
-        # ping-pong's p90 was 89-102 µs with the cycle, 62 µs with the collector off).
-        self._wait_fn = wait_fn
-        # Futures are made on demand: most works are only waited on, and a Future costs tens of µs.
-        self._raw: torch.futures.Future | None = None
-        self._fut: torch.futures.Future | None = None
+        if wait_fn is not None:
+            self._wait_fn = wait_fn
+
+    @classmethod
+    def completed(cls, what: str, result: Any, exc: BaseException | None = None) -> "Work":
+        """A work whose op already ran (inline, in the caller's thread), finished with `exc` (None:
+        success). Nobody else holds it yet, so it needs none of `finish`'s locking."""
+        work = cls(what, result)
+        work._finished = True
+        if exc is not None:
+            work._exc = exc
+        return work
 
     # -- completion (from the worker thread or a waiter) ------------------------------------------------
     def finish(self, exc: BaseException | None = None) -> None:

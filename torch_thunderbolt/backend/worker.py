@@ -43,6 +43,24 @@ class Worker:
             self._q.put((work, fn))
         return work
 
+    def run_if_idle(self, fn: Callable[..., None], *args: object) -> tuple[bool, BaseException | None]:
+        """Run `fn(*args)` in the caller's thread if no op is queued or running: (whether it ran, the error
+        it raised). The small-op path: no work is queued and no closure is made, and the caller builds
+        the finished work itself (`Work.completed`)."""
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError(f"{self._name}: the process group has been shut down")
+            if self._busy:
+                return False, None
+            self._busy = 1
+        exc: BaseException | None = None
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - delivered through the work
+            exc = e
+        self._done()
+        return True, exc
+
     def run_in_caller(self, work: Work, fn: Callable[[], None]) -> Work:
         """Run `fn` in this (the caller's) thread once every op issued before it has finished, and finish
         `work` here too, so its future's callbacks run in this thread as well."""
