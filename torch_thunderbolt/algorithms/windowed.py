@@ -190,14 +190,19 @@ class OneShotAllReduce:
         g = -(-done // STEPS)
         k = g % BUFFERS
         others, bufs = win.others, self.bufs[k]
-        # Window.wait looks once before anything else; looking here first saves a small op that call when
-        # the peers are there already, as they are for back-to-back ops.
+        # The window's post and wait, their common case inline (a small op pays for every call): the group
+        # is checked once, before this op's first post (a group that breaks later fails the waits, and the
+        # last post, after every read, cannot mislead a peer); a wait whose peers are there already is a
+        # look at their counters.
+        win.engine.check_usable()
         step = free_step(g)
         if not memory.reached(others, step, 1):
             win.wait(step, others, deadline, what)
         bufs[win.rank].copy_(x)
-        win.post(STEPS * g + ARRIVED, k, word)
-        win.wait(STEPS * g + ARRIVED, others, deadline, what)
+        step = STEPS * g + ARRIVED
+        memory.publish(step, k, word)
+        if not memory.reached(others, step, 1):
+            win.wait(step, others, deadline, what)
         for p in others:
             if memory.word(p, k) != word:
                 _check_words(win, others, k, word)  # raises, naming the peer and both ops
@@ -205,7 +210,7 @@ class OneShotAllReduce:
         combine(x, bufs[0], bufs[1])
         for p in range(2, win.world):
             combine(x, x, bufs[p])
-        win.post(STEPS * g + DONE)
+        memory.publish(STEPS * g + DONE, None, 0)
 
 
 def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float, what: object) -> None:
