@@ -113,14 +113,22 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         return [torch.device(d) for d in DEVICE_TYPES]
 
     # -- plumbing ------------------------------------------------------------------------------------------
-    def _submit(self, what: str, fn: Callable[[], None], result: Any, nbytes: int = 0, inputs: Any = None) -> Work:
+    def _submit(self, what: str, fn: Callable[[], None], result: Any, nbytes: int = 0, inputs: Any = None,
+                opts: Any = None) -> Work:
         """Run `fn` (the op on flat CPU buffers) in issue order. Ops that touch a tensor on another device
         (`result` holds the outputs, `inputs` the inputs) run entirely in the caller's thread; see worker."""
         work = Work(self._whats.get(what) or f"{what} on rank {self._rank}", result)
         if on_device(result) or (inputs is not None and on_device(inputs)):
             work.device = True
             return self._worker.run_in_caller(work, fn)
-        return self._worker.submit(work, fn, inline_ok=nbytes <= self._cfg.small_bytes)
+        return self._worker.submit(work, fn, inline_ok=self._inline_ok(nbytes, opts))
+
+    def _inline_ok(self, nbytes: int, opts: Any) -> bool:
+        """Whether an op may run in the caller's thread when the worker is idle: a small one (two thread
+        hand-offs cost more than it does), or one the caller waits for at once. torch's Python API marks
+        those (`async_op=False`) with `opts.asyncOp`; C++ callers (DDP) leave it True, so their ops still
+        overlap the caller's compute on the worker."""
+        return nbytes <= self._cfg.small_bytes or getattr(opts, "asyncOp", True) is False
 
     def _with_timeout(self, opts: Any) -> Communicator:
         self._comm.timeout = _timeout_s(opts, self._timeout)
@@ -140,7 +148,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 # One contiguous CPU tensor (a DDP bucket, most direct calls): reduced in place, with no
                 # staging to copy back and no device check, the steps that dominate a small op.
                 what = self._whats["all_reduce"]
-                if flat.numel() * flat.element_size() <= self._cfg.small_bytes:
+                if self._inline_ok(flat.numel() * flat.element_size(), opts):
                     ran, exc = self._worker.run_if_idle(self._with_timeout(opts).all_reduce, flat, op, factor)
                     if ran:
                         return Work.completed(what, tensors, exc)
@@ -163,7 +171,8 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                     comm.all_reduce(s.flat, op, factor)
                 s.write_back()
 
-        return self._submit("all_reduce", run, tensors, sum(t.numel() * t.element_size() for t in tensors))
+        return self._submit("all_reduce", run, tensors, sum(t.numel() * t.element_size() for t in tensors),
+                            opts=opts)
 
     def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str, opts: Any) -> Work:
         """Sparse COO tensors (e.g. nn.Embedding(sparse=True) gradients under DDP), summed like gloo does:
@@ -195,7 +204,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 with torch.no_grad():  # a sparse tensor's detached alias would take the new indices, not `t`
                     t.copy_(total.to(t.device))
 
-        return self._submit("sparse_all_reduce", run, tensors)
+        return self._submit("sparse_all_reduce", run, tensors, opts=opts)
 
     def _compress(self, flat: torch.Tensor, op: str) -> bool:
         """THUNDERBOLT_COMPRESSION applies to float SUM/AVG all_reduce above the small-message size."""
@@ -215,7 +224,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 comm.all_reduce(flat, op, factor)
                 split_into(flat, group)
 
-        return self._submit("all_reduce_coalesced", run, tensors)
+        return self._submit("all_reduce_coalesced", run, tensors, opts=opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
         op, factor = reduce_op(opts.reduceOp)
@@ -231,7 +240,8 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 comm.reduce(s.flat, root, op)  # premul_sum stays itself: a rank summing plainly is a mismatch
                 s.write_back()
 
-        return self._submit("reduce", run, tensors, sum(t.numel() * t.element_size() for t in tensors))
+        return self._submit("reduce", run, tensors, sum(t.numel() * t.element_size() for t in tensors),
+                            opts=opts)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Work:
         op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -248,7 +258,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 comm.reduce_scatter(out.flat, flat_in, [t.numel() for t in ins], op)
                 out.write_back()
 
-        return self._submit("reduce_scatter", run, outputs, inputs=inputs)
+        return self._submit("reduce_scatter", run, outputs, inputs=inputs, opts=opts)
 
     def _reduce_scatter_base(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> Work:
         return self.reduce_scatter_single(output, x, opts)
@@ -268,7 +278,8 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             self._with_timeout(opts).reduce_scatter(out.flat, flat_in, [output.numel()] * self._size, op)
             out.write_back()
 
-        return self._submit("reduce_scatter_tensor", run, [output], x.numel() * x.element_size(), inputs=x)
+        return self._submit("reduce_scatter_tensor", run, [output], x.numel() * x.element_size(), inputs=x,
+                            opts=opts)
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Work:
@@ -285,7 +296,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 comm.reduce_scatter(out.flat, flat_in, [o.numel()] * self._size, op)
                 out.write_back()
 
-        return self._submit("reduce_scatter_tensor_coalesced", run, outputs, inputs=inputs)
+        return self._submit("reduce_scatter_tensor_coalesced", run, outputs, inputs=inputs, opts=opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -300,7 +311,8 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 comm.broadcast(s.flat, root)
                 s.write_back()
 
-        return self._submit("broadcast", run, tensors, sum(t.numel() * t.element_size() for t in tensors))
+        return self._submit("broadcast", run, tensors, sum(t.numel() * t.element_size() for t in tensors),
+                            opts=opts)
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Work:
         def run() -> None:
@@ -313,7 +325,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 comm.all_gather(flat, flat_cat([x]), counts)
                 split_into(flat, outs)
 
-        return self._submit("all_gather", run, outputs, inputs=inputs)
+        return self._submit("all_gather", run, outputs, inputs=inputs, opts=opts)
 
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> Work:
@@ -339,7 +351,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                     o.detach().copy_(flat[off : off + nb].view(o.dtype).view(o.shape))
                     off += nb
 
-        return self._submit("all_gather_coalesced", run, outputs, inputs=inputs)
+        return self._submit("all_gather_coalesced", run, outputs, inputs=inputs, opts=opts)
 
     def _allgather_base(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> Work:
         return self.all_gather_single(output, x, opts)
@@ -355,7 +367,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             out.write_back()
 
         return self._submit("all_gather_into_tensor", run, [output], output.numel() * output.element_size(),
-                            inputs=x)
+                            inputs=x, opts=opts)
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> Work:
@@ -366,7 +378,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 comm.all_gather(out.flat, flat_cat([x]))
                 out.write_back()
 
-        return self._submit("all_gather_into_tensor_coalesced", run, outputs, inputs=inputs)
+        return self._submit("all_gather_into_tensor_coalesced", run, outputs, inputs=inputs, opts=opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -385,7 +397,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             else:
                 self._with_timeout(opts).gather(None, flat_cat([x]), root, [n] * self._size)
 
-        return self._submit("gather", run, outputs, inputs=inputs)
+        return self._submit("gather", run, outputs, inputs=inputs, opts=opts)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:
         root = opts.rootRank
@@ -400,7 +412,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             self._with_timeout(opts).scatter(out.flat, src, root, [n] * self._size)
             out.write_back()
 
-        return self._submit("scatter", run, outputs, inputs=inputs)
+        return self._submit("scatter", run, outputs, inputs=inputs, opts=opts)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Work:
         def run() -> None:
@@ -411,7 +423,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                                                 [o.numel() for o in outputs])
             split_into(flat_out, outputs)
 
-        return self._submit("all_to_all", run, outputs, inputs=inputs)
+        return self._submit("all_to_all", run, outputs, inputs=inputs, opts=opts)
 
     def all_to_all_single(self, output: torch.Tensor, x: torch.Tensor, out_splits: list[int],
                           in_splits: list[int], opts: Any = None) -> Work:
@@ -423,7 +435,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             self._with_timeout(opts).all_to_all(out.flat, flat_cat([x]), send, recv)
             out.write_back()
 
-        return self._submit("all_to_all_single", run, [output], inputs=x)
+        return self._submit("all_to_all_single", run, [output], inputs=x, opts=opts)
 
     alltoall_base = all_to_all_single
 
@@ -431,7 +443,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         def run() -> None:
             self._with_timeout(opts).barrier()
 
-        return self._submit("barrier", run, [], 0)
+        return self._submit("barrier", run, [], 0, opts=opts)
 
     def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
         """gloo's monitored barrier, called on the group object (torch's `dist.monitored_barrier` refuses any
