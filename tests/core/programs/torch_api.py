@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -269,6 +270,29 @@ def whole_api() -> None:
         return (zero_dim.item() == s and torch.equal(grid, torch.full((3, 4), s)) and base.tolist() == [r + 1, s]
                 and torch.equal(leaf.detach(), torch.full((6,), s)) and empty.numel() == 0)
     check("one_cpu_tensor_shapes", one_cpu_tensor_shapes)
+
+    def where_ops_run():
+        # A blocking op runs in the caller's thread whatever its size (the caller waits anyway); an async
+        # one above the small-message size on the group's worker (it overlaps the caller); a small one inline.
+        pg = dist.distributed_c10d._get_default_group()
+        real, in_caller = pg._comm.all_reduce, []
+
+        def spy(*args, **kwargs):
+            in_caller.append(threading.current_thread() is threading.main_thread())
+            return real(*args, **kwargs)
+
+        pg._comm.all_reduce = spy
+        try:
+            big, small = torch.full((1 << 20,), float(r + 1)), torch.full((4,), float(r + 1))
+            dist.all_reduce(big)
+            dist.all_reduce(big, async_op=True).wait()
+            dist.all_reduce(small, async_op=True).wait()
+        finally:
+            del pg._comm.all_reduce
+        s = w * (w + 1) / 2
+        return (in_caller == [True, False, True] and bool((big == s * w).all())
+                and bool((small == s).all()))
+    check("where_ops_run", where_ops_run)
     dist.destroy_process_group()
     result(checks)
 
