@@ -156,13 +156,43 @@ class TcpLink(Link):
             pieces = stripe_pieces(n, len(conns))
         elif not self.unsent:  # the common case: one frame on the first stream, written at once
             req.pending = 1
-            self._put(conns[0], req, 0, n)
+            c = conns[0]
+            if c.sendq or c.log is not None or not self._write_whole(c, req):
+                self._put(c, req, 0, n)
             return
         else:
             pieces = [(0, n)]
         req.pending = len(pieces)
         self.unsent.append([req, pieces, 0])
         self._dispatch()
+
+    def _write_whole(self, c: Stream, req: Request) -> bool:
+        """Write all of `req` as one frame on the idle stream `c` (no failover log to keep) with one
+        sendmsg, without the queued frame `_put` builds: what most small messages need, and a small send
+        paid for that frame's steps as much as for the system call. False, having written nothing, when
+        the socket takes nothing or fails: then `_put` queues the frame and its writer handles both, as
+        for any frame. A partial write queues the rest."""
+        n = req.nbytes
+        space, tag, seq = req.key
+        hdr = encode_frame_header(Kind.DATA, space, req.sig, tag, seq, 0, n, n)
+        if len(hdr) + n > SOCKET_IO_CAP:
+            return False
+        try:
+            k = c.sock.sendmsg([hdr, req.buf])
+        except OSError:  # BlockingIOError and InterruptedError included
+            return False
+        if c.lifted:  # the window opened again
+            self.kind.set_link_timeout(c, lifted=False)
+        if k < len(hdr) + n:
+            out = Outgoing(hdr, req.buf, req)
+            out.sent = k
+            c.sendq.append(out)
+            return True
+        self.kind.bytes_sent += n
+        req.pending = 0
+        req.done = True
+        self.engine._cv.signal()
+        return True
 
     def _put(self, c: Stream, req: Request, off: int, ln: int) -> None:
         space, tag, seq = req.key
