@@ -27,7 +27,7 @@ from ..errors import CollectiveTimeout
 from ..transport.base import ANY_SOURCE
 from ..transport.engine import Transport
 from .tensors import (Staged, byte_view, check_same_dtype, flat_cat, flat_view, on_device, reduce_op,
-                      rows_to_elems, split_into)
+                      rows_to_elems, split_into, total_bytes)
 from .work import Work
 from .worker import Worker
 
@@ -113,15 +113,17 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         return [torch.device(d) for d in DEVICE_TYPES]
 
     # -- plumbing ------------------------------------------------------------------------------------------
-    def _submit(self, what: str, fn: Callable[[], None], result: Any, nbytes: int = 0, inputs: Any = None,
-                opts: Any = None) -> Work:
+    def _submit(self, what: str, fn: Callable[[], None], result: Any, nbytes: int | None = None,
+                inputs: Any = None, opts: Any = None) -> Work:
         """Run `fn` (the op on flat CPU buffers) in issue order. Ops that touch a tensor on another device
-        (`result` holds the outputs, `inputs` the inputs) run entirely in the caller's thread; see worker."""
+        (`result` holds the outputs, `inputs` the inputs) run entirely in the caller's thread; see worker.
+        `nbytes`: the op's size, for `_inline_ok` (None: the bytes of `result` and `inputs`)."""
         work = Work(self._whats.get(what) or f"{what} on rank {self._rank}", result)
         if on_device(result) or (inputs is not None and on_device(inputs)):
             work.device = True
             return self._worker.run_in_caller(work, fn)
-        return self._worker.submit(work, fn, inline_ok=self._inline_ok(nbytes, opts))
+        return self._worker.submit(work, fn, inline_ok=self._inline_ok(
+            total_bytes(result) + total_bytes(inputs) if nbytes is None else nbytes, opts))
 
     def _inline_ok(self, nbytes: int, opts: Any) -> bool:
         """Whether an op may run in the caller's thread when the worker is idle: a small one (two thread

@@ -50,6 +50,15 @@ def on_device(tensors: object) -> bool:
     return False
 
 
+def total_bytes(tensors: object) -> int:
+    """Bytes of every tensor in `tensors` (a tensor, or lists and tuples of them, nested)."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    if isinstance(tensors, (list, tuple)):
+        return sum(total_bytes(t) for t in tensors)
+    return 0
+
+
 def flat_view(t: torch.Tensor) -> torch.Tensor | None:
     """`t` as a 1-D, stride-1 CPU tensor sharing its memory and detached from autograd, or None when it
     cannot be one (another device, not contiguous). Detached because the backend's arithmetic must never

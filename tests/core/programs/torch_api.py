@@ -281,17 +281,26 @@ def whole_api() -> None:
             in_caller.append(threading.current_thread() is threading.main_thread())
             return real(*args, **kwargs)
 
-        pg._comm.all_reduce = spy
+        real_gather = pg._comm.all_gather
+
+        def spy_gather(*args, **kwargs):
+            in_caller.append(threading.current_thread() is threading.main_thread())
+            return real_gather(*args, **kwargs)
+
+        pg._comm.all_reduce, pg._comm.all_gather = spy, spy_gather
         try:
             big, small = torch.full((1 << 20,), float(r + 1)), torch.full((4,), float(r + 1))
             dist.all_reduce(big)
             dist.all_reduce(big, async_op=True).wait()
             dist.all_reduce(small, async_op=True).wait()
+            parts = [torch.empty(1 << 20) for _ in range(w)]  # the list form: its size is its tensors'
+            dist.all_gather(parts, torch.full((1 << 20,), float(r)), async_op=True).wait()
+            dist.all_gather(parts, torch.full((1 << 20,), float(r)))
         finally:
-            del pg._comm.all_reduce
+            del pg._comm.all_reduce, pg._comm.all_gather
         s = w * (w + 1) / 2
-        return (in_caller == [True, False, True] and bool((big == s * w).all())
-                and bool((small == s).all()))
+        return (in_caller == [True, False, True, False, True] and bool((big == s * w).all())
+                and bool((small == s).all()) and all(bool((p == q).all()) for q, p in enumerate(parts)))
     check("where_ops_run", where_ops_run)
     dist.destroy_process_group()
     result(checks)
