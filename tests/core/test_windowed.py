@@ -67,7 +67,9 @@ def test_drifting_ranks_get_exact_results(world: int, jitter) -> None:
             z = torch.randint(-50, 50, (sum(counts),), generator=g, dtype=torch.int16)
             rs = torch.empty(counts[comm.rank], dtype=torch.int16)
             comm.reduce_scatter(rs, z, counts, "max")
-            out.append((x, y, rs))
+            ag = torch.empty(sum(counts), dtype=torch.int16)
+            comm.all_gather(ag, z[: counts[comm.rank]], counts)
+            out.append((x, y, rs, ag))
         return out
 
     got = run_world(world, body, window_bytes=64)
@@ -83,6 +85,7 @@ def test_drifting_ranks_get_exact_results(world: int, jitter) -> None:
             assert torch.equal(got[r][i][0], ref.all_reduce(xs, "sum")[r]), (i, n, r)
             assert torch.equal(got[r][i][1], ys[i % world]), (i, n, r)
             assert torch.equal(got[r][i][2], ref.reduce_scatter(zs, "max", counts)[r]), (i, n, r)
+            assert torch.equal(got[r][i][3], torch.cat([zs[p][: counts[p]] for p in range(world)])), (i, n, r)
 
 
 def _outcomes(world: int, body, **kw) -> list[BaseException | None]:
@@ -98,7 +101,8 @@ def _outcomes(world: int, body, **kw) -> list[BaseException | None]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", ["count", "dtype", "two_roots", "all_reduce_vs_broadcast", "blocks"])
+@pytest.mark.parametrize("case", ["count", "dtype", "two_roots", "all_reduce_vs_broadcast", "blocks",
+                                  "gather_blocks"])
 def test_a_peer_in_another_op_is_a_mismatch_naming_both_ranks(case: str) -> None:
     def body(comm):
         r = comm.rank
@@ -109,6 +113,9 @@ def test_a_peer_in_another_op_is_a_mismatch_naming_both_ranks(case: str) -> None
         elif case == "blocks":  # the same total, split differently
             counts = [4, 6] if r == 0 else [5, 5]
             comm.reduce_scatter(torch.empty(counts[r]), torch.ones(10), counts)
+        elif case == "gather_blocks":  # all_gather of the same total, split differently
+            counts = [4, 6] if r == 0 else [5, 5]
+            comm.all_gather(torch.empty(10), torch.ones(counts[r]), counts)
         elif case == "two_roots":  # a root returns at once; its next op finds the peer was a root too
             comm.broadcast(torch.ones(10), r)
             comm.all_reduce(torch.ones(3))
@@ -211,3 +218,21 @@ def test_reached_looks_at_least_once_and_spins_no_longer_than_asked() -> None:
     assert not mem.reached([1, 2], 5, 1000)  # rank 2 is behind: every look fails
     areas[2][:8].cast("Q")[0] = 9
     assert mem.reached([1, 2], 5, 1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_on_a_window_moves_nothing_over_the_links(world: int) -> None:
+    """A group that shares one window gathers through it, in rounds when the blocks exceed a buffer."""
+    counts = [70 + 9 * p for p in range(world)]  # int64: 560+ bytes a block, over a 256-byte window
+
+    def body(comm):
+        before = comm.t.bytes_sent
+        out = torch.empty(sum(counts), dtype=torch.int64)
+        comm.all_gather(out, torch.arange(counts[comm.rank], dtype=torch.int64) * (comm.rank + 1), counts)
+        return out, comm.t.bytes_sent - before
+
+    want = torch.cat([torch.arange(c, dtype=torch.int64) * (p + 1) for p, c in enumerate(counts)])
+    for out, sent in run_world(world, body, window_bytes=256):
+        assert torch.equal(out, want)
+        assert sent == 0

@@ -314,6 +314,12 @@ class Communicator:
         if mine.data_ptr() != x.data_ptr() or mine.numel() != x.numel():
             mine.copy_(x)
         es = x.element_size()
+        if self._flat:
+            blocks = [(start * es, c * es) for start, c in zip(offs, counts)]
+            self._run_body(lambda sig, deadline, what: windowed.all_gather(
+                self.window, _bytes(out), blocks, sig, deadline, what), "all_gather", out, count=sum(counts),
+                layout=tuple(counts))
+            return
         plan = self._plan(("ag", tuple(counts), es), lambda: select.all_gather_plan(
             self.cfg, self.rank, self.world, counts, es, self.shape))
         if self._per_host and plan.algo == "hier":

@@ -18,6 +18,10 @@ Small all_reduces (up to THUNDERBOLT_SMALL and one buffer; the Communicator choo
 instead (`OneShotAllReduce`): every rank copies its whole input into its buffer and reduces all buffers
 itself, in rank order (so every rank gets the same bits): one wait instead of three.
 
+all_gather: in rounds of one buffer, every rank copies the round's part of its block into its buffer and
+posts, then copies every peer's part out of the peer's buffer: one copy in and (n-1) copies out per byte
+of a block, where a ring over slot queues copies every block in and out at each of its n-1 steps.
+
 broadcast: the root copies a round into its buffer and posts; the others copy it out. The root does not
 wait for them at the end: it checks their op words when its next windowed op starts (`settle`).
 
@@ -242,6 +246,40 @@ def broadcast(win: Window, x: torch.Tensor, root: int, sig: int, deadline: float
     # window reads that off the root's counter: `Window.unchecked`): no rank writes that buffer's word
     # again before our DONE (a rank writes a buffer's word only after the step that frees it, or after
     # its root's post).
+
+
+def all_gather(win: Window, out: torch.Tensor, blocks: list[tuple[int, int]], sig: int, deadline: float,
+               what: object) -> None:
+    """Every member's block of `out` (1-D contiguous uint8; `blocks[p]`: member p's (byte offset, length),
+    its own already in place) to every member: in rounds of one buffer, each member copies the round's
+    part of its block into its buffer and posts, then copies every peer's part out of theirs."""
+    n, r = win.world, win.rank
+    if n == 1:
+        return
+    settle(win, deadline, what)
+    cap = win.nbytes
+    rounds = block_rounds([ln for _, ln in blocks], cap)
+    word = op_word(sig)
+    others = win.others
+    base = win.rounds
+    own, own_len = blocks[r]
+    for t in range(rounds):
+        g = base + t
+        k = g % BUFFERS
+        lo = t * cap
+        win.wait(free_step(g), others, deadline, what)
+        m = max(0, min(cap, own_len - lo))
+        if m:
+            _view(win, r, k, torch.uint8)[:m].copy_(out[own + lo : own + lo + m])
+        win.post(STEPS * g + ARRIVED, k, word)
+        win.wait(STEPS * g + ARRIVED, others, deadline, what)
+        _check_words(win, others, k, word)
+        for p in others:
+            start, length = blocks[p]
+            m = max(0, min(cap, length - lo))
+            if m:
+                out[start + lo : start + lo + m].copy_(_view(win, p, k, torch.uint8)[:m])
+        win.post(STEPS * g + DONE)
 
 
 def reduce(win: Window, x: torch.Tensor, root: int, combine: Combiner, sig: int, deadline: float,
