@@ -262,24 +262,37 @@ def all_gather(win: Window, out: torch.Tensor, blocks: list[tuple[int, int]], si
     word = op_word(sig)
     others = win.others
     base = win.rounds
-    own, own_len = blocks[r]
     for t in range(rounds):
         g = base + t
         k = g % BUFFERS
         lo = t * cap
         win.wait(free_step(g), others, deadline, what)
-        m = max(0, min(cap, own_len - lo))
-        if m:
-            _view(win, r, k, torch.uint8)[:m].copy_(out[own + lo : own + lo + m])
+        _block_in(win, out, blocks[r], k, lo)
         win.post(STEPS * g + ARRIVED, k, word)
         win.wait(STEPS * g + ARRIVED, others, deadline, what)
         _check_words(win, others, k, word)
-        for p in others:
-            start, length = blocks[p]
-            m = max(0, min(cap, length - lo))
-            if m:
-                out[start + lo : start + lo + m].copy_(_view(win, p, k, torch.uint8)[:m])
+        _blocks_out(win, out, blocks, others, k, lo)
         win.post(STEPS * g + DONE)
+
+
+def _block_in(win: Window, x: torch.Tensor, block: tuple[int, int], k: int, lo: int) -> None:
+    """This member's part of `block` ((start, length) in bytes of `x`) in the round starting at byte `lo`
+    of every block, into its buffer k."""
+    start, length = block
+    m = max(0, min(win.nbytes, length - lo))
+    if m:
+        _view(win, win.rank, k, torch.uint8)[:m].copy_(x[start + lo : start + lo + m])
+
+
+def _blocks_out(win: Window, x: torch.Tensor, blocks: list[tuple[int, int]], peers: list[int], k: int,
+                lo: int) -> None:
+    """Each of `peers`' parts of its block (`blocks[p]`, in bytes of `x`) in the round starting at byte
+    `lo`, out of its buffer k into `x`."""
+    for p in peers:
+        start, length = blocks[p]
+        m = max(0, min(win.nbytes, length - lo))
+        if m:
+            x[start + lo : start + lo + m].copy_(_view(win, p, k, torch.uint8)[:m])
 
 
 def reduce(win: Window, x: torch.Tensor, root: int, combine: Combiner, sig: int, deadline: float,
@@ -346,19 +359,14 @@ def gather(win: Window, x: torch.Tensor, blocks: list[tuple[int, int]], root: in
         lo = t * cap
         if r != root:
             win.wait(free_step(g), others, deadline, what)  # see reduce
-            s, m = blocks[r]
-            m = max(0, min(cap, m - lo))
-            _view(win, r, k, torch.uint8)[:m].copy_(x[s + lo : s + lo + m])
+            _block_in(win, x, blocks[r], k, lo)
             win.post(STEPS * g + DONE, k, word)
             continue
         win.wait(free_step(g), others, deadline, what)
         win.post(STEPS * g + ARRIVED, k, word)  # announced, as in reduce
         win.wait(STEPS * g + ARRIVED, others, deadline, what)
         _check_words(win, others, k, word)
-        for p in others:
-            s, m = blocks[p]
-            m = max(0, min(cap, m - lo))
-            x[s + lo : s + lo + m].copy_(_view(win, p, k, torch.uint8)[:m])
+        _blocks_out(win, x, blocks, others, k, lo)
         win.post(STEPS * g + DONE)
 
 

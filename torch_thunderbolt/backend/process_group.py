@@ -151,14 +151,11 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 # staging to copy back and no device check, the steps that dominate a small op.
                 what = self._whats["all_reduce"]
                 if self._inline_ok(flat.numel() * flat.element_size(), opts):
-                    ran, exc = self._worker.run_if_idle(self._with_timeout(opts).all_reduce, flat, op, factor)
+                    ran, exc = self._worker.run_if_idle(self._all_reduce_flat, opts, flat, op, factor)
                     if ran:
                         return Work.completed(what, tensors, exc)
-
-                def run_flat() -> None:
-                    self._with_timeout(opts).all_reduce(flat, op, factor)
-
-                return self._worker.submit(Work(what, tensors), run_flat)
+                return self._worker.submit(Work(what, tensors),
+                                           functools.partial(self._all_reduce_flat, opts, flat, op, factor))
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, op, opts)
         staged = [Staged(t) for t in tensors]
@@ -175,6 +172,11 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
 
         return self._submit("all_reduce", run, tensors, sum(t.numel() * t.element_size() for t in tensors),
                             opts=opts)
+
+    def _all_reduce_flat(self, opts: Any, flat: torch.Tensor, op: str, factor: object) -> None:
+        # The op's timeout is set by the thread that runs it, just before it: the caller may not touch it
+        # while the worker runs an earlier op.
+        self._with_timeout(opts).all_reduce(flat, op, factor)
 
     def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str, opts: Any) -> Work:
         """Sparse COO tensors (e.g. nn.Embedding(sparse=True) gradients under DDP), summed like gloo does:

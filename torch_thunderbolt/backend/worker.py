@@ -29,24 +29,25 @@ class Worker:
         self._stopped = False
 
     def submit(self, work: Work, fn: Callable[[], None], inline_ok: bool = False) -> Work:
+        if inline_ok:
+            ran, exc = self.run_if_idle(fn)
+            if ran:
+                work.finish(exc)
+                return work
         with self._lock:
             if self._stopped:
                 raise RuntimeError(f"{self._name}: the process group has been shut down")
-            run_inline = inline_ok and self._busy == 0
             self._busy += 1
-            if not run_inline and self._thread is None:
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
-        if run_inline:
-            self._run(work, fn)
-        else:
-            self._q.put((work, fn))
+        self._q.put((work, fn))
         return work
 
     def run_if_idle(self, fn: Callable[..., None], *args: object) -> tuple[bool, BaseException | None]:
         """Run `fn(*args)` in the caller's thread if no op is queued or running: (whether it ran, the error
-        it raised). The small-op path: no work is queued and no closure is made, and the caller builds
-        the finished work itself (`Work.completed`)."""
+        it raised). The small all_reduce calls this itself, with no closure, and builds the finished work
+        after it (`Work.completed`); `submit` calls it for every op that may run inline."""
         with self._lock:
             if self._stopped:
                 raise RuntimeError(f"{self._name}: the process group has been shut down")

@@ -188,11 +188,16 @@ class TcpLink(Link):
             out.sent = k
             c.sendq.append(out)
             return True
-        self.kind.bytes_sent += n
-        req.pending = 0
-        req.done = True
-        self.engine._cv.signal()
+        self._part_written(req, n)
         return True
+
+    def _part_written(self, req: Request, n: int) -> None:
+        """The last byte of one of `req`'s frames (n payload bytes) is on its stream."""
+        self.kind.bytes_sent += n
+        req.pending -= 1
+        if req.pending == 0:
+            req.done = True
+            self.engine._cv.signal()
 
     def _put(self, c: Stream, req: Request, off: int, ln: int) -> None:
         space, tag, seq = req.key
@@ -277,7 +282,6 @@ class TcpLink(Link):
     # -- writing --------------------------------------------------------------------------------------------
     def _flush(self, c: Stream) -> bool:
         moved = False
-        engine = self.engine
         while c.sendq and not c.dead:
             out = c.sendq[0]
             hl = len(out.hdr)
@@ -309,13 +313,10 @@ class TcpLink(Link):
             c.sendq.popleft()
             if out.entry is not None:
                 c.log.completed(out.entry)
-            self.kind.bytes_sent += len(out.payload)
-            req = out.req
-            if req is not None:
-                req.pending -= 1
-                if req.pending == 0:
-                    req.done = True
-                    engine._cv.signal()
+            if out.req is not None:
+                self._part_written(out.req, len(out.payload))
+            else:
+                self.kind.bytes_sent += len(out.payload)
         return moved
 
     # -- reading --------------------------------------------------------------------------------------------
