@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from ..protocol.framing import Space
-from ..transport.base import Request
+from ..transport.base import Key, Request
 from ..transport.engine import Transport
 from .reduce_ops import Reducer
 
@@ -165,28 +165,34 @@ class _Run:
 
 def _run_one_phase(plan: Plan, graph: _Graph, t: Transport, bufs: dict[str, torch.Tensor], reducer: Reducer,
                    tag: int, sig: int, deadline: float | None, what: object) -> None:
-    """A one-phase plan: every message posted in plan order (so per peer too), one wait, then the local
-    steps in plan order (they wait for every message: run_plan sends here only plans with little local work)."""
+    """A one-phase plan: its sends, then its receives, each in plan order (so per peer too), through one
+    `Transport.exchange`, then the local steps in plan order (they wait for every message: run_plan sends
+    here only plans with little local work)."""
     steps = plan.steps
     es = next(iter(bufs.values())).element_size()
     views: dict[str, memoryview] = {}
-    reqs = []
+    sends, recvs = [], []
     for i in graph.comm:
         s = steps[i]
         view = views.get(s.buf)
         if view is None:
             view = views[s.buf] = tensor_bytes(bufs[s.buf])
-        reqs.append(_message(t, s, view, es, tag, sig))
-    t.wait(reqs, deadline, what)
+        (sends if s.kind == SEND else recvs).append(_part(s, view, es, tag))
+    t.exchange(sends, recvs, sig, deadline, what)
     for i in graph.local:
         _local(steps[i], bufs, reducer)
 
 
+def _part(s: Step, view: memoryview, es: int, tag: int) -> tuple[int, Key, memoryview]:
+    """(peer, key, bytes) of the SEND or RECV step `s` of op `tag` (`view`: the bytes of its buffer, `es`
+    bytes per element)."""
+    return s.peer, (Space.COLL, tag, s.msg), view[s.off * es : (s.off + s.n) * es]
+
+
 def _message(t: Transport, s: Step, view: memoryview, es: int, tag: int, sig: int) -> Request:
-    """Post the SEND or RECV step `s` of op `tag` (`view`: the bytes of its buffer, `es` bytes per element)."""
-    part = view[s.off * es : (s.off + s.n) * es]
-    key = (Space.COLL, tag, s.msg)
-    return t.isend(s.peer, key, part, sig) if s.kind == SEND else t.irecv(s.peer, key, part, sig)
+    """Post the SEND or RECV step `s` of op `tag`."""
+    peer, key, part = _part(s, view, es, tag)
+    return t.isend(peer, key, part, sig) if s.kind == SEND else t.irecv(peer, key, part, sig)
 
 
 def _local(s: Step, bufs: dict[str, torch.Tensor], reducer: Reducer) -> None:

@@ -23,7 +23,7 @@ class DirectAllReduce:
     """A small all_reduce of one element count, dtype and reduce op, made once: `slots[r]` holds rank r's
     contribution once it arrived. `what` names the op in errors (the Communicator numbers it)."""
 
-    __slots__ = ("t", "rank", "world", "to", "frm", "slots", "views", "reduce", "sig", "what")
+    __slots__ = ("t", "rank", "world", "to", "frm", "slots", "recvs", "reduce", "sig", "what")
     retires = True  # its messages go through the engine's matching, under the op's tag
 
     def __init__(self, t: Transport, count: int, dtype: torch.dtype, reduce: Reducer, sig: int,
@@ -32,20 +32,17 @@ class DirectAllReduce:
         self.to, self.frm = peer_order(t.rank, t.world)  # the plan's order
         scratch = torch.empty(t.world * count, dtype=dtype)
         self.slots = [scratch[r * count : (r + 1) * count] for r in range(t.world)]
-        self.views = {p: tensor_bytes(self.slots[p]) for p in self.frm}
+        self.recvs = [(p, tensor_bytes(self.slots[p])) for p in self.frm]
         self.reduce, self.sig, self.what = reduce, sig, what
 
     def run(self, x: torch.Tensor, tag: int, deadline: float) -> None:
         """x := x_0 ⊕ x_1 ⊕ ... ⊕ x_{world-1} (rank order) on every rank, `x` being this rank's x_rank."""
-        t, sig = self.t, self.sig
-        key = (Space.COLL, tag, 0)
         # Sends first, as the plan posts them: a rank that finds a mismatch in what arrived (and stops)
-        # has still sent its own part, so its peers find the mismatch too instead of waiting for it.
-        own = tensor_bytes(x)
-        reqs = [t.isend(p, key, own, sig) for p in self.to]
-        views = self.views
-        reqs += [t.irecv(p, key, views[p], sig) for p in self.frm]
-        t.wait(reqs, deadline, self.what)  # the sends too: they read `x`, which the reduction overwrites
+        # has still sent its own part, so its peers find the mismatch too instead of waiting for it. The
+        # exchange also waits for the sends: they read `x`, which the reduction overwrites.
+        own, key = tensor_bytes(x), (Space.COLL, tag, 0)
+        self.t.exchange([(p, key, own) for p in self.to], [(p, key, view) for p, view in self.recvs], self.sig,
+                        deadline, self.what)
         slots, reduce = self.slots, self.reduce
         if self.rank:
             slots[self.rank].copy_(x)

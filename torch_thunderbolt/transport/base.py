@@ -96,8 +96,21 @@ class Link(abc.ABC):
     def post_send(self, req: Request) -> None:
         """Queue a send and start writing it; raise PeerLostError if the peer has left."""
 
+    def send_now(self, key: Key, sig: int, buf: memoryview) -> "Request | None":
+        """Post a send of message `key` (`buf`: bytes); None when it went at once and needs no Request (a
+        link that can write a small message in one call says so), else the posted Request."""
+        req = Request(self.peer, key, sig, buf, is_send=True)
+        self.post_send(req)
+        return req
+
     def posted_recv(self) -> None:
         """A receive was posted for this peer: read what was held back waiting for one (parked data)."""
+
+    def quick_receive(self, key: Key, sig: int, dest: memoryview) -> "QuickReceive | None":
+        """A receive of the peer's whole collective message `key` (signature `sig`) straight into `dest`,
+        read by the engine's own looks (`QuickReceive.step`), with no Request and no matching; None when
+        the link cannot do that now (something else is in flight on it): the engine posts a receive."""
+        return None
 
     @abc.abstractmethod
     def pump(self) -> bool:
@@ -137,6 +150,27 @@ class Link(abc.ABC):
         """Close this link's sockets (the engine releases shared resources through the LinkKind)."""
 
 
+class QuickReceive(abc.ABC):
+    """A message being read by `Transport.exchange` outside the engine's matching (see
+    `Link.quick_receive`). Every method is called with the engine's lock held."""
+
+    peer: int
+    key: Key
+    dest: memoryview
+    done = False  # the whole message is in `dest`
+
+    @abc.abstractmethod
+    def step(self) -> bool:
+        """Read what has arrived, without blocking: True once this receive is over, `done` (the message is
+        in) or not (something else came first, or the link failed: `hand_back` and receive it the general
+        way, or find the engine broken)."""
+
+    @abc.abstractmethod
+    def hand_back(self) -> None:
+        """Give up: return what was read so far to the link, so that the general path reads the stream as
+        if this receive had never looked at it."""
+
+
 class LinkKind:
     """What the links of one kind share inside an engine (a kind-wide thread, a segment, counters) and the
     engine's hooks for it. The defaults do nothing: a kind overrides what it needs."""
@@ -155,8 +189,9 @@ class LinkKind:
         for link in self.links.values():
             link.engine = engine
 
-    def note_post(self, req: Request) -> None:
-        """A request is being posted (under the lock): publish what op this rank is in, if the kind can."""
+    def note_post(self, key: Key, sig: int) -> None:
+        """A message `key` of the op with signature `sig` is being posted (under the lock): publish what op
+        this rank is in, if the kind can."""
 
     def after_pump(self) -> None:
         """After a round of pumping or posting: e.g. ring the doorbells of peers that now have work."""

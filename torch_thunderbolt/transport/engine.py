@@ -122,7 +122,7 @@ class Transport:
         with self._lock:
             self.check_usable()
             for kind in self.kinds:
-                kind.note_post(req)
+                kind.note_post(req.key, req.sig)
             link.post_send(req)
             self._quiet = False
             for kind in self.kinds:
@@ -139,7 +139,7 @@ class Transport:
         with self._lock:
             self.check_usable()
             for kind in self.kinds:
-                kind.note_post(req)
+                kind.note_post(req.key, req.sig)
             self.matcher.post(req)  # it may match a message that arrived before the peer said BYE
             self._quiet = False
             for link in self._links if peer == ANY_SOURCE else (self._route[peer],):
@@ -166,6 +166,72 @@ class Transport:
         """Receive the next message with `tag` from `peer` (or from any peer with ANY_SOURCE)."""
         # The sequence number is assigned at match time (see matching.Matcher), so -1 here.
         return self.irecv(peer, (Space.P2P, tag, -1), buf)
+
+    def exchange(self, sends: Sequence[tuple[int, Key, memoryview]], recvs: Sequence[tuple[int, Key, memoryview]],
+                 sig: int, deadline: float | None, what: object = "") -> None:
+        """Send each (peer, key, buffer) of `sends`, receive each of `recvs`, and wait for all of them: the
+        messages of one collective op (collective keys, signature `sig`), as isend, irecv and wait would
+        move them, sends first. Once the sends are written, every link that can take its peer's whole
+        message itself (`Link.quick_receive`) reads it in this thread's own spin, with no Request, no
+        matching and no poll(): a latency-bound op spent as long in those steps as on the wire. What has
+        not arrived when the spin ends, or finds something else first, goes the general way."""
+        if not sends and not recvs:
+            return
+        route = self._route
+        with self._lock:
+            self.check_usable()
+            for kind in self.kinds:
+                kind.note_post((sends or recvs)[0][1], sig)
+            reqs = [r for p, key, buf in sends if (r := route[p].send_now(key, sig, buf)) is not None]
+            self._quiet = False
+            for kind in self.kinds:
+                kind.after_pump()
+            if self._polling and not all(r.done for r in reqs):
+                self._wake()
+        if recvs and all(r.done for r in reqs) and self._progress_lock.acquire(blocking=False):
+            try:
+                recvs = self._quick_receive(recvs, sig, deadline)
+            finally:
+                self._progress_lock.release()
+                with self._lock:
+                    self._cv.signal()
+        if recvs:
+            reqs += [self.irecv(p, key, buf, sig) for p, key, buf in recvs]
+        if not all(r.done for r in reqs):
+            self.wait(reqs, deadline, what)
+
+    def _quick_receive(self, recvs: Sequence[tuple[int, Key, memoryview]], sig: int,
+                       deadline: float | None) -> Sequence[tuple[int, Key, memoryview]]:
+        """`exchange`'s receives read by the links themselves while this thread spins (it drives the
+        engine); returns those left to receive the general way. One message per peer at most: two readers
+        of one stream would take each other's bytes."""
+        with self._lock:
+            if self.broken is not None or self.closed or len({p for p, _, _ in recvs}) < len(recvs):
+                return recvs  # (the general path raises the group's error)
+            quick = []
+            for peer, key, buf in recvs:
+                link = self._route.get(peer)
+                q = link.quick_receive(key, sig, buf) if link is not None else None
+                if q is None:
+                    return recvs
+                quick.append(q)
+        waiting = list(quick)
+
+        def look() -> bool:
+            with self._lock:
+                if self.broken is None:
+                    waiting[:] = [q for q in waiting if not q.step()]
+                return not waiting or self.broken is not None
+
+        if not look():
+            self._spinner.spin(self.spin if deadline is None else min(self.spin, deadline - time.monotonic()), look)
+        with self._lock:
+            if self.broken is not None:
+                raise self.broken
+            for q in quick:
+                q.hand_back()  # (nothing to give back for a message that is in)
+            self.last_traffic = time.monotonic()
+        return [(q.peer, q.key, q.dest) for q in quick if not q.done]
 
     # -- waiting --------------------------------------------------------------------------------------------
     def wait(self, reqs: Sequence[Request], deadline: float | None = None, what: object = "") -> None:

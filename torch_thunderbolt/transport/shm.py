@@ -31,7 +31,7 @@ from ..errors import MismatchError, PeerLostError, ProtocolError, ThunderboltErr
 from ..protocol.framing import Frame, Kind, Space
 from ..protocol.signature import describe_sig
 from . import shm_ring as ring
-from .base import Link, LinkKind, Request, close_socket, remote_error
+from .base import Key, Link, LinkKind, Request, close_socket, remote_error
 from .engine import Transport
 from .shm_segment import Segment
 from .shm_window import ShmWindowMemory, area_bytes
@@ -294,11 +294,11 @@ class ShmLinks(LinkKind):
             engine.window_memory = self.window
 
     # -- engine hooks ---------------------------------------------------------------------------------------
-    def note_post(self, req: Request) -> None:
+    def note_post(self, key: Key, sig: int) -> None:
         """Publish the collective op this rank is in on its op board (tag last: it says the sig is current)."""
-        space, tag, _ = req.key
-        if space == Space.COLL and req.sig and self._my_board[0] != tag:
-            self._my_board[1] = req.sig
+        space, tag, _ = key
+        if space == Space.COLL and sig and self._my_board[0] != tag:
+            self._my_board[1] = sig
             ring.publish_fence()
             self._my_board[0] = tag
 

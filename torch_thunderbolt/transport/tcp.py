@@ -28,7 +28,7 @@ from ..platform import SOCKET_IO_CAP, Platform, current
 from ..protocol.framing import (FRAME_HEADER_SIZE, Frame, FrameDecoder, Kind, Space, encode_control,
                                 encode_frame_header)
 from ..protocol.signature import describe_sig
-from .base import ANY_SOURCE, Link, LinkKind, Request, close_socket, remote_error
+from .base import ANY_SOURCE, Key, Link, LinkKind, QuickReceive, Request, close_socket, remote_error
 from .engine import Transport
 from .failover import Fields, RxCount, StreamLog, is_link_failure
 
@@ -157,8 +157,11 @@ class TcpLink(Link):
         elif not self.unsent:  # the common case: one frame on the first stream, written at once
             req.pending = 1
             c = conns[0]
-            if c.sendq or c.log is not None or not self._write_whole(c, req):
-                self._put(c, req, 0, n)
+            k = 0 if c.sendq or c.log is not None else self._write_whole(c, req.key, req.sig, req.buf)
+            if k == FRAME_HEADER_SIZE + n:
+                self._part_written(req, n)
+            else:
+                self._put(c, req, 0, n, sent=k)
             return
         else:
             pieces = [(0, n)]
@@ -166,30 +169,39 @@ class TcpLink(Link):
         self.unsent.append([req, pieces, 0])
         self._dispatch()
 
-    def _write_whole(self, c: Stream, req: Request) -> bool:
-        """Write all of `req` as one frame on the idle stream `c` (no failover log to keep) with one
-        sendmsg, without the queued frame `_put` builds: what most small messages need, and a small send
-        paid for that frame's steps as much as for the system call. False, having written nothing, when
-        the socket takes nothing or fails: then `_put` queues the frame and its writer handles both, as
-        for any frame. A partial write queues the rest."""
-        n = req.nbytes
-        space, tag, seq = req.key
-        hdr = encode_frame_header(Kind.DATA, space, req.sig, tag, seq, 0, n, n)
+    def send_now(self, key: Key, sig: int, buf: memoryview) -> Request | None:
+        """Post a send of the whole message `buf`; None when it went at once, with no queued frame and no
+        Request made (what a small collective's message does on an idle stream)."""
+        c = self.streams[0]
+        if not self.unsent and not c.sendq and c.log is None and not c.dead and len(buf) < self.kind.stripe_bytes:
+            k = self._write_whole(c, key, sig, buf)
+            if k == FRAME_HEADER_SIZE + len(buf):
+                self.kind.bytes_sent += len(buf)
+                return None
+            req = Request(self.peer, key, sig, buf, is_send=True)
+            req.pending = 1
+            self._put(c, req, 0, len(buf), sent=k)
+            return req
+        return super().send_now(key, sig, buf)
+
+    def _write_whole(self, c: Stream, key: Key, sig: int, buf: memoryview) -> int:
+        """Write message `key` as one frame on the idle stream `c` (no failover log to keep) with one
+        sendmsg, without building the queued frame `_put` builds: what most small messages need, and a
+        small send paid for that frame's steps as much as for the system call. Returns the bytes written,
+        header included: 0 when the socket takes nothing or fails (then `_put` queues the frame, and its
+        writer handles both, as for any frame); the caller queues the rest of a partial write."""
+        n = len(buf)
+        space, tag, seq = key
+        hdr = encode_frame_header(Kind.DATA, space, sig, tag, seq, 0, n, n)
         if len(hdr) + n > SOCKET_IO_CAP:
-            return False
+            return 0
         try:
-            k = c.sock.sendmsg([hdr, req.buf])
+            k = c.sock.sendmsg([hdr, buf])
         except OSError:  # BlockingIOError and InterruptedError included
-            return False
+            return 0
         if c.lifted:  # the window opened again
             self.kind.set_link_timeout(c, lifted=False)
-        if k < len(hdr) + n:
-            out = Outgoing(hdr, req.buf, req)
-            out.sent = k
-            c.sendq.append(out)
-            return True
-        self._part_written(req, n)
-        return True
+        return k
 
     def _part_written(self, req: Request, n: int) -> None:
         """The last byte of one of `req`'s frames (n payload bytes) is on its stream."""
@@ -199,10 +211,14 @@ class TcpLink(Link):
             req.done = True
             self.engine._cv.signal()
 
-    def _put(self, c: Stream, req: Request, off: int, ln: int) -> None:
+    def _put(self, c: Stream, req: Request, off: int, ln: int, sent: int = 0) -> None:
+        """Queue the frame of `req`'s bytes [off, off + ln) on `c`, of which `sent` bytes (header first)
+        were already written (by `_write_whole`)."""
         space, tag, seq = req.key
         fields = Fields(space, req.sig, tag, seq, off, ln, req.nbytes)
-        self.enqueue(c, Outgoing(_header(fields), req.buf[off : off + ln], req, fields))
+        out = Outgoing(_header(fields), req.buf[off : off + ln], req, fields)
+        out.sent = sent
+        self.enqueue(c, out)
 
     def _dispatch(self) -> None:
         """Hand out unsent pieces in order, each to the next live stream (round robin) with fewer than
@@ -229,6 +245,17 @@ class TcpLink(Link):
         for c in self.streams:
             if c.parked is not None and not c.dead:
                 self._read(c)
+
+    def quick_receive(self, key: Key, sig: int, dest: memoryview) -> "StreamReceive | None":
+        """The peer's message `key` read off its first stream by the engine's looks (see StreamReceive),
+        when nothing else is under way on any of its streams; None with failover (the byte log counts what
+        is consumed) or after a lost stream."""
+        if self.no_park or len(dest) > SOCKET_IO_CAP - FRAME_HEADER_SIZE:
+            return None
+        for c in self.streams:
+            if c.inbound is not None or c.parked is not None or c.decoder.buffered or c.bye or c.dead:
+                return None
+        return StreamReceive(self, key, sig, dest)
 
     def enqueue(self, c: Stream, out: Outgoing, front: bool = False) -> None:
         """Queue a frame (with `front`: right after the frame being written, if any) and try to write."""
@@ -515,6 +542,59 @@ class TcpLink(Link):
             close_socket(c.sock)
 
 
+class StreamReceive(QuickReceive):
+    """One whole message read off a peer's first stream with no decoder, Request or matching: the first read
+    puts the header into `head` and the payload straight into `dest` (one recvmsg_into), and the header is
+    compared, as bytes, with the one the expected message has. It is only ever read up to that message's
+    last byte, so any other frame (another message first, a PING, an ABORT) is found by that comparison
+    and everything read is handed back to the stream's decoder, to be read the general way. (A small
+    message on another stream, which a sender striping a large one at the same time may use, is found by
+    the general path after the spin.)"""
+
+    __slots__ = ("link", "c", "peer", "key", "dest", "header", "head", "got", "done")
+
+    def __init__(self, link: TcpLink, key: Key, sig: int, dest: memoryview) -> None:
+        self.link, self.c, self.peer, self.key, self.dest = link, link.streams[0], link.peer, key, dest
+        n = len(dest)
+        self.header = encode_frame_header(Kind.DATA, key[0], sig, key[1], key[2], 0, n, n)
+        self.head = bytearray(FRAME_HEADER_SIZE)
+        self.got = 0
+        self.done = False
+
+    def step(self) -> bool:
+        c, got = self.c, self.got
+        try:
+            if got < FRAME_HEADER_SIZE:
+                k = c.sock.recvmsg_into([memoryview(self.head)[got:], self.dest])[0]
+            else:
+                k = c.sock.recv_into(self.dest[got - FRAME_HEADER_SIZE:])
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            self.link.conn_error(c, exc)
+            return True
+        if k == 0:
+            self.link._eof(c)
+            return True
+        self.got = got + k
+        if got < FRAME_HEADER_SIZE <= self.got and self.head != self.header:
+            return True  # another frame came first
+        if self.got == FRAME_HEADER_SIZE + len(self.dest):
+            self.done = True
+            kind = self.link.kind
+            kind.bytes_received += len(self.dest)
+            kind.quick_messages += 1
+            return True
+        return False
+
+    def hand_back(self) -> None:
+        if self.got and not self.done:
+            h = min(self.got, FRAME_HEADER_SIZE)
+            self.c.decoder.feed(bytes(self.head[:h]) + bytes(self.dest[: self.got - h]))
+            self.c.emptied = False
+            self.got = 0
+
+
 class TcpLinks(LinkKind):
     """The TCP links of one engine and what they share: the ops this rank posted (to answer PINGs), the
     peers' answers, probe timing, failover counters and the keeper thread."""
@@ -535,6 +615,7 @@ class TcpLinks(LinkKind):
         self.spin = spin_us / 1e6
         self.lost_streams = 0
         self.resent_bytes = 0  # payload sent again after a lost stream
+        self.quick_messages = 0  # messages read by a StreamReceive (Transport.exchange), not the decoder
         # A rank that only waits to receive has no unacknowledged data, so the kernel's link timeout never
         # fires for it; after this long without traffic it sends a PING to the peers it waits on.
         self.probe_after = probe_after
@@ -594,11 +675,11 @@ class TcpLinks(LinkKind):
         if self._keeper is not None and self._keeper is not threading.current_thread():
             self._keeper.join(1.0)
 
-    def note_post(self, req: Request) -> None:
-        if req.key[0] == Space.COLL and req.sig:
-            tag = req.key[1]
+    def note_post(self, key: Key, sig: int) -> None:
+        if key[0] == Space.COLL and sig:
+            tag = key[1]
             if tag not in self.op_sigs:
-                self.op_sigs[tag] = req.sig
+                self.op_sigs[tag] = sig
                 self.op_sigs.pop(tag - OPS_REMEMBERED, None)
 
     def idle(self) -> None:
