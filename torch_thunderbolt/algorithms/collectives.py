@@ -229,7 +229,7 @@ class Communicator:
         """The direct plan's messages without its plan walk (see small.py)."""
         n = x.numel()
         what = OpLabel("all_reduce", 0, x.dtype, n)
-        self._keep_small(x, op, DirectAllReduce(self.t, n, x.dtype, self._reducer(op, x.dtype),
+        self._keep_small(x, op, DirectAllReduce(self.t, n, x.dtype, self._combiner(op, x.dtype),
                                                 self._sig("all_reduce", x, 0, n, op, None), what))
 
     def _keep_small(self, x: torch.Tensor, op: str,

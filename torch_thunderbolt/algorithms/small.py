@@ -16,24 +16,24 @@ from ..protocol.framing import Space
 from ..transport.engine import Transport
 from .direct import peer_order
 from .plan import tensor_bytes
-from .reduce_ops import Reducer
+from .reduce_ops import Combiner
 
 
 class DirectAllReduce:
     """A small all_reduce of one element count, dtype and reduce op, made once: `slots[r]` holds rank r's
     contribution once it arrived. `what` names the op in errors (the Communicator numbers it)."""
 
-    __slots__ = ("t", "rank", "world", "to", "frm", "slots", "recvs", "reduce", "sig", "what")
+    __slots__ = ("t", "rank", "world", "to", "frm", "slots", "recvs", "combine", "sig", "what")
     retires = True  # its messages go through the engine's matching, under the op's tag
 
-    def __init__(self, t: Transport, count: int, dtype: torch.dtype, reduce: Reducer, sig: int,
+    def __init__(self, t: Transport, count: int, dtype: torch.dtype, combine: Combiner, sig: int,
                  what: object) -> None:
         self.t, self.rank, self.world = t, t.rank, t.world
         self.to, self.frm = peer_order(t.rank, t.world)  # the plan's order
         scratch = torch.empty(t.world * count, dtype=dtype)
         self.slots = [scratch[r * count : (r + 1) * count] for r in range(t.world)]
         self.recvs = [(p, tensor_bytes(self.slots[p])) for p in self.frm]
-        self.reduce, self.sig, self.what = reduce, sig, what
+        self.combine, self.sig, self.what = combine, sig, what
 
     def run(self, x: torch.Tensor, tag: int, deadline: float) -> None:
         """x := x_0 ⊕ x_1 ⊕ ... ⊕ x_{world-1} (rank order) on every rank, `x` being this rank's x_rank."""
@@ -43,9 +43,15 @@ class DirectAllReduce:
         own, key = tensor_bytes(x), (Space.COLL, tag, 0)
         self.t.exchange([(p, key, own) for p in self.to], [(p, key, view) for p, view in self.recvs], self.sig,
                         deadline, self.what)
-        slots, reduce = self.slots, self.reduce
-        if self.rank:
-            slots[self.rank].copy_(x)
-            x.copy_(slots[0])
-        for r in range(1, self.world):
-            reduce(x, slots[r])
+        slots, combine, rank = self.slots, self.combine, self.rank
+        # x_0 ⊕ x_1 first, with the operands in that order on every rank: in place of the own one on ranks
+        # 0 and 1; a later rank keeps its own part aside for its turn.
+        if rank == 0:
+            combine(x, x, slots[1])
+        elif rank == 1:
+            combine(x, slots[0], x)
+        else:
+            slots[rank].copy_(x)
+            combine(x, slots[0], slots[1])
+        for r in range(2, self.world):
+            combine(x, x, slots[r])
