@@ -1,6 +1,7 @@
 """The timed loop in one process (world size 1 over gloo): checking catches broken ops."""
 import datetime
 import io
+import time
 
 import pytest
 import torch
@@ -36,6 +37,31 @@ def test_real_ops_are_right(gloo_world_of_one, op):
     reduced = runner.reduce_over_ranks(result, None)
     assert reduced.times_us == result.times_us and reduced.wrong == [0, 0]
     assert len(steps) == 1 + 3  # one progress step per iteration, warmup included
+
+
+@pytest.mark.timeout(60)
+def test_a_block_of_small_ops_starts_after_one_untimed_call(gloo_world_of_one, monkeypatch):
+    """The first call after the control barrier absorbs the ranks' skew leaving it: in a block of calls it
+    is not timed; a single call (a check iteration, or a large message) is timed as it is."""
+    barrier = dist.barrier
+    fresh = []
+
+    def marking_barrier(*args, **kwargs):
+        fresh.append(True)
+        return barrier(*args, **kwargs)
+
+    def slow_after_barrier(group, b, rank):
+        if fresh:
+            fresh.clear()
+            time.sleep(0.02)
+        dist.all_reduce(b.out, group=group)
+
+    monkeypatch.setattr(runner.dist, "barrier", marking_barrier)
+    times = _time("all_reduce", gloo_world_of_one, slow_after_barrier).times_us
+    assert runner.block_size(4096 + 12) > 1
+    for row in times:
+        assert row[0] >= 20_000 and row[2] >= 20_000, row  # check iterations: one timed call each
+        assert row[1] < 20_000 / runner.block_size(4096 + 12), row  # a block: the slow call was not timed
 
 
 @pytest.mark.timeout(60)

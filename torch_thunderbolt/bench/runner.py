@@ -3,9 +3,11 @@
 Fairness: iteration i runs backend A then B, iteration i+1 B then A, ... so a machine that drifts
 (other load, CPU placement, thermal) slows both alike, and neither always follows the other. Each
 iteration is a block of back-to-back calls (several for small messages, as nccl-tests times a loop),
-started after a barrier on the control group so no backend inherits the other's finishing skew; each
-rank times its own block and the per-iteration maximum over ranks is taken once at the end of the size. Inputs are refilled and outputs checked only on the check
-iterations (the first and last timed one), outside the timed region.
+started after a barrier on the control group so no backend inherits the other's finishing skew, and, for
+blocks of several calls, after one untimed call that lines the ranks up on the backend being timed; each
+rank times its own block and the per-iteration maximum over ranks is taken once at the end of the size.
+Inputs are refilled and outputs checked only on the check iterations (the first and last timed one, single
+calls), outside the timed region.
 """
 from __future__ import annotations
 
@@ -138,8 +140,13 @@ def time_size(op: str, lay: spec.Layout, groups: Sequence[Any], rank: int, world
             # Start every backend's block from the same line: without this, the skew with which the
             # previous backend's op finished on each rank is charged to whichever op runs next.
             dist.barrier(group=control)
-            start = clock()
             try:
+                if reps > 1:
+                    # One untimed call first, as nccl-tests' warm-up calls precede its timed loop: the
+                    # control group's barrier releases the ranks up to a wake-up or two apart (~0.1-0.2 ms
+                    # here), which a block of 20 small ops would pay as if each op took 5-10 µs longer.
+                    fn(group, b, rank)
+                start = clock()
                 for _ in range(reps):
                     fn(group, b, rank)
             except Exception as exc:  # noqa: BLE001 - re-raised with the op, size and backend named
