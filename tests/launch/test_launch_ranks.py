@@ -33,6 +33,18 @@ def test_omp_threads_left_alone_when_set_or_single_rank():
     assert "OMP_NUM_THREADS" not in rank_env(TWO_MACS, 0, 0, 1, "x", 1, inherited={})
 
 
+def test_emulated_macs_share_this_machines_cores():
+    """A lab's hosts (and local ones) are all this machine: one rank each still shares its cores with the
+    others, so each gets one OpenMP thread, as several ranks on one host do."""
+    lab = [Host(name=f"mac{i}", exec="lab", lab="ring3") for i in range(3)]
+    assert all(rank_env(lab, h, 0, 1, "x", 1, inherited={})["OMP_NUM_THREADS"] == "1" for h in range(3))
+    assert "OMP_NUM_THREADS" not in rank_env(lab, 0, 0, 1, "x", 1, inherited={"OMP_NUM_THREADS": "2"})
+    assert "OMP_NUM_THREADS" not in rank_env(lab[:1], 0, 0, 1, "x", 1, inherited={})  # alone here
+    mixed = [Host(name="here", exec="local"), *TWO_MACS]  # this Mac and two reached over ssh
+    assert "OMP_NUM_THREADS" not in rank_env(mixed, 0, 0, 1, "x", 1, inherited={})
+    assert "OMP_NUM_THREADS" not in rank_env(mixed, 1, 0, 1, "x", 1, inherited={})
+
+
 def test_host_env_then_cli_env_override():
     host = Host(name="h", exec="local", env={"GLOO_SOCKET_IFNAME": loopback_ifname(), "A": "host"}, ifname="en2")
     env = rank_env([host], 0, 0, 1, "127.0.0.1", 1, extra_env={"A": "cli"})

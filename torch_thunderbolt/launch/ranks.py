@@ -88,8 +88,13 @@ def rank_env(hosts: Sequence[Host], host_index: int, local_rank: int, nproc_per_
         # Gloo opens one context per listed device and every rank must list the same number, so a
         # middle host with two cables would hang it: give gloo only the first interface.
         env["GLOO_SOCKET_IFNAME"] = host.ifname.split(",")[0]
-    if nproc_per_host > 1 and "OMP_NUM_THREADS" not in (inherited or {}):
-        env["OMP_NUM_THREADS"] = "1"  # as torchrun does: K ranks on one host must not each take all cores
+    # As torchrun does: K ranks sharing one machine's cores must not each take all of them. The hosts of a
+    # lab (and "local" ones) are all this machine: an emulated Mac's rank would otherwise run torch's
+    # kernels on every core here while the other Macs' ranks wait for one (their TCP and Python starved:
+    # a 3-Mac ring's 1 Gbit/s reduce_scatter took 0.3-0.55 of the cable bound instead of 0.9).
+    here = nproc_per_host * (1 if host.exec == "ssh" else sum(h.exec != "ssh" for h in hosts))
+    if here > 1 and "OMP_NUM_THREADS" not in (inherited or {}):
+        env["OMP_NUM_THREADS"] = "1"
     env.update(host.env)
     env.update(extra_env or {})
     return env
