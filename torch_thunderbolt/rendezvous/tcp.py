@@ -520,7 +520,8 @@ def connect_tcp_links(store: Any, rank: int, world: int, cfg: Config, timeout: f
         local_ranks = sum(1 for e in every if e is None or e.get("host") == here)
         # Spinning only pays while every local rank has a core of its own.
         spin = cfg.spin_us if local_ranks <= (os.cpu_count() or 1) else 0
-        links = TcpLinks(conns, stripe_bytes=cfg.stripe_bytes, spin_us=spin, probe_after=cfg.link_timeout_ms / 3000,
+        links = TcpLinks(conns, stripe_bytes=cfg.stripe_bytes, early_bytes=cfg.small_bytes, spin_us=spin,
+                         probe_after=cfg.link_timeout_ms / 3000,
                          plat=tuner.plat, link_timeout=link_timeout_options(tuner.plat, cfg.link_timeout_ms))
         return links, all_nets
     except BaseException:

@@ -27,8 +27,9 @@ import time
 from collections import defaultdict
 from typing import Callable, Iterable, Sequence
 
-from ..errors import BackendClosedError, CollectiveTimeout, PeerLostError
+from ..errors import BackendClosedError, CollectiveTimeout, MismatchError, PeerLostError
 from ..protocol.framing import Space, abort_body
+from ..protocol.signature import describe_sig
 from .base import ANY_SOURCE, CountedCondition, Key, Link, LinkKind, Request, bytes_view
 from .matching import Matcher
 from .names import RankNames
@@ -206,8 +207,9 @@ class Transport:
         engine); returns those left to receive the general way. One message per peer at most: two readers
         of one stream would take each other's bytes."""
         with self._lock:
-            if self.broken is not None or self.closed or len({p for p, _, _ in recvs}) < len(recvs):
-                return recvs  # (the general path raises the group's error)
+            if (self.broken is not None or self.closed or len({p for p, _, _ in recvs}) < len(recvs)
+                    or any((p, key) in self.matcher.unexpected for p, key, _ in recvs)):
+                return recvs  # (the general path raises the group's error, or takes what a link kept)
             quick = []
             for peer, key, buf in recvs:
                 link = self._route.get(peer)
@@ -392,18 +394,30 @@ class Transport:
 
     # -- life cycle -----------------------------------------------------------------------------------------
     def retire(self, tag: int) -> None:
-        """Collective op `tag` finished on this rank: data for it (or older ops) that still arrives is an error."""
+        """Collective op `tag` finished on this rank: data for it (or older ops) that still arrives is an
+        error, and so is data for it a link read ahead and kept that no receive took."""
         with self._lock:
             self.retired = max(self.retired, tag)
             for link in self._links:
                 if self.broken is None:
                     link.retire(tag)
+            if self.matcher.unexpected and self.broken is None:
+                for (peer, key), u in self.matcher.unexpected.items():
+                    if key[0] == Space.COLL and key[1] <= tag and u.claimed_by is None:
+                        self.fail(self.stray(peer, u.sig, key[1]))
+                        break
             if self.broken is not None:
                 raise self.broken
 
     def abort(self, error: BaseException) -> None:
         """Enter the BROKEN state with `error` and tell every peer why, so they fail fast and clearly too."""
         self.fail(error)
+
+    def stray(self, peer: int, sig: int, tag: int) -> MismatchError:
+        """What collective data from `peer` for op `tag`, which this rank finished without taking it, means."""
+        return MismatchError(
+            f"rank {self.rank}: rank {peer} sent {describe_sig(sig)} data for op #{tag}, which this rank "
+            f"finished without expecting data from rank {peer} (different collectives, roots or order)")
 
     def lost(self, peer: int, where: str, exc: BaseException, address: str = "") -> PeerLostError:
         """What a broken connection to `peer` becomes, with the OS error as its cause: the one place a

@@ -9,6 +9,7 @@ may park collective messages instead (flow control keeps them in the kernel, no 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable
 
 from ..errors import MismatchError, ProtocolError
 from ..protocol.framing import Frame, Space
@@ -92,8 +93,11 @@ class Matcher:
         return [req]
 
     # -- frames arriving -------------------------------------------------------------------------------
-    def match(self, peer: int, frame: Frame, allow_park: bool = False) -> tuple[memoryview, object] | None:
-        """Where to put this frame's payload: (destination view, target), or None to park it."""
+    def match(self, peer: int, frame: Frame, park: "Callable[[Frame], bool] | None" = None
+              ) -> tuple[memoryview, object] | None:
+        """Where to put this frame's payload: (destination view, target), or None to park it. `park`: asked
+        about a collective frame that no posted receive takes and no earlier part began (True: park it;
+        None: never park)."""
         key = frame.key
         req = self.posted.get((peer, key))
         if req is None and frame.space == Space.P2P:
@@ -103,7 +107,7 @@ class Matcher:
             return req.buf[frame.offset : frame.offset + frame.length], req
         u = self.unexpected.get((peer, key))
         if u is None:
-            if allow_park and frame.space == Space.COLL:
+            if park is not None and frame.space == Space.COLL and park(frame):
                 return None
             buffered = sum(x.total for x in self.unexpected.values())
             if buffered + frame.total > self.max_unexpected:  # a budget for all of them, not per message

@@ -45,6 +45,7 @@ STRIPE_ALIGN = 4096  # striped parts start on page boundaries where the message 
 # large enough that a frame header per piece costs nothing measurable.
 STRIPE_PIECE = 4 << 20
 STREAM_DEPTH = 1  # frames queued on a stream (the one being written included) before it gets no more pieces
+EARLY_BUDGET = 4  # small collective messages a peer may have read ahead of their receives here (see _read_ahead)
 
 
 def split_aligned(nbytes: int, parts: int) -> list[tuple[int, int]]:
@@ -288,13 +289,20 @@ class TcpLink(Link):
     def retire(self, tag: int) -> None:
         for c in self.streams:
             if c.parked is not None and c.parked.tag <= tag and self.engine.broken is None:
-                self.engine.fail(self._stray(c, c.parked))
+                self.engine.fail(self.engine.stray(c.peer, c.parked.sig, c.parked.tag))
 
-    def _stray(self, c: Stream, frame: Frame) -> MismatchError:
-        rank = self.engine.rank
-        return MismatchError(
-            f"rank {rank}: rank {c.peer} sent {describe_sig(frame.sig)} data for op #{frame.tag}, which this "
-            f"rank finished without expecting data from rank {c.peer} (different collectives, roots or order)")
+    def _park(self, frame: Frame) -> bool:
+        """Whether a collective frame whose receive is not posted yet is parked rather than read and kept
+        (in the matcher): parked unless it is small and this peer's data kept that way stays within its
+        budget. A peer one op ahead sends its next small message at once; parked, it would stop the
+        stream, and the peer's probes and ABORT behind it (a frozen rank's survivors then blamed each
+        other). Large frames park: TCP flow control holds them without a copy, and the budget stops a root
+        that runs ahead through many small broadcasts the same way."""
+        if frame.total > self.kind.early_bytes:
+            return True
+        kept = sum(u.total for (p, key), u in self.engine.matcher.unexpected.items()
+                   if p == self.peer and key[0] == Space.COLL)
+        return kept + frame.total > EARLY_BUDGET * self.kind.early_bytes
 
     def queued(self) -> list[Request]:
         return ([out.req for c in self.streams for out in c.sendq if out.req is not None]
@@ -391,8 +399,8 @@ class TcpLink(Link):
                         engine.peer_left(self.peer, c.where)
                     return True
                 if frame.space == Space.COLL and frame.tag <= engine.retired:
-                    raise self._stray(c, frame)  # its op is over here: no receive can be waiting for it
-                target = engine.matcher.match(c.peer, frame, allow_park=not self.no_park)
+                    raise engine.stray(c.peer, frame.sig, frame.tag)  # no receive can be waiting for it
+                target = engine.matcher.match(c.peer, frame, park=None if self.no_park else self._park)
                 if target is None:
                     c.parked = frame
                     return moved
@@ -602,7 +610,7 @@ class TcpLinks(LinkKind):
     name = "tcp"
 
     def __init__(self, conns: dict[int, list[socket.socket]], *, stripe_bytes: int = 256 << 10,
-                 max_message: int = 1 << 40, spin_us: int = 0, probe_after: float = 1.5,
+                 early_bytes: int = 64 << 10, max_message: int = 1 << 40, spin_us: int = 0, probe_after: float = 1.5,
                  plat: Platform | None = None, link_timeout: Sequence[tuple[int, int, int]] = ()) -> None:
         self.log = log
         # Where the link timeout would also end a connection whose peer keeps its window closed, a stream
@@ -611,6 +619,7 @@ class TcpLinks(LinkKind):
         self.link_timeout = list(link_timeout)
         self.guard_window = self.plat.timeout_on_closed_window and bool(self.link_timeout)
         self.stripe_bytes = stripe_bytes
+        self.early_bytes = early_bytes  # early collective frames up to this size are read ahead, not parked
         self.links: dict[int, TcpLink] = {p: TcpLink(self, p, socks, max_message) for p, socks in conns.items()}
         self.spin = spin_us / 1e6
         self.lost_streams = 0

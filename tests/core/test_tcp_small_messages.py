@@ -1,6 +1,8 @@
-"""`Transport.exchange` and the TCP link's quick receive (transport/tcp.py, StreamReceive): a small
-collective's messages read straight off the stream, and everything else handed back to the general path
-exactly as it arrived.
+"""Small collective messages over TCP: `Transport.exchange` and the link's quick receive (transport/tcp.py,
+StreamReceive), which reads an op's messages straight off the stream and hands everything else back to the
+general path exactly as it arrived; and the read-ahead of a small message of a later op, which keeps the
+stream readable (a peer's probes and ABORT behind it) within a budget, and is still a mismatch if its op
+ends without taking it.
 
 Rank 0 is a real TCP transport; "rank 1" is the raw other end of its stream, so each test writes the bytes
 it wants, split where it wants, and in the order it wants.
@@ -17,10 +19,11 @@ import torch
 
 from torch_thunderbolt.algorithms.collectives import Communicator
 from torch_thunderbolt.config import Config
-from torch_thunderbolt.errors import MismatchError, PeerLostError
-from torch_thunderbolt.protocol.framing import FRAME_HEADER_SIZE, FrameDecoder, Kind, Space, encode_frame_header
+from torch_thunderbolt.errors import MismatchError, PeerAbortedError, PeerLostError
+from torch_thunderbolt.protocol.framing import (FRAME_HEADER_SIZE, FrameDecoder, Kind, Space, encode_abort,
+                                               encode_frame_header)
 from torch_thunderbolt.transport.engine import Transport
-from torch_thunderbolt.transport.tcp import tcp_transport
+from torch_thunderbolt.transport.tcp import EARLY_BUDGET, tcp_transport
 from torch_thunderbolt.testing.worlds import on_threads, tcp_world
 
 pytestmark = pytest.mark.timeout(60)
@@ -235,3 +238,100 @@ def test_small_collectives_over_tcp_take_the_quick_receive_and_give_exact_result
                 assert torch.equal(b, torch.full((n,), float(i % world))), (i, r)
                 assert torch.equal(g, torch.cat([torch.full((n,), float(q * 10 + i)) for q in range(world)])), (i, r)
         assert sum(t.kinds[0].quick_messages for t in ts) > 0
+
+
+def test_an_abort_behind_a_later_ops_small_message_is_read_at_once(pair) -> None:
+    """The peer is one op ahead: its next op's small message, then its ABORT. The message is read ahead
+    and kept, so the ABORT is read too and this rank fails with the peer's reason at once, not at its own
+    deadline (a parked message would hold everything behind it on the stream)."""
+    t, peer = pair
+    peer.sendall(frame(bytes(400), key=(Space.COLL, TAG + 1, 0)) + encode_abort(RuntimeError("it went wrong")))
+    peer.close()  # as a failing rank does after its ABORT (this rank's own ABORT then finds it gone at once)
+    dest = bytearray(100)
+    t0 = time.monotonic()
+    with pytest.raises(PeerAbortedError, match="it went wrong"):
+        t.exchange([], [(1, (Space.COLL, TAG, 0), memoryview(dest))], SIG, t0 + 5)
+    assert time.monotonic() - t0 < 1
+
+
+def test_a_message_read_ahead_is_received_in_its_op(pair) -> None:
+    t, peer = pair
+    now, later = bytes(range(100)), bytes(range(200))
+    peer.sendall(frame(now) + frame(later, key=(Space.COLL, TAG + 1, 0)))
+    settle()
+    a, b = bytearray(len(now)), bytearray(len(later))
+    # The general path reads both (a receive posted the ordinary way), the second one ahead of its op.
+    t.wait([t.irecv(1, (Space.COLL, TAG, 0), memoryview(a), SIG)], time.monotonic() + 5)
+    t.progress(0.05)
+    t.retire(TAG)
+    assert (1, (Space.COLL, TAG + 1, 0)) in t.matcher.unexpected
+    t.exchange([], [(1, (Space.COLL, TAG + 1, 0), memoryview(b))], SIG, time.monotonic() + 5)
+    t.retire(TAG + 1)
+    assert (a, b) == (now, later) and not t.matcher.unexpected
+
+
+def test_a_message_read_ahead_that_its_op_never_takes_is_a_mismatch(pair) -> None:
+    """The peer sent data for an op in which this rank expects nothing from it (another collective or
+    root): when that op ends here, the kept message is named, as a parked one is."""
+    t, peer = pair
+    peer.sendall(frame(bytes(300), key=(Space.COLL, TAG, 0)))
+    settle()
+    t.progress(0.05)
+    assert (1, (Space.COLL, TAG, 0)) in t.matcher.unexpected
+    with pytest.raises(MismatchError, match=f"rank 1 sent .* data for op #{TAG}, which this rank finished"):
+        t.retire(TAG)
+
+
+def test_read_ahead_stops_at_its_budget_and_the_rest_parks(pair) -> None:
+    """A peer running many small ops ahead (a root broadcasting in a loop): a few of its messages are kept,
+    then the stream parks, so TCP flow control holds the sender back; every message still arrives whole
+    and in its op."""
+    t, peer = pair
+    n = t.kinds[0].early_bytes
+    payloads = [bytes([i]) * n for i in range(EARLY_BUDGET + 2)]
+    sender = threading.Thread(target=lambda: peer.sendall(b"".join(
+        frame(p, key=(Space.COLL, TAG + i, 0)) for i, p in enumerate(payloads))), daemon=True)
+    sender.start()
+    time.sleep(0.1)
+    t.progress(0.05)
+    link = t.kinds[0].links[1]
+    assert len(t.matcher.unexpected) == EARLY_BUDGET
+    assert link.streams[0].parked is not None and link.streams[0].parked.tag == TAG + EARLY_BUDGET
+    for i, p in enumerate(payloads):
+        dest = bytearray(n)
+        t.exchange([], [(1, (Space.COLL, TAG + i, 0), memoryview(dest))], SIG, time.monotonic() + 5)
+        t.retire(TAG + i)
+        assert dest == p, i
+    sender.join(5)
+
+
+def test_a_rank_one_op_ahead_learns_whom_the_rank_behind_waits_on() -> None:
+    """Rank 2 sends its part of op 1 to rank 0 only, then freezes. Rank 0 finishes op 1 and sends its part
+    of op 2 to rank 1, which is still in op 1, waiting on rank 2. Rank 0's timeout (the shorter one here)
+    must blame rank 2 alone: rank 1 answers its probe with the rank it waits on. A parked op-2 message
+    held rank 0's probe behind it, unread, and rank 0 blamed ranks 1 and 2."""
+    from torch_thunderbolt.algorithms.plan import tensor_bytes
+    from torch_thunderbolt.errors import CollectiveTimeout
+
+    n = 256
+    with tcp_world(3, Config(streams=1, link_timeout_ms=1500)) as ts:
+        def body(r: int):
+            comm = Communicator(ts[r], Config(), timeout=(3.0, 8.0, 8.0)[r])
+            x = torch.ones(n)
+            if r == 2:  # its part of op 1 to rank 0 only, then nothing
+                sig = comm._sig("all_reduce", x, 0, n, "sum", None)
+                ts[2].exchange([(0, (Space.COLL, 1, 0), tensor_bytes(x))], [], sig, time.monotonic() + 5)
+                time.sleep(4)
+                return None
+            try:
+                for _ in range(2):
+                    comm.all_reduce(x)
+            except CollectiveTimeout as exc:
+                return exc
+            return None
+
+        run = on_threads(3, body, 30)
+    err = run.results[0]
+    assert isinstance(err, CollectiveTimeout), (run.results, run.errors)
+    assert err.ranks == [2], str(err)
+    assert "rank 1 is itself waiting on rank 2" in str(err), str(err)
