@@ -118,19 +118,27 @@ class Transport:
     def isend(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
         self.check_usable()
         self._check_peer(peer)
-        req = Request(peer, key, sig, bytes_view(buf), is_send=True)
-        link = self._route[peer]
+        view = bytes_view(buf)
+        req = self._send([(peer, key, view)], sig, key)[0]
+        if req is None:  # it went at once: the caller still gets a Request to wait on
+            req = Request(peer, key, sig, view, is_send=True)
+            req.done = True
+        return req
+
+    def _send(self, sends: Sequence[tuple[int, Key, memoryview]], sig: int, op: Key) -> "list[Request | None]":
+        """Post each (peer, key, bytes) of `sends` (`op`: the key the kinds publish as this rank's op, for a
+        receive-only exchange too): its Request, or None for one its link wrote at once (`send_now`)."""
         with self._lock:
             self.check_usable()
             for kind in self.kinds:
-                kind.note_post(req.key, req.sig)
-            link.post_send(req)
+                kind.note_post(op, sig)
+            out = [self._route[p].send_now(key, sig, buf) for p, key, buf in sends]
             self._quiet = False
             for kind in self.kinds:
                 kind.after_pump()
-            if not req.done and self._polling:
+            if self._polling and any(r is not None and not r.done for r in out):
                 self._wake()
-        return req
+        return out
 
     def irecv(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
         self.check_usable()
@@ -178,17 +186,7 @@ class Transport:
         not arrived when the spin ends, or finds something else first, goes the general way."""
         if not sends and not recvs:
             return
-        route = self._route
-        with self._lock:
-            self.check_usable()
-            for kind in self.kinds:
-                kind.note_post((sends or recvs)[0][1], sig)
-            reqs = [r for p, key, buf in sends if (r := route[p].send_now(key, sig, buf)) is not None]
-            self._quiet = False
-            for kind in self.kinds:
-                kind.after_pump()
-            if self._polling and not all(r.done for r in reqs):
-                self._wake()
+        reqs = [r for r in self._send(sends, sig, (sends or recvs)[0][1]) if r is not None]
         if recvs and all(r.done for r in reqs) and self._progress_lock.acquire(blocking=False):
             try:
                 recvs = self._quick_receive(recvs, sig, deadline)
