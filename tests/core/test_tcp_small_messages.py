@@ -187,6 +187,21 @@ def test_two_messages_from_one_peer_go_the_general_way(pair) -> None:
     assert (da, db) == (a, b) and quick(t) == 0
 
 
+def test_a_message_of_the_striping_size_goes_the_general_way(pair) -> None:
+    """A peer with several streams stripes it (pieces whose headers the quick receive would not match, each
+    byte read then copied again), and it would outlast the spin: the general path receives it."""
+    t, peer = pair
+    n = t.kinds[0].stripe_bytes
+    payload = bytes(range(256)) * (n // 256)
+    assert t.kinds[0].links[1].quick_receive((Space.COLL, TAG, 0), SIG, memoryview(bytearray(n))) is None
+    sender = threading.Thread(target=lambda: peer.sendall(frame(payload)), daemon=True)
+    sender.start()
+    dest = bytearray(n)
+    t.exchange([], [(1, (Space.COLL, TAG, 0), memoryview(dest))], SIG, time.monotonic() + 5)
+    sender.join(5)
+    assert dest == payload and quick(t) == 0
+
+
 def test_the_sends_are_ordinary_frames(pair) -> None:
     """What `exchange` writes is what isend writes: one frame per message, in order."""
     t, peer = pair

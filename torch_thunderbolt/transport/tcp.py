@@ -250,8 +250,10 @@ class TcpLink(Link):
     def quick_receive(self, key: Key, sig: int, dest: memoryview) -> "StreamReceive | None":
         """The peer's message `key` read off its first stream by the engine's looks (see StreamReceive),
         when nothing else is under way on any of its streams; None with failover (the byte log counts what
-        is consumed) or after a lost stream."""
-        if self.no_park or len(dest) > SOCKET_IO_CAP - FRAME_HEADER_SIZE:
+        is consumed) or after a lost stream, and for a message of the striping size or more: the peer
+        stripes it over its streams where it has several (the header would not match, and every byte read
+        would be copied again), and a large one outlasts the spin anyway."""
+        if self.no_park or len(dest) >= self.kind.stripe_bytes:
             return None
         for c in self.streams:
             if c.inbound is not None or c.parked is not None or c.decoder.buffered or c.bye or c.dead:
