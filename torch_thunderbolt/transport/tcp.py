@@ -45,7 +45,7 @@ STRIPE_ALIGN = 4096  # striped parts start on page boundaries where the message 
 # large enough that a frame header per piece costs nothing measurable.
 STRIPE_PIECE = 4 << 20
 STREAM_DEPTH = 1  # frames queued on a stream (the one being written included) before it gets no more pieces
-EARLY_BUDGET = 4  # small collective messages a peer may have read ahead of their receives here (see _read_ahead)
+EARLY_BUDGET = 4  # small collective messages of a peer read ahead of their receives at most (see TcpLink._park)
 
 
 def split_aligned(nbytes: int, parts: int) -> list[tuple[int, int]]:
