@@ -253,8 +253,8 @@ class TcpLink(Link):
         is consumed) or after a lost stream, and for a message of the striping size or more: the peer
         stripes it over its streams where it has several (the header would not match, and every byte read
         would be copied again), and a large one outlasts the spin anyway."""
-        if self.no_park or len(dest) >= self.kind.stripe_bytes:
-            return None
+        if self.no_park or len(dest) >= min(self.kind.stripe_bytes, SOCKET_IO_CAP - FRAME_HEADER_SIZE):
+            return None  # (SOCKET_IO_CAP: THUNDERBOLT_STRIPE may be set above what one recvmsg takes)
         for c in self.streams:
             if c.inbound is not None or c.parked is not None or c.decoder.buffered or c.bye or c.dead:
                 return None
