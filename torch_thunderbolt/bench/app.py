@@ -7,7 +7,6 @@ never shares a group with the bookkeeping.
 from __future__ import annotations
 
 import datetime
-import importlib
 import os
 import socket
 import sys
@@ -63,7 +62,11 @@ def _check_backends(backends: Sequence[BackendSpec]) -> None:
     import torch.distributed as dist
 
     if any(b.kind == "thunderbolt" for b in backends):
-        importlib.import_module("torch_thunderbolt")  # registers the backend with torch.distributed
+        # Explicitly: under `python -m torch_thunderbolt bench` (how ranks are started) the package's own import
+        # does not register, to keep the command line free of torch until a command needs it.
+        from ..backend.registration import register
+
+        register()
     if any(b.kind == NULL_BACKEND for b in backends):
         from . import null
 

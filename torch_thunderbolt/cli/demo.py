@@ -61,9 +61,10 @@ def _rank_main(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    import torch_thunderbolt  # noqa: F401 - registers the backend
+    from ..backend.registration import register
     from ..config import parse_size
 
+    register()  # the command line's import of the package does not (torch_thunderbolt/__init__.py)
     dist.init_process_group("thunderbolt")
     rank, world = dist.get_rank(), dist.get_world_size()
 

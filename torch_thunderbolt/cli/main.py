@@ -1,8 +1,10 @@
 """`torch-thunderbolt` command line: a thin dispatcher over one module per subcommand.
 
 Each subcommand module defines `configure(parser: argparse.ArgumentParser) -> None` and
-`run(args: argparse.Namespace) -> int`. Modules are imported only when their subcommand runs, so
-`torch-thunderbolt topo` does not pay for importing torch.
+`run(args: argparse.Namespace) -> int`, and imports torch (if at all) inside `run`: building the parser
+imports every module, so `--help`, `topo`, `launch` and `lab` never pay ~2 s for `import torch`. The
+package's own import does not register the backend in this process (torch_thunderbolt/__init__.py); the
+subcommands that use it (bench, demo, doctor) register it themselves.
 """
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ import sys
 from typing import Sequence
 
 from ..errors import ConfigError, ThunderboltError
+
+DESCRIPTION = ("Tools for the 'thunderbolt' torch.distributed backend. On a new Mac: doctor, then topo, then "
+               "launch (see the README's first-day section).")
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -34,7 +39,7 @@ def _available() -> dict[str, tuple[str, str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torch-thunderbolt", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="torch-thunderbolt", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in _available().items():
         p = sub.add_parser(name, help=help_text, description=help_text)
