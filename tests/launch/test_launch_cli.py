@@ -175,3 +175,35 @@ def test_lab_ranks_off_linux_are_one_clear_error(capsys, tmp_path, monkeypatch):
     assert main(["launch", "--hostfile", str(hf), "--", "python", "t.py"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs Linux network namespaces" in err[0]
+
+
+UNKNOWN_HOST = "ssh: Could not resolve hostname {host}: nodename nor servname provided, or not known"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_ssh_failing_at_once_keeps_its_exit_code_and_says_what_to_check(tmp_path, cli_env):
+    """An ssh that exits 255 without reading its stdin (an unknown host name) races the launcher's write of
+    the job secret to it. 20 launches of 2 such hosts: every one exits 255 with ssh's message and ours, and
+    none with a traceback (the broken pipe surfaced when the launcher closed the rank's stdin)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    ssh = bindir / "ssh"
+    # The host is the argument after `--`; exit at once, reading nothing (no Python: as fast as real ssh).
+    ssh.write_text('#!/bin/sh\nwhile [ "$1" != "--" ]; do shift; done\n'
+                   f'echo "{UNKNOWN_HOST.format(host="$2")}" >&2\nexit 255\n')
+    ssh.chmod(0o755)
+    hf = tmp_path / "hosts.json"
+    hf.write_text(json.dumps([{"name": "studio1", "ssh": "me@studio1.local"},
+                              {"name": "studio2", "ssh": "me@studio2.local"}]))
+    env = dict(cli_env, PATH=f"{bindir}{os.pathsep}{cli_env['PATH']}")
+    for attempt in range(20):
+        done = subprocess.run([sys.executable, "-m", "torch_thunderbolt", "launch", "--hostfile", str(hf),
+                               "--grace", "1", "--", "python", "train.py"], env=env, capture_output=True,
+                              text=True, timeout=60, cwd=tmp_path)
+        where = f"launch {attempt}: exit {done.returncode}\n{done.stderr}"
+        assert done.returncode == 255, where
+        assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, where
+        assert "Could not resolve hostname me@studio" in done.stderr, where
+        assert "exited with code 255; ssh to me@studio" in done.stderr, where
+        assert "Remote Login" in done.stderr and "ssh -o BatchMode=yes me@studio" in done.stderr, where

@@ -54,12 +54,36 @@ def start_rank(spec: RankSpec, base_env: Mapping[str, str]) -> subprocess.Popen:
                           "executable (or `ip netns exec` needs root)") from None
     preamble = spec.stdin_preamble()  # the private env of an ssh rank: its remote script reads it first
     if preamble:
-        try:
-            proc.stdin.write(preamble)
-            proc.stdin.flush()  # a few bytes: never blocks on the pipe
-        except BrokenPipeError:
-            pass  # ssh already gave up; its exit code tells the supervisor why
+        write_unbuffered(proc.stdin, preamble)
     return proc
+
+
+def write_unbuffered(pipe: IO[bytes], data: bytes) -> None:
+    """Write `data` straight to the pipe's descriptor, bypassing its buffer. An ssh that fails at once (an
+    unknown host, no key) exits without reading its stdin: the write then fails with EPIPE, which is fine
+    (ssh's exit code tells the supervisor why). Through the buffered writer the unsent bytes would stay in
+    its buffer, and closing the pipe at the end would try them again and raise BrokenPipeError there."""
+    view = memoryview(data)
+    try:
+        while view:  # a few bytes: one write, which never blocks on an empty pipe
+            view = view[os.write(pipe.fileno(), view):]
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
+SSH_FAILED = 255  # what ssh exits with when it could not run the command (connection, host key, auth)
+
+
+def failure_hint(spec: RankSpec, code: int) -> str:
+    """What to check when an ssh rank failed before its program could run."""
+    if spec.host.exec != "ssh" or code != SSH_FAILED:
+        return ""
+    target = spec.host.ssh
+    return (f"; ssh to {target} failed (exit {SSH_FAILED}: its own message is above). Check that the name "
+            f"{target} is right and resolves from here, that Remote Login is on for your user on {spec.host.name} "
+            f"(System Settings > General > Sharing), and that `ssh -o BatchMode=yes {target} true` succeeds "
+            "without a password prompt (your key is in that Mac's ~/.ssh/authorized_keys, and its host key is "
+            "in your known_hosts)")
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -143,7 +167,8 @@ def supervise(specs: Sequence[RankSpec], *, grace: float = DEFAULT_GRACE, poll_i
                 return 0
             spec, code = specs[failed], exit_code(procs[failed].returncode)
             others = sum(p.poll() is None for p in procs)
-            say(f"{spec.label} on {spec.host.name} exited with code {code}; stopping {others} other rank(s)")
+            say(f"{spec.label} on {spec.host.name} exited with code {code}{failure_hint(spec, code)}; "
+                f"stopping {others} other rank(s)")
             stop_all(procs, grace)
             return code
     except KeyboardInterrupt:
@@ -157,4 +182,5 @@ def supervise(specs: Sequence[RankSpec], *, grace: float = DEFAULT_GRACE, poll_i
         for proc in procs:
             for stream in (proc.stdin, proc.stdout, proc.stderr):
                 if stream is not None:
-                    stream.close()
+                    with contextlib.suppress(BrokenPipeError):  # nothing is buffered; this is belt and braces
+                        stream.close()
