@@ -3,6 +3,7 @@ import argparse
 import datetime
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -90,9 +91,6 @@ def test_plot_writes_png(tmp_path):
 
 
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
-    with pytest.raises(ConfigError, match="--plot needs matplotlib"):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    with pytest.raises(ConfigError, match=r"--plot needs matplotlib: pip install matplotlib"):
         report.require_matplotlib()

@@ -227,3 +227,18 @@ def test_apply_stops_at_the_first_failure(tmp_path, capsys):
         topo.run(_args("--from", *dumps, "--apply"), runner=runner, system="Darwin", hostname="mac-a")
     assert "on mac-a" in str(info.value) and "parameters were not valid" in str(info.value)
     assert not any("-setmanual" in a for a in log)
+
+
+def test_png_without_matplotlib_fails_before_doing_anything(tmp_path, capsys, monkeypatch):
+    """As bench checks --plot: no hostfile, no .dot, no report and no --apply when --png cannot be drawn."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    dumps = write_dumps(scenario_hosts("pair"), tmp_path)
+    hf, dot, png = tmp_path / "hosts.json", tmp_path / "g.dot", tmp_path / "g.png"
+    log = []
+    argv = ["--from", *dumps, "--hostfile", str(hf), "--dot", str(dot), "--png", str(png), "--apply"]
+    with pytest.raises(ConfigError, match=r"--png needs matplotlib: pip install matplotlib .*pip install -e '\.\[plot\]'"):
+        topo.run(_args(*argv), runner=mac_runner("pair", "mac-a", log), system="Darwin", hostname="mac-a")
+    assert log == [] and not hf.exists() and not dot.exists() and not png.exists()
+    assert capsys.readouterr().out == ""
+    assert main(["topo", *argv]) == 2  # through the command line: one line, exit 2
+    assert "--png needs matplotlib" in capsys.readouterr().err and not hf.exists()

@@ -103,10 +103,9 @@ def write_json(path: str, doc: dict) -> None:
 
 def require_matplotlib() -> None:
     """Fail before the benchmark runs, not after, when --plot cannot be honoured."""
-    import importlib.util
+    from ..extras import require_matplotlib as require
 
-    if importlib.util.find_spec("matplotlib") is None:
-        raise ConfigError("--plot needs matplotlib: pip install 'torch-thunderbolt[plot]'")
+    require("--plot")
 
 
 def write_plot(path: str, records: Sequence[dict]) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..topology.discover import RunCommand, discover_local, local_hostname, subprocess_runner
-from ..topology.draw import to_dot, write_png
+from ..topology.draw import require_png, to_dot, write_png
 from ..topology.model import Host, load_host_dump
 from ..topology.addressing import DEFAULT_BASE
 from ..topology.remote import apply_commands, gather_over_ssh, parse_ssh_list
@@ -39,6 +39,8 @@ def run(args: argparse.Namespace, *, runner: RunCommand = subprocess_runner, sys
     def local() -> Host:
         return discover_local(runner, system=system, hostname=hostname, sysfs_root=sysfs_root)
 
+    if args.png:  # before anything is written, gathered or applied (as bench checks --plot)
+        require_png()
     cluster = bool(args.from_files or args.ssh)
     if args.dump:
         if cluster:

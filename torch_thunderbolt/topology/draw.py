@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..extras import require_matplotlib
 from .loops import BridgeLoop
 from .model import Cable, ClusterGraph
 from .addressing import AddressPlan
@@ -59,15 +59,18 @@ def _positions(names: list[str]) -> dict[str, tuple[float, float]]:
             for i, name in enumerate(names)}
 
 
+def require_png() -> None:
+    """ConfigError unless write_png can draw: `topo` calls it before doing anything else."""
+    require_matplotlib("--png", " (or use --dot)")
+
+
 def write_png(path: str | Path, graph: ClusterGraph, plan: AddressPlan | None = None,
               loops: list[BridgeLoop] = (), order: list[str] | None = None, title: str = "") -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import FancyArrowPatch
-    except ImportError:
-        raise ConfigError("--png needs matplotlib: pip install 'torch-thunderbolt[plot]' (or use --dot)") from None
+    require_png()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch
     pos = _positions(order or graph.names)
     looped, nets = _loop_cables(list(loops)), _subnets(plan)
     flat = len(pos) <= 2
