@@ -82,7 +82,8 @@ class Config:
     stripe_bytes: int = 256 << 10  # THUNDERBOLT_STRIPE: messages from here on are split over streams
     socket_buffer: int = 4 << 20  # THUNDERBOLT_SOCKET_BUFFER: SO_SNDBUF / SO_RCVBUF
     listen_all: bool = False  # THUNDERBOLT_LISTEN_ALL=1: listen on 0.0.0.0 instead of the chosen address
-    port: int = 0  # THUNDERBOLT_PORT: first listening port (0 = any free one)
+    port: int = 0  # THUNDERBOLT_PORT: the first listening port to try (0 = any free one); see parse_port
+    port_range: tuple[int, int] = (0, 0)  # the ports a listener may take (inclusive); (0, 0) = `port` alone
     connect_timeout: float = 120.0  # THUNDERBOLT_CONNECT_TIMEOUT seconds
     compression: str = "none"  # THUNDERBOLT_COMPRESSION (lossy, float all_reduce only)
     compression_block: int = DEFAULT_COMPRESSION_BLOCK  # THUNDERBOLT_COMPRESSION_BLOCK: int8 values per scale
@@ -104,6 +105,14 @@ class Config:
     # the rendezvous store, which anyone who reaches MASTER_PORT can read. repr=False: never printed.
     secret: bytes = field(default=b"", repr=False)
     extra: dict = field(default_factory=dict, compare=False)
+
+    def listen_ports(self) -> list[int]:
+        """The ports a listener tries, in order: 0 (any), the one port, or the range from `port` on,
+        wrapping around."""
+        low, high = self.port_range
+        if not self.port or (low, high) == (0, 0):
+            return [self.port]
+        return list(range(self.port, high + 1)) + list(range(low, self.port))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Config":
@@ -129,7 +138,7 @@ class Config:
             kw["link_timeout_ms"] = _int(get("THUNDERBOLT_LINK_TIMEOUT_MS"), "THUNDERBOLT_LINK_TIMEOUT_MS", 500,
                                          600_000)
         if get("THUNDERBOLT_PORT"):
-            kw["port"] = _int(get("THUNDERBOLT_PORT"), "THUNDERBOLT_PORT", 0, 65535)
+            kw["port"], kw["port_range"] = parse_port(get("THUNDERBOLT_PORT"), env.get("LOCAL_RANK", "").strip())
         if get("THUNDERBOLT_CONNECT_TIMEOUT"):
             kw["connect_timeout"] = float(_int(get("THUNDERBOLT_CONNECT_TIMEOUT"), "THUNDERBOLT_CONNECT_TIMEOUT",
                                                1, 86400))
@@ -140,6 +149,33 @@ class Config:
         if get("THUNDERBOLT_SECRET"):
             kw["secret"] = parse_secret(get("THUNDERBOLT_SECRET"))
         return cls(**kw)
+
+
+def parse_port(text: str, local_rank: str) -> tuple[int, tuple[int, int]]:
+    """THUNDERBOLT_PORT -> (first port to try, (lowest, highest) port a listener may take).
+
+    `P`: a base port. Each rank listens on P + LOCAL_RANK (torchrun and `launch` number a host's ranks 0, 1,
+    ...), so K ranks of one Mac use P..P+K-1 and a firewall can open exactly those. `P-Q`: a range. A rank
+    tries P + LOCAL_RANK first (wrapping within the range) and takes the next free port when that one is
+    in use, so it works without LOCAL_RANK and beside other programs. `0`: any free port."""
+    name = "THUNDERBOLT_PORT"
+    low_text, dash, high_text = text.partition("-")
+    try:
+        low, high = int(low_text), int(high_text if dash else low_text)
+    except ValueError:
+        low = high = -1
+    if not (0 <= low <= high <= 65535) or (dash and low == 0):
+        raise ConfigError(f"{name}: expected a base port (29600: each rank of a host listens on 29600 + LOCAL_RANK), "
+                          f"a range (29600-29615: each rank takes a free port in it) or 0 (any free port), got {text!r}")
+    if low == 0:
+        return 0, (0, 0)
+    offset = _int(local_rank, "LOCAL_RANK", 0, 65535) if local_rank else 0
+    if not dash:
+        if low + offset > 65535:
+            raise ConfigError(f"{name}={text} with LOCAL_RANK={offset}: this rank's port would be {low + offset}, "
+                              f"beyond 65535; choose a lower base port")
+        return low + offset, (low + offset, low + offset)
+    return low + offset % (high - low + 1), (low, high)
 
 
 SECRET_MIN_CHARS = 32  # 32 hex digits = 128 bits: out of reach of an offline guess of the handshake MAC

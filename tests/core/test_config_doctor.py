@@ -117,7 +117,7 @@ def test_a_taken_port_names_thunderbolt_port_and_suggests_0() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        with pytest.raises(ConfigError, match=rf"rank 3: THUNDERBOLT_PORT={port}: .*THUNDERBOLT_PORT=0"):
+        with pytest.raises(ConfigError, match=rf"rank 3: THUNDERBOLT_PORT: cannot listen on 127.0.0.1:{port} .*THUNDERBOLT_PORT=0"):
             bootstrap._listen("127.0.0.1", Config(port=port), rank=3)
 
 

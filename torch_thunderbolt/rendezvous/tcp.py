@@ -272,23 +272,32 @@ class _Acceptor:
 
 
 def _listen(address: str, cfg: Config, rank: int | None = None, tuner: SocketTuner | None = None) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    (tuner or SocketTuner(cfg, rank=rank)).tune(sock)
     bind_to = "0.0.0.0" if cfg.listen_all else address
-    try:
-        sock.bind((bind_to, cfg.port))
-    except OSError as exc:
-        sock.close()
-        who = "" if rank is None else f"rank {rank}: "
-        if cfg.port:  # chosen by the user: name the variable, and the way out (two ranks of a host clash too)
-            raise ConfigError(f"{who}THUNDERBOLT_PORT={cfg.port}: cannot listen on {bind_to}:{cfg.port} ({exc}); "
-                              f"is another job or another rank on this host using it? Set THUNDERBOLT_PORT=0 "
-                              f"(any free port) or pick a free port") from exc
-        raise ConfigError(f"{who}cannot listen on {bind_to} (any free port): {exc}; check that {bind_to} is an "
-                          f"address of this host (THUNDERBOLT_IFNAME)") from exc
-    sock.listen(128)
-    return sock
+    who = "" if rank is None else f"rank {rank}: "
+    for port in cfg.listen_ports():  # one port, or THUNDERBOLT_PORT's range: the first free one
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        (tuner or SocketTuner(cfg, rank=rank)).tune(sock)
+        try:
+            sock.bind((bind_to, port))
+            sock.listen(128)  # inside the try: Linux lets two SO_REUSEADDR sockets bind a port neither listens on
+            return sock
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.EADDRINUSE and port:
+                continue
+            raise ConfigError(f"{who}cannot listen on {bind_to}:{port or '(any free port)'}: {exc}; check that "
+                              f"{bind_to} is an address of this host (THUNDERBOLT_IFNAME)") from exc
+    low, high = cfg.port_range
+    if low != high:
+        raise ConfigError(f"{who}THUNDERBOLT_PORT={low}-{high}: every port of the range is in use on {bind_to}; "
+                          f"widen the range (one port per rank of this host and per job), or set "
+                          f"THUNDERBOLT_PORT=0 (any free port)")
+    # Chosen by the user: name the variable, and the ways out.
+    raise ConfigError(f"{who}THUNDERBOLT_PORT: cannot listen on {bind_to}:{cfg.port} (address already in use); "
+                      f"is another job, or another rank of this host, using it? A base port gives each rank "
+                      f"port + LOCAL_RANK (torchrun and `launch` set LOCAL_RANK); a range (THUNDERBOLT_PORT={cfg.port}-"
+                      f"{min(cfg.port + 15, 65535)}) lets each rank take a free port; THUNDERBOLT_PORT=0 takes any")
 
 
 # macOS 15+ answers a connection to a directly attached subnet with one of these when the app the process
