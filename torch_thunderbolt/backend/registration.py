@@ -49,7 +49,45 @@ def _thunderbolt_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30)
     if not host or not port:
         raise ValueError(f"thunderbolt:// rendezvous needs HOST:PORT, got {url!r}")
     tcp_url = f"tcp://{host}:{port}?{urlencode(query)}"
+    from ..rendezvous.store_probe import probe_url
+
+    probe_url(tcp_url, timeout)  # a blocked first connection: our error and fix, not torch's long wait
     return rdzv._tcp_rendezvous_handler(tcp_url, timeout=timeout, **kwargs)
+
+
+PROBED_SCHEMES = ("env", "tcp")  # torch's rendezvous handlers that connect a TCPStore client
+
+
+def _probing_handler(torch_handler: Any) -> Any:
+    """torch's env:// or tcp:// handler, preceded in a thunderbolt job by a probe of the store (see
+    rendezvous/store_probe.py). Other backends' jobs get torch's handler unchanged."""
+    def handler(url: str, **kwargs: Any) -> Any:
+        if _creating_a_thunderbolt_group():
+            from ..rendezvous.store_probe import probe_url
+
+            probe_url(url, kwargs.get("timeout"))
+        return torch_handler(url, **kwargs)
+
+    handler.thunderbolt_probe = True  # type: ignore[attr-defined]
+    handler.__wrapped__ = torch_handler  # type: ignore[attr-defined]
+    return handler
+
+
+def _creating_a_thunderbolt_group() -> bool:
+    """Whether the rendezvous running now was asked for by init_process_group with our backend.
+    torch hands a rendezvous handler no backend, so this reads init_process_group's own `backend` from its
+    frame; when it cannot be found (another caller, another torch), the answer is no: torch's behaviour."""
+    import sys
+
+    frame = sys._getframe(1)
+    for _ in range(32):
+        if frame is None:
+            return False
+        if (frame.f_code.co_name == "init_process_group"
+                and frame.f_globals.get("__name__") == "torch.distributed.distributed_c10d"):
+            return BACKEND in str(frame.f_locals.get("backend", "")).lower()
+        frame = frame.f_back
+    return False
 
 
 def register() -> None:
@@ -63,3 +101,7 @@ def register() -> None:
     rdzv = importlib.import_module("torch.distributed.rendezvous")
     if "thunderbolt" not in getattr(rdzv, "_rendezvous_handlers", {}):
         rdzv.register_rendezvous_handler("thunderbolt", _thunderbolt_rendezvous)
+    handlers = getattr(rdzv, "_rendezvous_handlers", None)  # register_rendezvous_handler refuses to replace
+    for scheme in PROBED_SCHEMES if isinstance(handlers, dict) else ():
+        if scheme in handlers and not getattr(handlers[scheme], "thunderbolt_probe", False):
+            handlers[scheme] = _probing_handler(handlers[scheme])
