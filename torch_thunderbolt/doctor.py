@@ -44,11 +44,24 @@ class Facts:
     local_network_privacy: bool = False  # macOS 15+: connections to attached subnets need the app's permission
     # "address:port" -> errno of a probe connection (0: reached, or refused by the host: the permission is fine)
     local_network_probes: dict[str, int] = field(default_factory=dict)
+    # What a job's TCP set-up would choose here (transport.netif.choose_addresses, the job's own function,
+    # given THUNDERBOLT_IFNAME and MASTER_ADDR): the addresses, or the error it would raise.
+    store_host: str = ""  # MASTER_ADDR, which a job without THUNDERBOLT_IFNAME routes towards
+    chosen_addresses: list[str] = field(default_factory=list)
+    choice_error: str = ""
+    # A connection to MASTER_ADDR:MASTER_PORT: "accepted", "refused" or the error's name ("" = not probed).
+    store_probe: str = ""
+
+
+# What this version was tested on (also in the README's "Tested versions"). Nothing has run on a Mac.
+TESTED_TORCH = "2.13.0"
+TESTED_ON = "torch 2.13.0 (CPU build), Python 3.11, Linux x86_64"
 
 
 def run_checks(f: Facts) -> list[Finding]:
     out: list[Finding] = []
     out.append(_check_torch(f))
+    out.append(_check_tested(f))
     try:
         cfg = Config.from_env(f.env)
         out.append(Finding(OK, "configuration", "THUNDERBOLT_* variables parse"))
@@ -56,6 +69,9 @@ def run_checks(f: Facts) -> list[Finding]:
         out.append(Finding(FAIL, "configuration", str(exc), "fix or unset the variable"))
         return out
     out.append(_check_interfaces(f, cfg))
+    out.append(_check_choice(f, cfg))
+    if f.store_probe:
+        out.append(_check_store(f))
     out.extend(_check_links(f))
     out.append(_check_buffers(f, cfg))
     if f.local_network_privacy:
@@ -75,6 +91,67 @@ def _check_torch(f: Facts) -> Finding:
         return Finding(FAIL, "backend", f"torch {f.torch}: 'thunderbolt' is not registered",
                        "import torch_thunderbolt before init_process_group")
     return Finding(OK, "torch", f"torch {f.torch}, backend 'thunderbolt' registered")
+
+
+def _check_tested(f: Facts) -> Finding:
+    """Say plainly what this version was tested on, and that a Mac is not among it."""
+    detail = f"tested on {TESTED_ON} only; never run on a Mac (its behaviour is emulated in the tests)"
+    if f.system == "Darwin":
+        return Finding(WARN, "tested versions", f"this is a Mac: {detail}",
+                       "please report what works and what does not, with `torch-thunderbolt topo --record DIR` "
+                       "attached (see the README)")
+    if f.torch and f.torch.split("+")[0] != TESTED_TORCH:
+        return Finding(WARN, "tested versions", f"torch {f.torch} here; {detail}", "")
+    return Finding(OK, "tested versions", detail)
+
+
+def _check_choice(f: Facts, cfg: Config) -> Finding:
+    """Which addresses (interfaces) a job's ranks would listen on and connect from, and why."""
+    check = "addresses a job uses"
+    if f.choice_error:
+        return Finding(FAIL, check, f.choice_error, "fix THUNDERBOLT_IFNAME or MASTER_ADDR")
+    owner = {a: n for n, addrs in f.interfaces.items() for a in addrs}
+    chosen = ", ".join(f"{a} ({owner.get(a, 'loopback' if a.startswith('127.') else '?')})"
+                       for a in f.chosen_addresses)
+    if cfg.ifnames:
+        why = f"named by THUNDERBOLT_IFNAME={','.join(cfg.ifnames)}"
+    elif f.store_host:
+        why = (f"THUNDERBOLT_IFNAME is unset, so the interface this machine reaches MASTER_ADDR={f.store_host} "
+               f"through")
+    else:
+        why = ("neither THUNDERBOLT_IFNAME nor MASTER_ADDR is set, so loopback: ranks on this machine only "
+               "(run doctor with MASTER_ADDR=<rank 0's Thunderbolt address> to see a multi-Mac job's choice)")
+    ports = ("any free port" if not cfg.port else f"port {cfg.port} (THUNDERBOLT_PORT + LOCAL_RANK)"
+             if cfg.port_range[0] == cfg.port_range[1] else
+             f"a free port in {cfg.port_range[0]}-{cfg.port_range[1]}, from {cfg.port} on")
+    where = "0.0.0.0 (THUNDERBOLT_LISTEN_ALL=1)" if cfg.listen_all else "these addresses"
+    detail = f"{chosen}: {why}; ranks listen on {where}, {ports}"
+    off_cable = [owner.get(a, "?") for a in f.chosen_addresses
+                 if not a.startswith("127.") and owner.get(a) not in f.thunderbolt_ifnames]
+    if off_cable and not cfg.ifnames:
+        suggestion = ",".join(n for n in f.thunderbolt_ifnames if f.interfaces.get(n))
+        return Finding(WARN, check, f"{detail}; {', '.join(off_cable)} is not a Thunderbolt interface",
+                       "put MASTER_ADDR on rank 0's Thunderbolt address" +
+                       (f", or set THUNDERBOLT_IFNAME={suggestion}" if suggestion else ""))
+    return Finding(OK, check, detail)
+
+
+def _check_store(f: Facts) -> Finding:
+    """What a connection to MASTER_ADDR:MASTER_PORT ran into (the job's first connection)."""
+    target = f"{f.env.get('MASTER_ADDR', '').strip()}:{f.env.get('MASTER_PORT', '').strip()}"
+    check = "rendezvous store"
+    if f.store_probe == "accepted":
+        return Finding(OK, check, f"{target} accepts connections (rank 0's store, if a job is starting; "
+                       "otherwise another program holds MASTER_PORT: choose a free one)")
+    if f.store_probe == "refused":
+        return Finding(OK, check, f"{target}: the host answers, nothing listens on the port yet (fine while "
+                       "rank 0 is not running)")
+    if f.store_probe == "ETIMEDOUT":
+        return Finding(WARN, check, f"{target}: no answer", "a firewall on rank 0's Mac drops the connection "
+                       "(System Settings › Network › Firewall: allow its python), or no host has that address")
+    return Finding(FAIL, check, f"{target}: {f.store_probe}", "MASTER_ADDR must be rank 0's address on a network "
+                   "this machine is on (with one subnet per cable, the address of a cable joining the two); on "
+                   f"macOS, EHOSTUNREACH/EPERM also mean a missing Local Network permission ({LOCAL_NETWORK_SETTING})")
 
 
 def _check_interfaces(f: Facts, cfg: Config) -> Finding:
@@ -174,6 +251,34 @@ def probe_connect(target: tuple[str, int], timeout: float = 2.0) -> int:
     return 0
 
 
+def choose(env: dict[str, str], store_host: str, interfaces: dict[str, list[str]]) -> tuple[list[str], str]:
+    """(addresses, error) of the job's own choice (`choose_addresses`, as rendezvous/tcp.py calls it with the
+    store's host, which is MASTER_ADDR under env://)."""
+    from .transport.netif import choose_addresses
+
+    try:
+        return choose_addresses(Config.from_env(env).ifnames, store_host or None, interfaces), ""
+    except ConfigError as exc:
+        return [], str(exc)
+
+
+def probe_store_once(env: dict[str, str], timeout: float = 2.0) -> str:
+    """One TCP connection to MASTER_ADDR:MASTER_PORT: "accepted", "refused", or the errno's name; "" when
+    either is unset."""
+    addr, port = env.get("MASTER_ADDR", "").strip(), env.get("MASTER_PORT", "").strip()
+    if not addr or not port.isdigit():
+        return ""
+    try:
+        with socket.create_connection((addr, int(port)), timeout=timeout):
+            return "accepted"
+    except ConnectionRefusedError:
+        return "refused"
+    except socket.timeout:
+        return "ETIMEDOUT"
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno or 0, str(exc))
+
+
 def gather_facts(run: Callable[[list[str]], Any] | None = None, plat: Platform | None = None) -> Facts:
     """The I/O shell: reads this machine. Never raises for a missing tool."""
     from .topology.discover import discover_local, subprocess_runner
@@ -207,8 +312,13 @@ def gather_facts(run: Callable[[list[str]], Any] | None = None, plat: Platform |
         effective = 0  # a bad configuration is reported by its own check
     probes = ({f"{a}:{p}": probe_connect((a, p)) for a, p in probe_addresses(env)}
               if plat.local_network_privacy else {})
+    interfaces = local_interfaces()
+    store_host = env.get("MASTER_ADDR", "").strip()
+    chosen, choice_error = choose(env, store_host, interfaces)
     return Facts(system=platform.system(), python=platform.python_version(), torch=torch_version,
-                 backend_registered=registered, env=env, interfaces=local_interfaces(),
+                 backend_registered=registered, env=env, interfaces=interfaces,
+                 store_host=store_host, chosen_addresses=chosen, choice_error=choice_error,
+                 store_probe=probe_store_once(env),
                  thunderbolt_ifnames=tb, mtus=mtus,
                  congestion_control=_read_first("/proc/sys/net/ipv4/tcp_congestion_control") if plat.has_proc else "",
                  max_socket_buffer=(int(_read_first("/proc/sys/net/core/rmem_max") or 0) if plat.has_proc else 0)
