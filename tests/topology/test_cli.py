@@ -11,7 +11,8 @@ from torch_thunderbolt.topology.discover import CommandResult
 from torch_thunderbolt.topology.macos import MACOS_COMMANDS
 from torch_thunderbolt.topology.model import load_host_dump
 
-from .topo_fixtures import mac_host, mac_outputs, scenario_hosts, write_dumps
+from . import topo_fixtures
+from .topo_fixtures import FILES, mac_host, mac_outputs, scenario_hosts, write_dumps
 
 
 def _args(*argv):
@@ -242,3 +243,56 @@ def test_png_without_matplotlib_fails_before_doing_anything(tmp_path, capsys, mo
     assert capsys.readouterr().out == ""
     assert main(["topo", *argv]) == 2  # through the command line: one line, exit 2
     assert "--png needs matplotlib" in capsys.readouterr().err and not hf.exists()
+
+
+@pytest.mark.parametrize("scenario", ["pair", "bridge_loop_de", "tb5_pair"])
+def test_record_saves_the_raw_outputs_as_a_fixture(tmp_path, capsys, scenario):
+    """`topo --record DIR` on a (faked) Mac writes each command's output unchanged under the fixtures' names,
+    so the folder drops into tests/fixtures/topology/<scenario>/ and reads back as the same host."""
+    host = scenario_hosts(scenario)[0].name
+    run = mac_runner(scenario, host)
+    assert topo.run(_args("--record", str(tmp_path / "rec")), runner=lambda argv: (
+        CommandResult(0, "ProductName: macOS\nProductVersion: 15.5\n") if argv == ["/usr/bin/sw_vers"] else run(argv)),
+        system="Darwin", hostname=host) == 0
+    folder = tmp_path / "rec" / host
+    for key, name in FILES.items():
+        assert (folder / name).read_text() == mac_outputs(scenario, host)[key]
+    meta = json.loads((folder / "record.json").read_text())
+    assert meta["system"] == "Darwin" and "ProductVersion: 15.5" in meta["os_version"]
+    assert [c["output"] for c in meta["commands"]] == list(MACOS_COMMANDS) and meta["parsed"]["ok"]
+    recorded = topo_fixtures.build_macos_host(host, {k: (folder / n).read_text() for k, n in FILES.items()})
+    assert recorded.to_json() == mac_host(scenario, host).to_json() == meta["parsed"]["host"]
+    out = capsys.readouterr().out
+    assert f"Recorded {host}'s discovery outputs in {folder}/" in out and "MAC and IP addresses" in out
+
+
+def test_record_keeps_failures_and_parse_errors(tmp_path, capsys):
+    """A failing command or an output our parser cannot read is recorded (that is the bug report), not fatal."""
+    run = mac_runner("pair", "mac-a")
+
+    def broken(argv):
+        if argv[-1] == "-listallnetworkservices":
+            return CommandResult(1, "", "** Error: permission denied")
+        if argv[-1] == "-json":
+            return CommandResult(0, '{"SPThunderboltDataType": "not a list"}')
+        return run(argv)
+    assert topo.run(_args("--record", str(tmp_path)), runner=broken, system="Darwin", hostname="mac-a") == 0
+    meta = json.loads((tmp_path / "mac-a" / "record.json").read_text())
+    assert not (tmp_path / "mac-a" / "services.txt").exists()
+    assert {c["output"]: c["exit"] for c in meta["commands"]}["services"] == 1
+    assert meta["parsed"]["ok"] is False and meta["parsed"]["error"]
+    out = capsys.readouterr().out
+    assert "failed (exit 1): ** Error: permission denied" in out and "topo reads them: NO:" in out
+    with pytest.raises(ConfigError, match="--record saves this host's outputs"):
+        topo.run(_args("--record", str(tmp_path), "--from", "x.json"), runner=broken, system="Darwin")
+
+
+def test_record_on_linux_writes_the_sysfs_snapshot_and_ip(tmp_path, capsys):
+    folder = tmp_path / "rec"
+    (tmp_path / "sys").mkdir()
+    ip = (topo_fixtures.FIXTURES / "linux_pair" / "nuc-a" / "ip_addr.json").read_text()
+    assert topo.run(_args("--record", str(folder)), runner=lambda argv: CommandResult(0, ip), system="Linux",
+                    hostname="nuc-a", sysfs_root=str(tmp_path)) == 0
+    assert json.loads((folder / "nuc-a" / "sysfs.json").read_text()) == {"devices": {}, "net": {}}
+    assert (folder / "nuc-a" / "ip_addr.json").read_text() == ip
+    assert json.loads((folder / "nuc-a" / "record.json").read_text())["parsed"]["ok"]

@@ -1,4 +1,6 @@
-"""Helpers that turn the recorded-style fixtures into Hosts (through the real parsers)."""
+"""Helpers that turn the fixtures into Hosts (through the real parsers). The fixtures are written by
+make_fixtures.py in the shape of macOS output, not recorded on a Mac; an owner's `topo --record` output has
+the same layout."""
 from __future__ import annotations
 
 import json
@@ -7,10 +9,10 @@ from pathlib import Path
 from torch_thunderbolt.topology.linux import build_linux_host
 from torch_thunderbolt.topology.macos import build_macos_host
 from torch_thunderbolt.topology.model import Host
+from torch_thunderbolt.topology.record import MACOS_FILES
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
-FILES = {"system_profiler": "system_profiler.json", "hardware_ports": "hardware_ports.txt",
-         "services": "services.txt", "ifconfig": "ifconfig.txt"}
+FILES = MACOS_FILES  # the names `topo --record` writes: a recording drops in as a scenario's host folder
 
 
 def mac_outputs(scenario: str, host: str) -> dict[str, str]:

@@ -11,6 +11,7 @@ from ..errors import ConfigError
 from ..topology.discover import RunCommand, discover_local, local_hostname, subprocess_runner
 from ..topology.draw import require_png, to_dot, write_png
 from ..topology.model import Host, load_host_dump
+from ..topology.record import RECORD_FILE, record
 from ..topology.addressing import DEFAULT_BASE
 from ..topology.remote import apply_commands, gather_over_ssh, parse_ssh_list
 from ..topology.report import analyse, analysis_json, cluster_report, commands_text, host_summary, hostfile
@@ -18,6 +19,9 @@ from ..topology.report import analyse, analysis_json, cluster_report, commands_t
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dump", metavar="FILE", help="write this host's discovery as JSON ('-' = stdout)")
+    parser.add_argument("--record", metavar="DIR",
+                        help="save this host's raw system_profiler/networksetup/ifconfig (Linux: sysfs, ip) "
+                             "outputs in DIR/HOSTNAME as a test fixture, for a bug report")
     parser.add_argument("--from", dest="from_files", nargs="+", metavar="DUMP",
                         help="build the cluster graph from these hosts' --dump files")
     parser.add_argument("--ssh", metavar="HOST,HOST", help="gather dumps over ssh (runs `topo --dump -` there)")
@@ -42,6 +46,10 @@ def run(args: argparse.Namespace, *, runner: RunCommand = subprocess_runner, sys
     if args.png:  # before anything is written, gathered or applied (as bench checks --plot)
         require_png()
     cluster = bool(args.from_files or args.ssh)
+    if args.record:
+        if cluster or args.dump:
+            raise ConfigError("--record saves this host's outputs; it does not combine with --dump/--from/--ssh")
+        return _record(args.record, runner, system, hostname or local_hostname(), sysfs_root)
     if args.dump:
         if cluster:
             raise ConfigError("--dump writes this host's discovery; it does not combine with --from/--ssh")
@@ -81,6 +89,21 @@ def _cluster(args, runner: RunCommand, local, local_name: str) -> int:
         print("Not reachable from here (run these on those hosts yourself, or use --ssh):\n"
               + commands_text(done.unreachable), file=sys.stderr)
         return 1
+    return 0
+
+
+def _record(directory: str, runner: RunCommand, system: str | None, hostname: str, sysfs_root: str) -> int:
+    folder = record(directory, runner, system=system, hostname=hostname, sysfs_root=sysfs_root)
+    meta = json.loads((folder / RECORD_FILE).read_text())
+    failed = [c for c in meta["commands"] if c["exit"] != 0]
+    print(f"Recorded {hostname}'s discovery outputs in {folder}/ ({', '.join(sorted(p.name for p in folder.iterdir()))}).")
+    for c in failed:
+        print(f"  `{' '.join(c['argv'])}` failed (exit {c['exit']}): {c['stderr'] or 'no output'}")
+    parsed = meta["parsed"]
+    print("  topo reads them: " + (f"{len(parsed['host']['ports'])} Thunderbolt port(s)" if parsed["ok"]
+                                   else f"NO: {parsed['error']}"))
+    print(f"They hold this machine's interface names and its MAC and IP addresses: look them over, then attach "
+          f"the folder to the bug report (tar czf {hostname}.tgz -C {directory} {hostname}).")
     return 0
 
 
