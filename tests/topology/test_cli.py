@@ -296,3 +296,18 @@ def test_record_on_linux_writes_the_sysfs_snapshot_and_ip(tmp_path, capsys):
     assert json.loads((folder / "nuc-a" / "sysfs.json").read_text()) == {"devices": {}, "net": {}}
     assert (folder / "nuc-a" / "ip_addr.json").read_text() == ip
     assert json.loads((folder / "nuc-a" / "record.json").read_text())["parsed"]["ok"]
+
+
+def test_apply_over_ssh_without_passwordless_sudo_says_what_to_allow(capsys):
+    log = []
+    runner = ssh_runner("mesh4", log)
+
+    def no_sudo(argv):
+        if "sudo -n" in argv[-1]:
+            return CommandResult(1, "", "sudo: a password is required")
+        return runner(argv)
+    with pytest.raises(ThunderboltError) as info:
+        topo.run(_args("--ssh", "admin@mac-a,admin@mac-b", "--apply"), runner=no_sudo, hostname="laptop")
+    message = str(info.value)
+    assert "sudo: a password is required" in message and "sudoers line in the README" in message
+    assert "sudo visudo -f /etc/sudoers.d/torch-thunderbolt" in message

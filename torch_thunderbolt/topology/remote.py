@@ -16,6 +16,11 @@ from .addressing import Command
 
 SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
 NOT_FOUND = 127  # what a shell exits with when the program does not exist
+# `sudo -n` over ssh cannot ask for a password: say how to allow exactly what --apply runs.
+SUDO_HINT = (". --apply runs networksetup and ifconfig with `sudo -n` on {host}, which cannot ask for a password "
+             "there: allow exactly these commands without one (the sudoers line in the README's first-day "
+             "section, added with `sudo visudo -f /etc/sudoers.d/torch-thunderbolt` on {host}), or run "
+             "the printed commands on {host} yourself")
 
 
 def remote_dump_argv(python: str) -> list[str]:
@@ -102,6 +107,7 @@ def apply_commands(commands: list[Command], run: RunCommand, local: str, ssh: di
         done = run(argv)
         if done.returncode != 0:
             detail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise ThunderboltError(f"on {cmd.host}: `{cmd.shell()}` failed (exit {done.returncode}): {detail[0]}")
+            hint = SUDO_HINT.format(host=cmd.host) if cmd.host != local and "password" in detail[0] else ""
+            raise ThunderboltError(f"on {cmd.host}: `{cmd.shell()}` failed (exit {done.returncode}): {detail[0]}{hint}")
         result.ran.append(cmd)
     return result
