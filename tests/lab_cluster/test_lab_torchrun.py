@@ -112,3 +112,16 @@ def test_a_blocked_store_connection_between_two_macs_is_our_error(tmp_path) -> N
     assert "firewall" in refused["message"]
     assert unrouted["error"] == "ConfigError", unrouted
     assert "no route from this Mac to the rendezvous store at 10.213.0.9:29699" in unrouted["message"]
+
+
+def test_the_readme_gives_the_torchrun_line_this_file_runs() -> None:
+    """The README's lines (values aside) are the ones the lab test runs: same options, same order."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    lines = re.findall(r"^torchrun (.*?) +# (first|second) Mac$", readme, re.M)
+    assert [kind for _, kind in lines] == ["first", "second"]
+    for node, (line, _) in enumerate(lines):
+        words = line.split()
+        assert words == ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr",
+                         words[7], "--master-port", words[9], "train.py"]

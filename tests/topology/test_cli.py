@@ -311,3 +311,25 @@ def test_apply_over_ssh_without_passwordless_sudo_says_what_to_allow(capsys):
     message = str(info.value)
     assert "sudo: a password is required" in message and "sudoers line in the README" in message
     assert "sudo visudo -f /etc/sudoers.d/torch-thunderbolt" in message
+
+
+def test_the_readmes_sudoers_line_allows_every_command_topo_plans_and_no_other():
+    """First day, step 4: sudo matches each entry's program exactly and its arguments as a glob."""
+    import fnmatch
+    import re
+
+    from torch_thunderbolt.topology.report import analyse
+
+    readme = (topo_fixtures.FIXTURES.parents[2] / "README.md").read_text()
+    [line] = re.findall(r"^ *(me ALL=\(root\) NOPASSWD: .*)$", readme, re.M)
+    entries = [e.strip().split(" ", 1) for e in line.split("NOPASSWD:", 1)[1].split(",")]
+
+    def allowed(argv):
+        return any(argv[0] == program and fnmatch.fnmatchcase(" ".join(argv[1:]), pattern)
+                   for program, pattern in entries)
+    planned = [c.argv for scenario in ("pair", "chain3", "ring3", "mesh4", "double", "bridge_loop", "bridge_loop_de",
+                                       "tb5_pair") for c in analyse(scenario_hosts(scenario), mtu=9000).commands]
+    assert {a[1] if "networksetup" in a[0] else a[2] for a in planned} >= {"-setmanual", "deletem"}
+    assert all(allowed(a) for a in planned), [a for a in planned if not allowed(a)]
+    assert not allowed(["/usr/sbin/networksetup", "-setairportpower", "en0", "off"])
+    assert not allowed(["/sbin/ifconfig", "en0", "down"])
