@@ -51,7 +51,7 @@ def store_is_client(rank: int, env: Mapping[str, str]) -> bool:
 
 
 def probe_url(url: str, timeout: "timedelta | float | None" = None, env: Mapping[str, str] | None = None) -> None:
-    """The probe for an env:// or thunderbolt:// rendezvous URL (as torch hands it to the handler, with rank
+    """The probe for an env://, tcp:// or thunderbolt:// rendezvous URL (as torch hands it to a handler, rank
     in its query), on ranks whose store is a client. Anything missing is left to torch's handler, which
     names it."""
     env = os.environ if env is None else env
