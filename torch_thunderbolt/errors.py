@@ -53,3 +53,15 @@ class PeerAbortedError(ThunderboltError):
     """A peer failed (for a reason of its own) and told us before closing its connections."""
 
     peer: int = -1
+
+
+class RdmaError(ThunderboltError):
+    """A verbs call failed (the RDMA device, its driver or the machine's set-up). `call` is the ibverbs
+    function, `device` the RDMA device (e.g. rdma_en2), `errno` the OS error; the message says what to do.
+    Raised only by transport/verbs.py, which translates every errno in one place."""
+
+    def __init__(self, message: str, *, call: str = "", device: str = "", errno: int = 0) -> None:
+        super().__init__(message)
+        self.call = call
+        self.device = device
+        self.errno = errno
