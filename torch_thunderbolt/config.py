@@ -99,6 +99,11 @@ class Config:
     shm_window_bytes: int | None = None  # THUNDERBOLT_SHM_WINDOW: bytes per shared-window buffer; None =
     # automatic by rank count (rendezvous.shm.default_window_bytes), 0 = no window (collectives use the rings)
     shm_dir: str = ""  # THUNDERBOLT_SHM_DIR: existing writable directory for file-backed segments ("" = POSIX shm)
+    # THUNDERBOLT_VERBS: where the RDMA verbs come from: "system" (librdma.dylib on macOS, libibverbs.so.1 on
+    # Linux) or "fake" with verbs_fabric = the fake fabric's directory (THUNDERBOLT_VERBS=fake:/path), the
+    # test provider of transport/fakeverbs.py; never a measure of RDMA speed.
+    verbs: str = "system"
+    verbs_fabric: str = ""
     autoload: bool = True  # THUNDERBOLT_AUTOLOAD=0: `import torch` does not register the backend
     # THUNDERBOLT_SECRET (or @file): the job's private key for the stream handshake; b"" = derive it from
     # the rendezvous store, which anyone who reaches MASTER_PORT can read. repr=False: never printed.
@@ -123,6 +128,7 @@ class Config:
                 kw[key] = _size(get(var), var)
         kw.update(_shm_fields(get))
         kw["autoload"] = parse_autoload(env)
+        kw["verbs"], kw["verbs_fabric"] = parse_verbs(get("THUNDERBOLT_VERBS"))
         if get("THUNDERBOLT_SPIN_US"):
             kw["spin_us"] = _int(get("THUNDERBOLT_SPIN_US"), "THUNDERBOLT_SPIN_US", 0, 1_000_000)
         if get("THUNDERBOLT_LINK_TIMEOUT_MS"):
@@ -182,6 +188,21 @@ def parse_compression(env: Mapping[str, str]) -> tuple[str, int]:
 def parse_autoload(env: Mapping[str, str]) -> bool:
     """THUNDERBOLT_AUTOLOAD (default on). torch_thunderbolt_autoload.py answers "0" without importing us."""
     return _flag(env.get("THUNDERBOLT_AUTOLOAD", "").strip() or "1", "THUNDERBOLT_AUTOLOAD")
+
+
+def parse_verbs(text: str, name: str = "THUNDERBOLT_VERBS") -> tuple[str, str]:
+    """(provider, fabric directory) from THUNDERBOLT_VERBS: unset or `system` -> ("system", ""); `fake:DIR`
+    -> ("fake", DIR), DIR holding a fabric (its fabric.json; testing/fake_verbs.py creates one)."""
+    if text in ("", "system"):
+        return "system", ""
+    kind, _, where = text.partition(":")
+    if kind != "fake" or not where:
+        raise ConfigError(f"{name}: expected 'system' or 'fake:/path/to/fabric', got {text!r}")
+    fabric = os.path.abspath(os.path.expanduser(where))
+    if not os.path.isfile(os.path.join(fabric, "fabric.json")):
+        raise ConfigError(f"{name}={text}: {fabric} holds no fake verbs fabric (no fabric.json); create one with "
+                          f"`python -m torch_thunderbolt.testing.fake_verbs create {fabric}`")
+    return "fake", fabric
 
 
 def _shm_fields(get: "Callable[[str], str]") -> dict:

@@ -34,10 +34,13 @@ import struct
 from ctypes import (CFUNCTYPE, POINTER, Structure, Union, c_char, c_int, c_size_t, c_uint, c_uint8, c_uint16,
                     c_uint32, c_uint64, c_void_p, sizeof)
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from ..errors import RdmaError
 from ..platform import Platform, current
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 # --- constants (verbs.h enums) -------------------------------------------------------------------------
 
@@ -608,6 +611,11 @@ class Verbs:
     @classmethod
     def load(cls, spec: str = "system", fabric: str = "", plat: Platform | None = None) -> "Verbs":
         return cls(open_provider(spec, fabric, plat))
+
+    @classmethod
+    def from_config(cls, cfg: "Config", plat: Platform | None = None) -> "Verbs":
+        """The provider THUNDERBOLT_VERBS names (as config.py parsed it)."""
+        return cls.load(cfg.verbs, cfg.verbs_fabric, plat)
 
     def has(self, name: str) -> bool:
         """Whether the provider exports `name` (optional calls: ibv_query_device, completion channels)."""
