@@ -896,11 +896,11 @@ class FakeProvider:
 
     # data path ----------------------------------------------------------------------------------------
 
-    def _complete(self, cq: _CQ, entry: tuple) -> None:
+    def _complete(self, cq: _CQ, entry: tuple, notify: bool = True) -> None:
         cq.entries.append(entry)
         if len(cq.entries) > cq.cqe:
             cq.overrun = True
-        if cq.armed and cq.channel is not None:
+        if notify and cq.armed and cq.channel is not None:
             cq.armed = False
             with contextlib.suppress(BlockingIOError):
                 os.write(cq.channel.keep_fd, cq.id.to_bytes(4, "little"))
@@ -1078,6 +1078,8 @@ class FakeProvider:
     def _drain(self, q: _QP) -> None:
         """Move what the peer wrote into our ring into the posted receives, in order."""
         h = q.hdr
+        if q.recv_cq.armed and not h[H_ARMED]:
+            q.recv_cq.armed = False  # a sender raised the event of this arming already
         head, tail = h[H_HEAD], h[H_TAIL]
         if tail == head:
             return
@@ -1107,7 +1109,8 @@ class FakeProvider:
                     ctypes.memmove(addr, src_addr, n)
                     src_addr += n
                     left -= n
-            self._complete(q.recv_cq, (wr_id, status, v.IBV_WC_RECV, length, q.qpn, src, None, 0))
+            # no event: the sender raised it when the message arrived (if the queue was armed)
+            self._complete(q.recv_cq, (wr_id, status, v.IBV_WC_RECV, length, q.qpn, src, None, 0), notify=False)
         h[H_TAIL] = tail
 
     def _poll_cq(self, cq: int | None, n: int, wc: int | None) -> int:
