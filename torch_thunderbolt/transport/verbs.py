@@ -367,13 +367,12 @@ STRUCTURES: dict[str, type] = {
     "struct ibv_recv_wr": ibv_recv_wr, "struct ibv_wc": ibv_wc}
 
 # The hot path writes and reads these with struct instead of ctypes attributes (one call, not one per
-# field). Offsets from the layouts above (pinned by the tests): ibv_sge {addr, length, lkey};
-# ibv_send_wr: wr_id @0, num_sge @24, opcode @28, send_flags @32; ibv_recv_wr: wr_id @0, num_sge @24;
+# field; wr_id is a single attribute store). Offsets from the layouts above (pinned by the tests):
+# ibv_sge {addr, length, lkey}; ibv_send_wr: num_sge @24, opcode @28, send_flags @32;
 # ibv_wc: wr_id, status, opcode, vendor_err, byte_len, imm_data, qp_num, src_qp @0..35.
 SGE = struct.Struct("<QII")
-SEND_WR_ID = struct.Struct("<Q")  # at 0
+_pack_sge = SGE.pack_into
 SEND_WR_TAIL = struct.Struct("<iiI")  # num_sge, opcode, send_flags at 24
-RECV_WR_NUM_SGE = struct.Struct("<i")  # at 24
 WC = struct.Struct("<QiiIIIII")
 WC_BYTES = 48
 
@@ -970,8 +969,10 @@ class QueuePair:
         self._send_sges = (ibv_sge * self.max_send_sge)()
         self._recv_sges = (ibv_sge * self.max_recv_sge)()
         self._swr = ibv_send_wr(sg_list=ctypes.cast(self._send_sges, POINTER(ibv_sge)), num_sge=1,
-                                opcode=IBV_WR_SEND)
+                                opcode=IBV_WR_SEND, send_flags=IBV_SEND_SIGNALED)
+        self._send_nsge, self._send_flags = 1, IBV_SEND_SIGNALED
         self._rwr = ibv_recv_wr(sg_list=ctypes.cast(self._recv_sges, POINTER(ibv_sge)), num_sge=1)
+        self._recv_nsge = 1
         self._bad = c_void_p()
         self._qp_arg = c_void_p(qp)
         self._swr_arg = c_void_p(ctypes.addressof(self._swr))
@@ -1019,9 +1020,11 @@ class QueuePair:
 
     def post_send(self, wr_id: int, addr: int, length: int, lkey: int, signaled: bool = True) -> None:
         """One SEND of [addr, addr + length) (inside a region registered with `lkey`)."""
-        SGE.pack_into(self._send_sges, 0, addr, length, lkey)
-        SEND_WR_ID.pack_into(self._swr, 0, wr_id)
-        SEND_WR_TAIL.pack_into(self._swr, 24, 1, IBV_WR_SEND, IBV_SEND_SIGNALED if signaled else 0)
+        _pack_sge(self._send_sges, 0, addr, length, lkey)
+        self._swr.wr_id = wr_id  # an attribute store: half the cost of a pack_into
+        flags = IBV_SEND_SIGNALED if signaled else 0
+        if flags != self._send_flags or self._send_nsge != 1:  # the tail rarely changes: write it then
+            self._set_send_tail(1, flags)
         rc = self._post_send(self._qp_arg, self._swr_arg, self._bad_arg)
         if rc:
             raise _fail("ibv_post_send", self.device.name, rc, f"queue pair {self.qp_num}, {length} bytes")
@@ -1031,18 +1034,23 @@ class QueuePair:
         if not 0 < len(sges) <= self.max_send_sge:
             raise ValueError(f"1 to {self.max_send_sge} scatter/gather entries, got {len(sges)}")
         for i, (addr, length, lkey) in enumerate(sges):
-            SGE.pack_into(self._send_sges, i * 16, addr, length, lkey)
-        SEND_WR_ID.pack_into(self._swr, 0, wr_id)
-        SEND_WR_TAIL.pack_into(self._swr, 24, len(sges), IBV_WR_SEND, IBV_SEND_SIGNALED if signaled else 0)
+            _pack_sge(self._send_sges, i * 16, addr, length, lkey)
+        self._swr.wr_id = wr_id
+        self._set_send_tail(len(sges), IBV_SEND_SIGNALED if signaled else 0)
         rc = self._post_send(self._qp_arg, self._swr_arg, self._bad_arg)
         if rc:
             raise _fail("ibv_post_send", self.device.name, rc, f"queue pair {self.qp_num}")
 
+    def _set_send_tail(self, num_sge: int, flags: int) -> None:
+        SEND_WR_TAIL.pack_into(self._swr, 24, num_sge, IBV_WR_SEND, flags)
+        self._send_nsge, self._send_flags = num_sge, flags
+
     def post_recv(self, wr_id: int, addr: int, length: int, lkey: int) -> None:
         """One receive into [addr, addr + length)."""
-        SGE.pack_into(self._recv_sges, 0, addr, length, lkey)
-        SEND_WR_ID.pack_into(self._rwr, 0, wr_id)
-        RECV_WR_NUM_SGE.pack_into(self._rwr, 24, 1)
+        _pack_sge(self._recv_sges, 0, addr, length, lkey)
+        self._rwr.wr_id = wr_id
+        if self._recv_nsge != 1:
+            self._rwr.num_sge = self._recv_nsge = 1
         rc = self._post_recv(self._qp_arg, self._rwr_arg, self._bad_arg)
         if rc:
             raise _fail("ibv_post_recv", self.device.name, rc, f"queue pair {self.qp_num}, {length} bytes")
@@ -1051,9 +1059,9 @@ class QueuePair:
         if not 0 < len(sges) <= self.max_recv_sge:
             raise ValueError(f"1 to {self.max_recv_sge} scatter/gather entries, got {len(sges)}")
         for i, (addr, length, lkey) in enumerate(sges):
-            SGE.pack_into(self._recv_sges, i * 16, addr, length, lkey)
-        SEND_WR_ID.pack_into(self._rwr, 0, wr_id)
-        RECV_WR_NUM_SGE.pack_into(self._rwr, 24, len(sges))
+            _pack_sge(self._recv_sges, i * 16, addr, length, lkey)
+        self._rwr.wr_id = wr_id
+        self._rwr.num_sge = self._recv_nsge = len(sges)
         rc = self._post_recv(self._qp_arg, self._rwr_arg, self._bad_arg)
         if rc:
             raise _fail("ibv_post_recv", self.device.name, rc, f"queue pair {self.qp_num}")
