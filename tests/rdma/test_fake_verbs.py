@@ -5,7 +5,6 @@ test_fake_verbs_processes.py). Each rule's breach gives the behaviour documented
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import select
 from typing import Iterator
@@ -37,10 +36,6 @@ def ends(fabric: Fabric) -> Iterator[tuple[End, End]]:
     a.close()
     b.close()
     assert not failures  # no exception inside a callback (a bug of the fake)
-
-
-def _errno_of(exc: pytest.ExceptionInfo[RdmaError]) -> int:
-    return exc.value.errno
 
 
 # --- selection ----------------------------------------------------------------------------------------
@@ -348,7 +343,7 @@ def test_about_a_hundred_memory_regions_per_device(tmp_path) -> None:
             verbs.close()
 
 
-def test_queue_depth_limits(ends: tuple[End, End], tmp_path) -> None:
+def test_queue_depth_limits(ends: tuple[End, End]) -> None:
     a, b = ends
     for i in range(16):
         b.recv(i, 4096 * i, 4096)
@@ -545,4 +540,3 @@ def test_the_system_library_is_bound_where_installed() -> None:
         verbs.devices()
     except RdmaError as exc:
         assert exc.call == "ibv_get_device_list"
-    _ = ctypes  # (ctypes is what the binding is made of)
