@@ -231,3 +231,25 @@ def test_without_a_relay_the_records_and_addresses_check_out(world) -> None:
     got = all_reduce_on_threads(world.transports, lambda r: torch.arange(64, dtype=torch.float32) * (r + 1))
     assert all(torch.equal(got[r], torch.arange(64, dtype=torch.float32) * 3) for r in (0, 1))
     assert json.loads(world.view.get("tb/ep/0"))["mac"]  # the record is signed
+
+
+@pytest.mark.parametrize("listen_all", [False, True], ids=["chosen-addresses", "listen-all"])
+def test_two_cables_and_listen_all_pass_the_address_check(world, monkeypatch, listen_all) -> None:
+    """Each rank on two addresses (127.0.0.1 and 127.0.0.2 stand for two cables, each its own network), a
+    stream over each, so the link fails over between them; with THUNDERBOLT_LISTEN_ALL the listener is
+    0.0.0.0 and the accepted socket's own address is what the client must have dialled."""
+    from torch_thunderbolt.rendezvous import tcp as bootstrap
+
+    monkeypatch.setattr(bootstrap, "choose_addresses", lambda ifnames, host: ["127.0.0.1", "127.0.0.2"])
+    monkeypatch.setattr(bootstrap, "network_of", lambda a: f"{a}/32")
+    cfg = Config(streams=2, secret=SECRET, listen_all=listen_all, connect_timeout=30)
+    world.start(0, cfg)
+    world.start(1, cfg)
+    world.join()
+    assert not world.errors, world.errors
+    link = world.transports[1].link_kind("tcp").links[0]
+    assert sorted(c.local for c in link.streams) == (["127.0.0.1", "127.0.0.1"] if listen_all
+                                                     else ["127.0.0.1", "127.0.0.2"])
+    assert link.failover is not listen_all  # one published endpoint with LISTEN_ALL: one address pair
+    got = all_reduce_on_threads(world.transports, lambda r: torch.arange(64, dtype=torch.float32) * (r + 1))
+    assert all(torch.equal(got[r], torch.arange(64, dtype=torch.float32) * 3) for r in (0, 1))
