@@ -198,6 +198,7 @@ def test_secret_from_the_environment_or_a_file(tmp_path) -> None:
     assert Config.from_env({"THUNDERBOLT_SECRET": f"  {SECRET.decode()}\n"}).secret == SECRET
     path = tmp_path / "secret"
     path.write_bytes(OTHER + b"\n")
+    path.chmod(0o600)  # a file others can read is refused (tests/core/test_config_text.py)
     assert Config.from_env({"THUNDERBOLT_SECRET": f"@{path}"}).secret == OTHER
     assert SECRET.decode() not in repr(Config(secret=SECRET))
 
@@ -218,6 +219,7 @@ def test_bad_secrets_are_config_errors_that_do_not_show_them(value: str, match: 
 def test_an_oversized_secret_file_is_refused(tmp_path) -> None:
     path = tmp_path / "big"
     path.write_bytes(SECRET * 100)
+    path.chmod(0o600)
     with pytest.raises(ConfigError, match="right file"):
         parse_secret(f"@{path}")
 

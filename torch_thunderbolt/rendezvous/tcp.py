@@ -98,6 +98,9 @@ class SocketTuner:
         elif cc:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
+            except UnicodeEncodeError:  # a Config made without from_env, which refuses such values
+                raise ConfigError(f"THUNDERBOLT_CC={cc!r}: expected the name of a congestion control "
+                                  f"algorithm in UTF-8 text, e.g. cubic") from None
             except OSError as exc:
                 raise ConfigError(f"THUNDERBOLT_CC={cc}: not available here ({exc})") from exc
 
