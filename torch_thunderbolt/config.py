@@ -18,6 +18,7 @@ from .errors import ConfigError
 ALGOS = ("auto", "ring", "biring", "direct", "chain")
 TRANSPORTS = ("auto", "tcp", "shm")
 COMPRESSIONS = ("none", "int8", "fp16", "bf16")
+INTEGRITY_MODES = ("none", "mac")
 DEFAULT_COMPRESSION_BLOCK = 256
 
 
@@ -104,6 +105,9 @@ class Config:
     # THUNDERBOLT_SECRET (or @file): the job's private key for the stream handshake; b"" = derive it from
     # the rendezvous store, which anyone who reaches MASTER_PORT can read. repr=False: never printed.
     secret: bytes = field(default=b"", repr=False)
+    # THUNDERBOLT_INTEGRITY=mac: a keyed BLAKE2b MAC on every TCP frame (protocol/integrity.py), for cables
+    # that are not trusted; needs THUNDERBOLT_SECRET (without it the key is in the rendezvous store).
+    integrity: str = "none"
     extra: dict = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -141,6 +145,11 @@ class Config:
         kw["congestion_control"] = get("THUNDERBOLT_CC")
         if get("THUNDERBOLT_SECRET"):
             kw["secret"] = parse_secret(get("THUNDERBOLT_SECRET"))
+        kw["integrity"] = _choice(get("THUNDERBOLT_INTEGRITY") or "none", "THUNDERBOLT_INTEGRITY", INTEGRITY_MODES)
+        if kw["integrity"] != "none" and not kw.get("secret"):
+            raise ConfigError("THUNDERBOLT_INTEGRITY=mac needs THUNDERBOLT_SECRET (the same on every rank): without "
+                              "it the frames' key would come from the rendezvous store, which anyone who reaches "
+                              "MASTER_PORT can read")
         return cls(**kw)
 
 

@@ -1,9 +1,9 @@
 """Setting up the shared-memory links of one group through the rendezvous store.
 
 Every rank creates its inbound segment and a Unix-socket listener, publishes both (plus its host identity)
-under `tbshm/<rank>` (a set-up record, checked with the job's key when there is one: records.py), connects a doorbell socket to every lower rank (authenticated with a per-group token
-from the store) and accepts one from every higher rank, maps every peer's segment, and waits until all
-ranks have mapped theirs. Then each unlinks its segment and listener path: from here on a crash, even
+under `tbshm/<rank>` (a set-up record, checked with the job's key when there is one: records.py), connects
+a doorbell socket to every lower rank (authenticated with a per-group token from the store) and accepts one
+from every higher rank, maps every peer's segment, and waits until all ranks have mapped theirs. Then each unlinks its segment and listener path: from here on a crash, even
 kill -9, leaves nothing behind. Options come from the Config (THUNDERBOLT_SHM_SLOT, _SLOTS, _SPIN_US,
 _WINDOW and _DIR, parsed and checked in config.py): slot payload bytes (default 1M), slots per directed pair
 (default 8), spin before blocking (default 100 µs, or 0 when ranks outnumber cores), bytes per buffer of the

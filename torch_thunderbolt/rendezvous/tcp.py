@@ -26,6 +26,7 @@ from ..errors import ConfigError, HandshakeError, PeerLostError, ThunderboltErro
 from ..platform import (DARWIN_TCP_RXT_CONNDROPTIME, LINUX_TCP_USER_TIMEOUT, LOCAL_NETWORK_SETTING,  # noqa: F401
                         Platform, current)
 from ..protocol import handshake as hs
+from ..protocol.integrity import stream_keys
 from ..transport.engine import Transport
 from ..transport.netif import choose_addresses, network_of
 from ..transport.tcp import TcpLinks
@@ -466,6 +467,15 @@ def group_key(store: Any, rank: int, private: bytes, timeout: float = 60.0) -> t
     return auth.key, auth.group_id
 
 
+def same_integrity(rank: int, cfg: Config, peer: int, info: dict) -> None:
+    """A ConfigError when `peer` (its endpoint record `info`) runs another THUNDERBOLT_INTEGRITY: its frames
+    would be unreadable here, and ours there."""
+    theirs = info.get("integrity", "none")
+    if theirs != cfg.integrity:
+        raise ConfigError(f"rank {rank}: THUNDERBOLT_INTEGRITY differs: rank {peer} has {theirs!r}, this rank has "
+                          f"{cfg.integrity!r}; set the same on every rank")
+
+
 def _missing(acceptor: "_Acceptor", members: list[int], rank: int, streams: int) -> list[int]:
     return sorted({p for p in members if p > rank for s in range(streams) if acceptor.conns.get((p, s)) is None})
 
@@ -546,7 +556,8 @@ def connect_tcp_links(store: Any, rank: int, world: int, cfg: Config, timeout: f
             security_log.warning(NO_SECRET_WARNING, rank)
         endpoints = [[a, lst.getsockname()[1]] for a, lst in zip(addrs, listeners)]
         nets = [network_of(a) for a in addrs]
-        records.publish(f"tb/ep/{rank}", {"endpoints": endpoints, "nets": nets, "host": hosts.host_identity()})
+        records.publish(f"tb/ep/{rank}", {"endpoints": endpoints, "nets": nets, "host": hosts.host_identity(),
+                                          "integrity": cfg.integrity})
         # Accept before waiting for anyone: peers may connect as soon as we published our endpoint.
         acceptor = _Acceptor(listeners, rank, world, cfg.streams, auth.key, auth.group_id,
                              lambda p: {a for a, _ in records.read(f"tb/ep/{p}", p, "its endpoints")["endpoints"]},
@@ -555,6 +566,7 @@ def connect_tcp_links(store: Any, rank: int, world: int, cfg: Config, timeout: f
         lower = [p for p in members if p < rank]
         infos = {p: records.read(f"tb/ep/{p}", p, "its endpoints") for p in lower}
         for p in lower:
+            same_integrity(rank, cfg, p, infos[p])
             routes = stream_routes(addrs, nets, infos[p]["endpoints"], infos[p].get("nets", []), cfg.streams)
             conns[p], sessions[p] = [], []
             for s, (source, target) in enumerate(routes):
@@ -588,13 +600,18 @@ def connect_tcp_links(store: Any, rank: int, world: int, cfg: Config, timeout: f
             sessions.setdefault(p, []).append(acceptor.sessions[(p, s)])
         every = [None if p == rank else infos.get(p) or records.read(f"tb/ep/{p}", p, "its endpoints")
                  for p in range(world)]
+        for p, e in enumerate(every):
+            if e is not None and p in members:
+                same_integrity(rank, cfg, p, e)
         all_nets = [nets if e is None else e.get("nets", []) for e in every]
         here = hosts.host_identity()
         local_ranks = sum(1 for e in every if e is None or e.get("host") == here)
         # Spinning only pays while every local rank has a core of its own.
         spin = cfg.spin_us if local_ranks <= (os.cpu_count() or 1) else 0
+        seal = None if cfg.integrity == "none" else (
+            rank, {p: [stream_keys(key, rank, p) for key in keys] for p, keys in sessions.items()})
         links = TcpLinks(conns, stripe_bytes=cfg.stripe_bytes, early_bytes=cfg.small_bytes, spin_us=spin,
-                         probe_after=cfg.link_timeout_ms / 3000,
+                         probe_after=cfg.link_timeout_ms / 3000, seal=seal,
                          plat=tuner.plat, link_timeout=link_timeout_options(tuner.plat, cfg.link_timeout_ms))
         return links, all_nets
     except BaseException as exc:
