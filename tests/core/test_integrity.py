@@ -343,3 +343,19 @@ def test_ranks_that_disagree_on_integrity_fail_naming_the_variable() -> None:
     assert set(errors) == {0, 1}, errors
     for r, exc in errors.items():
         assert isinstance(exc, ConfigError) and "THUNDERBOLT_INTEGRITY differs" in str(exc), (r, repr(exc))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["tcp", "hybrid"])
+def test_through_torch_with_integrity_on(transport: str, tmp_path) -> None:
+    """init_process_group with THUNDERBOLT_INTEGRITY=mac: exact results; the hybrid (2 pretend hosts x 2
+    ranks) seals its TCP links and keeps shared memory within each host."""
+    from torch_thunderbolt.testing.ranks import run_ranks
+
+    from .programs import secret_warning
+
+    env = {"THUNDERBOLT_SECRET": SECRET.decode(), "THUNDERBOLT_INTEGRITY": "mac"}
+    env.update({"THUNDERBOLT_TRANSPORT": "tcp"} if transport == "tcp" else {"TEST_FAKE_HOSTS": "1"})
+    for res in run_ranks(secret_warning, 2 if transport == "tcp" else 4, tmp_path, timeout=90, env=env):
+        assert res.json() == {"ok": True}, res.stderr[-3000:]
