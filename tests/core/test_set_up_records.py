@@ -257,3 +257,14 @@ def test_a_failure_is_announced_once_and_raised_by_whoever_waits_for_that_rank()
         b.read("tb/never", 0)
     with pytest.raises(PeerLostError, match="timed out waiting for rank 2"):
         Records(store, 1, SECRET, time.monotonic() + 0.05).read("tb/never", 2)
+
+
+@pytest.mark.parametrize("raw", [b"garbage", b"[1, 2]", b'"text"', b'{"value": 5}', b'{"value": "{not json"}',
+                                 b"\xff\xfe"])
+@pytest.mark.parametrize("secret", [SECRET, b""])
+def test_a_record_that_is_not_one_is_a_handshake_error_naming_it(raw: bytes, secret: bytes) -> None:
+    store = DictStore()
+    store.data["tb/ep/0"] = raw
+    with pytest.raises(HandshakeError, match="record tb/ep/0 .* is not a set-up record") as info:
+        Records(store, 1, secret, time.monotonic() + 5).read("tb/ep/0", 0)
+    assert info.value.why == "store"

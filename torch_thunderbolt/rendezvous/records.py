@@ -92,22 +92,24 @@ class Records:
         """The value of record `name` (published by rank `owner`), checked; HandshakeError when it was
         tampered with or signed with another key, ConfigError when one side has no secret."""
         me = self.rank
+        unreadable = HandshakeError(
+            f"rank {me}: record {name} in the rendezvous store (published as rank {owner}'s) is not a set-up "
+            f"record of this torch-thunderbolt version: rank {owner} runs another version, or the store was "
+            f"tampered with", why="store")
         try:
             rec = json.loads(raw)
             text = rec["value"]
             key_id, mac = rec.get("key", ""), rec.get("mac", "")
             if not isinstance(text, str) or not isinstance(key_id, str) or not isinstance(mac, str):
                 raise TypeError("fields")
-        except (ValueError, TypeError, KeyError):
-            raise HandshakeError(
-                f"rank {me}: record {name} in the rendezvous store (published as rank {owner}'s) is not a set-up "
-                f"record of this torch-thunderbolt version: rank {owner} runs another version, or the store was "
-                f"tampered with", why="store") from None
+            value = json.loads(text)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise unreadable from None
         if not self._key:
             if key_id or mac:
                 raise ConfigError(f"rank {me}: rank {owner} has THUNDERBOLT_SECRET set but this rank has none "
                                   f"(record {name}); {SECRET_HINT}")
-            return json.loads(text)
+            return value
         if not mac:
             if owner in self._verified:
                 raise HandshakeError(
@@ -128,7 +130,7 @@ class Records:
                 f"does not carry a valid MAC for this job's key{' and group' if scope else ''}; {_TAMPERED}",
                 why="store")
         self._verified.add(owner)
-        return json.loads(text)
+        return value
 
     def peek(self, name: str, owner: int, scope: "str | None" = None) -> Any:
         """The checked value of record `name` if it is there, else None (no waiting)."""

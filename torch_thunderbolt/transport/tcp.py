@@ -11,6 +11,8 @@ others (bookkeeping in failover.py). With failover on, a keeper thread acknowled
 while no thread waits. A rank that only waits to receive sends PING probes after a quiet spell; each names
 the op it waits for, so a peer that ran that op differently (another root or collective) detects the
 mismatch, and its answer says whom it waits on itself (a timeout then blames the end of the chain).
+With THUNDERBOLT_INTEGRITY=mac a peer's link is a SealedTcpLink: every frame carries MACs
+(protocol/integrity.py), sealed when its first byte is about to be written and checked before it is acted on.
 """
 from __future__ import annotations
 
