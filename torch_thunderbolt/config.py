@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -17,6 +18,7 @@ from .errors import ConfigError
 ALGOS = ("auto", "ring", "biring", "direct", "chain")
 TRANSPORTS = ("auto", "tcp", "shm")
 COMPRESSIONS = ("none", "int8", "fp16", "bf16")
+INTEGRITY_MODES = ("none", "mac")
 DEFAULT_COMPRESSION_BLOCK = 256
 
 
@@ -108,11 +110,15 @@ class Config:
     # THUNDERBOLT_SECRET (or @file): the job's private key for the stream handshake; b"" = derive it from
     # the rendezvous store, which anyone who reaches MASTER_PORT can read. repr=False: never printed.
     secret: bytes = field(default=b"", repr=False)
+    # THUNDERBOLT_INTEGRITY=mac: a keyed BLAKE2b MAC on every TCP frame (protocol/integrity.py), for cables
+    # that are not trusted; needs THUNDERBOLT_SECRET (without it the key is in the rendezvous store).
+    integrity: str = "none"
     extra: dict = field(default_factory=dict, compare=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Config":
         env = os.environ if env is None else env
+        check_text(env)
         get = lambda k: env.get(k, "").strip()  # noqa: E731
         kw: dict = {}
         if get("THUNDERBOLT_IFNAME"):
@@ -145,7 +151,27 @@ class Config:
         kw["congestion_control"] = get("THUNDERBOLT_CC")
         if get("THUNDERBOLT_SECRET"):
             kw["secret"] = parse_secret(get("THUNDERBOLT_SECRET"))
+        kw["integrity"] = _choice(get("THUNDERBOLT_INTEGRITY") or "none", "THUNDERBOLT_INTEGRITY", INTEGRITY_MODES)
+        if kw["integrity"] != "none" and not kw.get("secret"):
+            raise ConfigError("THUNDERBOLT_INTEGRITY=mac needs THUNDERBOLT_SECRET (the same on every rank): without "
+                              "it the frames' key would come from the rendezvous store, which anyone who reaches "
+                              "MASTER_PORT can read")
         return cls(**kw)
+
+
+def check_text(env: Mapping[str, str]) -> None:
+    """A ConfigError naming the first THUNDERBOLT_* variable whose value is not valid UTF-8. Python hands
+    such bytes over as lone surrogates (os.environ decodes with surrogateescape), which pass every parser
+    here and fail much later (UnicodeEncodeError at a socket option, or at the secret's first use). The
+    value is never shown: it may be the secret."""
+    for name, value in env.items():
+        if not isinstance(name, str) or not name.startswith("THUNDERBOLT_") or not isinstance(value, str):
+            continue
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{name}: expected UTF-8 text, but the value holds bytes that are not (value not "
+                              f"shown); set it again from a UTF-8 terminal or file") from None
 
 
 SECRET_MIN_CHARS = 32  # 32 hex digits = 128 bits: out of reach of an offline guess of the handshake MAC
@@ -156,14 +182,22 @@ def parse_secret(text: str, name: str = "THUNDERBOLT_SECRET") -> bytes:
     """The value itself, or `@/path` to a file holding it (read here, once). Used as bytes as written, so
     every rank only needs the same string; errors never quote the value."""
     where = name
+    check_text({name: text})
     if text.startswith("@"):
         path = os.path.expanduser(text[1:].strip())
         where = f"{name}=@{path}"
         try:
             with open(path, "rb") as fh:
+                mode = os.fstat(fh.fileno()).st_mode
                 raw = fh.read(SECRET_MAX_BYTES + 1)
         except OSError as exc:
             raise ConfigError(f"{where}: cannot read the secret file ({exc.strerror or exc})") from None
+        # As ssh refuses a private key others can read: with the secret, anyone who reads the file can join
+        # the job and receive its tensors. (Pipes and devices, e.g. @/dev/stdin, have no such mode.)
+        if stat.S_ISREG(mode) and mode & 0o077:
+            raise ConfigError(f"{where}: the secret file has mode {stat.S_IMODE(mode):04o}, so other users can "
+                              f"{'read' if mode & 0o044 else 'change'} it; run `chmod 600 {path}` (a mounted "
+                              f"container secret: give it mode 0400 or 0600)")
         value = raw.strip()
     else:
         value = text.strip().encode()
