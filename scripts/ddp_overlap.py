@@ -15,6 +15,10 @@ bit (the model runs SDPA's math kernel on both, which any non-CPU device uses an
     python scripts/ddp_overlap.py                               # default ViT, all cases, tcp on loopback
     python scripts/ddp_overlap.py --lab 1gbit                   # each rank an emulated Mac (root)
     python scripts/ddp_overlap.py --cases default,int8 --iters 5 --transport auto
+    python scripts/ddp_overlap.py --async-calls 10              # async 16 MB all_reduce: issue vs done
+
+`--async-calls N` times N `all_reduce(x, async_op=True)` of 16 MB on each device instead: how long the call
+takes to return, against how long the op takes to complete (`work.wait()` returning).
 
 The fake device runs every op on the CPU (in the autograd thread, as mps does), so both devices share the
 machine's cores with the backend's worker thread: the figures compare the two paths, not a Mac. Over
@@ -120,6 +124,10 @@ def rank_main(args: argparse.Namespace) -> None:
                 f.wait()
         return time.perf_counter() - t0
 
+    if args.async_calls:
+        print("RESULT " + json.dumps(async_calls(args.async_calls, devices)), flush=True)
+        dist.destroy_process_group()
+        return
     out: dict[str, dict[str, object]] = {}
     with sdpa_kernel(SDPBackend.MATH):
         for case in args.cases:
@@ -153,6 +161,29 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def async_calls(calls: int, devices: dict[str, str]) -> dict[str, list[tuple[float, float]]]:
+    """(seconds to return, seconds to complete) of `calls` async all_reduces of 16 MB per device; one
+    untimed call first (it allocates the staging buffers)."""
+    import torch
+    import torch.distributed as dist
+
+    out: dict[str, list[tuple[float, float]]] = {}
+    for name, dev in devices.items():
+        x = torch.ones(4 << 20).to(dev)
+        times = []
+        for i in range(calls + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            work = dist.all_reduce(x, async_op=True)
+            t1 = time.perf_counter()
+            work.wait()
+            if i:
+                times.append((t1 - t0, time.perf_counter() - t0))
+            x.fill_(1.0)
+        out[name] = times
+    return out
+
+
 def summary(ranks: list[dict[str, list[float]]]) -> dict[str, float]:
     """Medians of each phase and of the per-iteration hidden share; each iteration's phase times are the
     slowest rank's."""
@@ -183,6 +214,8 @@ def main() -> None:
                     help="sys.setswitchinterval in the ranks (seconds; see above)")
     ap.add_argument("--lab", default=None, metavar="RATE",
                     help="run each rank in an emulated Mac joined by a cable of RATE (e.g. 1gbit; needs root)")
+    ap.add_argument("--async-calls", type=int, default=0, metavar="N",
+                    help="time N async all_reduces of 16 MB per device instead of DDP")
     ap.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -197,7 +230,7 @@ def main() -> None:
 
     rank_args = ["--rank", "--cases", ",".join(args.cases)]
     for name in ("iters", "warmup", "batch", "preset", "image_size", "patch", "dim", "depth", "heads", "classes",
-                 "bucket_mb", "switch_interval"):
+                 "bucket_mb", "switch_interval", "async_calls"):
         rank_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = {"THUNDERBOLT_TRANSPORT": args.transport, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="tb-ddp-overlap-") as tmp, contextlib.ExitStack() as stack:
@@ -209,6 +242,14 @@ def main() -> None:
         results = run_ranks(Path(__file__), args.world, Path(tmp), args=rank_args, env=env, setup=setup,
                             timeout=3600)
     got = [res.json() for res in results]
+    if args.async_calls:
+        for name in ("cpu", "device"):
+            calls = [max((g[name][i] for g in got), key=lambda c: c[1]) for i in range(args.async_calls)]
+            print(f"async all_reduce 16 MB, {name:<6}: returned after " +
+                  ", ".join(f"{a * 1e3:.1f}" for a, _ in calls) + " ms; complete after " +
+                  ", ".join(f"{b * 1e3:.1f}" for _, b in calls) + " ms; ratio " +
+                  ", ".join(f"{a / b:.2f}" for a, b in calls))
+        return
     where = f"a {args.world}-Mac lab, {args.lab} cable" if args.lab else "loopback"
     first = got[0]
     print(f"DDP over thunderbolt ({args.transport}, {where}), world {args.world}, ViT "
