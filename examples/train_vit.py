@@ -195,7 +195,8 @@ def train(args: argparse.Namespace, info: RankInfo) -> dict[str, Any] | None:
         "nosync_step_ms_median": nosync_med * 1e3, "comm_exposed_share": (step_med - nosync_med) / step_med,
         "losses": losses, "torch": torch.__version__,
     }
-    print(f"ViT DDP: backend {info.backend}, device {device.type}, preset {args.preset} ({params / 1e6:.1f} M params, image "
+    print(f"ViT DDP: backend {info.backend}, device {device.type}, preset {args.preset} "
+          f"({params / 1e6:.1f} M params, image "
           f"{cfg.image_size}), {info.world} ranks x batch {args.batch}, {result['threads_per_rank']} "
           f"thread(s)/rank, hook {hook_name}\n"
           f"  step {step_med * 1e3:.1f} ms (median of {len(step_s)}), {result['images_per_s']:.2f} images/s\n"

@@ -9,8 +9,9 @@ device, the same processes time, interleaved step by step so a drifting machine 
 hidden = (compute + exchange - step) / exchange: 1 when the exchange costs the step nothing, 0 when it
 is paid in full on top of the backward pass. It is taken per iteration, from the three phases run back to
 back (each the slower rank's), so that a machine whose load drifts compares like with like; the table
-shows the medians over --iters of the phases and of `hidden`. `same` says whether the device's gradients after the exchange equal the CPU's bit for
-bit (the model runs SDPA's math kernel on both, which any non-CPU device uses anyway).
+shows the medians over --iters of the phases and of `hidden`. `same` says whether the device's gradients
+after the exchange equal the CPU's bit for bit (the model runs SDPA's math kernel on both, which any
+non-CPU device uses anyway).
 
     python scripts/ddp_overlap.py                               # default ViT, all cases, tcp on loopback
     python scripts/ddp_overlap.py --lab 1gbit                   # each rank an emulated Mac (root)

@@ -111,7 +111,8 @@ def semantics() -> None:
     same("strided_slice", d[::2, 1::3], base[::2, 1::3])
     same("transposed_matmul", d.t() @ d, base.t() @ base)
     same("expand", d[:1].expand(3, 6), base[:1].expand(3, 6))
-    same("permute_contiguous", d.view(2, 2, 6).permute(2, 0, 1).contiguous(), base.view(2, 2, 6).permute(2, 0, 1).contiguous())
+    same("permute_contiguous", d.view(2, 2, 6).permute(2, 0, 1).contiguous(),
+         base.view(2, 2, 6).permute(2, 0, 1).contiguous())
     same("unbind", d.t().unbind(0)[2], base.t().unbind(0)[2])
     c, dv = base.clone(), d.clone()
     c.t()[2].add_(100)
