@@ -149,7 +149,11 @@ class Transport:
             self.check_usable()
             for kind in self.kinds:
                 kind.note_post(req.key, req.sig)
-            self.matcher.post(req)  # it may match a message that arrived before the peer said BYE
+            try:
+                self.matcher.post(req)  # it may match a message that arrived before the peer said BYE
+            except MismatchError as exc:  # an early message of another type: nothing was copied into `buf`
+                self.fail(exc)  # the sender is told too, as when the message arrives after the receive
+                raise
             self._quiet = False
             for link in self._links if peer == ANY_SOURCE else (self._route[peer],):
                 link.posted_recv()
@@ -165,16 +169,19 @@ class Transport:
                 self._wake()
         return req
 
-    def isend_p2p(self, peer: int, tag: int, buf: memoryview) -> Request:
+    def isend_p2p(self, peer: int, tag: int, buf: memoryview, sig: int = 0) -> Request:
+        """Send `buf` to `peer` as its next message with `tag`. `sig`: what the bytes are (the backend's
+        dtype and element count, protocol.signature), checked against the receive's before any byte lands."""
         with self._lock:
             seq = self._p2p_send_seq[(peer, tag)]
             self._p2p_send_seq[(peer, tag)] = seq + 1
-        return self.isend(peer, (Space.P2P, tag, seq), buf)
+        return self.isend(peer, (Space.P2P, tag, seq), buf, sig)
 
-    def irecv_p2p(self, peer: int, tag: int, buf: memoryview) -> Request:
-        """Receive the next message with `tag` from `peer` (or from any peer with ANY_SOURCE)."""
+    def irecv_p2p(self, peer: int, tag: int, buf: memoryview, sig: int = 0) -> Request:
+        """Receive the next message with `tag` from `peer` (or from any peer with ANY_SOURCE); `sig` as for
+        isend_p2p (0 takes any message of the right size)."""
         # The sequence number is assigned at match time (see matching.Matcher), so -1 here.
-        return self.irecv(peer, (Space.P2P, tag, -1), buf)
+        return self.irecv(peer, (Space.P2P, tag, -1), buf, sig)
 
     def exchange(self, sends: Sequence[tuple[int, Key, memoryview]], recvs: Sequence[tuple[int, Key, memoryview]],
                  sig: int, deadline: float | None, what: object = "") -> None:
