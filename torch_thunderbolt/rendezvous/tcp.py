@@ -29,6 +29,7 @@ from ..transport.engine import Transport
 from ..transport.netif import choose_addresses, network_of
 from ..transport.tcp import TcpLinks
 from . import hosts
+from .agree import leave_together
 from .hosts import recv_exact
 
 log = logging.getLogger("torch_thunderbolt.bootstrap")
@@ -454,9 +455,16 @@ def _wait_for_higher(acceptor: "_Acceptor", store: Any, rank: int, members: list
 
 
 def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) -> Transport:
-    """A transport over TCP alone, to every other rank of the group."""
+    """A transport over TCP alone, to every other rank of the group. Rank 0 returns only once every rank has
+    read what it needs from the store (which rank 0 may serve: agree.leave_together)."""
     links, _ = connect_tcp_links(store, rank, world, cfg, timeout)
-    return Transport(rank, world, [links])
+    transport = Transport(rank, world, [links])
+    try:
+        leave_together(store, rank, world, time.monotonic() + min(timeout, cfg.connect_timeout))
+    except BaseException:
+        transport.close()
+        raise
+    return transport
 
 
 def connect_tcp_links(store: Any, rank: int, world: int, cfg: Config, timeout: float,
