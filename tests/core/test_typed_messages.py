@@ -61,3 +61,11 @@ def test_all_gather_coalesced_of_float32_beside_int32_is_a_mismatch(transport, t
 def test_packings_that_differ_are_a_mismatch(transport, case, tmp_path) -> None:
     for rank, out in enumerate(_run(tmp_path, transport, case, TEST_N="4")):
         assert out["ok"] is False and out["type"] == "MismatchError", (rank, out)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_compressed_all_reduce_of_float32_beside_float64_is_a_mismatch(transport, tmp_path) -> None:
+    """Both are compressed to the same bytes (fp16 of as many elements): the signature says what they stand for."""
+    outs = _run(tmp_path, transport, "compressed_dtype", TEST_N=str(1 << 16), THUNDERBOLT_COMPRESSION="fp16")
+    for rank, out in enumerate(outs):
+        assert out["ok"] is False and out["type"] == "MismatchError", (rank, out)

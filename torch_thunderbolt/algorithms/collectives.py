@@ -423,14 +423,17 @@ class Communicator:
         bufs = {"in": x if x is not None else out, "out": out}
         self._run(plan, "scatter", bufs, None, out, root=root, count=sum(counts), layout=tuple(counts))
 
-    def all_to_all(self, out: torch.Tensor, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> None:
+    def all_to_all(self, out: torch.Tensor, x: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                   layout: object = None) -> None:
+        """`layout`: what the bytes are when they are only bytes (a compressed all_reduce's), for the
+        signature. The counts differ by rank, so they are not in it: each message's size is checked."""
         ss = list(zip(offsets(send_counts), send_counts))
         rs = list(zip(offsets(recv_counts), recv_counts))
         if _overlap(out, x):
             x = x.clone()
         plan = self._plan(("a2a", tuple(send_counts), tuple(recv_counts)),
                           lambda: direct.all_to_all(self.rank, self.world, ss, rs))
-        self._run(plan, "all_to_all", {"in": x, "out": out}, None, x)  # counts differ by rank: not in the sig
+        self._run(plan, "all_to_all", {"in": x, "out": out}, None, x, layout=layout)
 
     def barrier(self) -> None:
         plan = self._plan(("barrier",), lambda: direct.barrier(self.rank, self.world))

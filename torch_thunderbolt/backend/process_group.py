@@ -164,8 +164,11 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             comm = self._with_timeout(opts)
             for s in staged:
                 if self._compress(s.flat, op):
+                    # What the compressed bytes stand for goes into their signatures: a float64 tensor
+                    # beside a float32 one of as many elements puts the same bytes on the wire.
+                    what = ("compressed", str(s.flat.dtype).removeprefix("torch."), s.flat.numel(), op)
                     compressed_all_reduce(s.flat, self._cfg.compression, block_size=self._cfg.compression_block,
-                                          average=op == "avg", exchange=_CommExchange(comm))
+                                          average=op == "avg", exchange=_CommExchange(comm, what))
                 else:
                     comm.all_reduce(s.flat, op, factor)
                 s.write_back()
@@ -582,16 +585,18 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
 class _CommExchange:
     """The compression layer's two byte-moving calls, served by our own Communicator (no re-entry)."""
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, layout: object = None) -> None:
         self.comm = comm
         self.world_size = comm.world
+        self.layout = layout  # what the bytes stand for (the compressed tensor's dtype and size), signed
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         c = inp.shape[1]
-        self.comm.all_to_all(out.view(-1), inp.reshape(-1), [c] * self.world_size, [c] * self.world_size)
+        self.comm.all_to_all(out.view(-1), inp.reshape(-1), [c] * self.world_size, [c] * self.world_size,
+                             layout=self.layout)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        self.comm.all_gather(out.view(-1), inp.reshape(-1))
+        self.comm.all_gather(out.view(-1), inp.reshape(-1), layout=self.layout)
 
 
 def _rows_first(idx: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ is in (it arrived early and was kept).
 - `coalesced_dtype`: all_gather_coalesced of [float32[n]] on rank 0, [int32[n]] on rank 1.
 - `coalesced_layout`: all_reduce_coalesced of [float32[n], float32[n]] on rank 0, [float32[2n]] on rank 1.
 - `sparse_shape`: all_reduce of a sparse COO tensor of shape (n,) on rank 0 and (2n,) on rank 1, same entries.
+- `compressed_dtype`: all_reduce of float32[n] on rank 0 and float64[n] on rank 1 under THUNDERBOLT_COMPRESSION
+  (both compressed to the same bytes).
 """
 from __future__ import annotations
 
@@ -51,6 +53,8 @@ def typed() -> None:
             xs = [torch.ones(n), torch.ones(n)] if r == 0 else [torch.ones(2 * n)]
             kept["xs"] = xs
             dist.all_reduce_coalesced(xs)
+        elif case == "compressed_dtype":
+            dist.all_reduce(torch.ones(n, dtype=torch.float32 if r == 0 else torch.float64))
         elif case == "sparse_shape":
             size = n if r == 0 else 2 * n
             s = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([1.0, 2.0]), (size,))
