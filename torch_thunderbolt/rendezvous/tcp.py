@@ -450,6 +450,8 @@ def _wait_for_higher(acceptor: "_Acceptor", store: Any, rank: int, members: list
                 continue
             since = refused_since.setdefault(p, now)
             if time.monotonic() - since >= REFUSED_DEAD_SECONDS:
+                if acceptor.done.is_set() or all(acceptor.conns.get((p, s)) is not None for s in range(streams)):
+                    continue  # its streams came in meanwhile, and it closed its listener (its set-up is done)
                 return False, died_in_setup(rank, p, target, time.monotonic() - since, exc)
     return True, None
 
