@@ -7,9 +7,11 @@ Training reports step time, images/s and two views of communication cost:
     measured afterwards with DDP's `no_sync()`.
 `--compression int8|fp16|bf16` uses torch_thunderbolt.hooks (fp16/bf16 fall back to torch's own hooks when
 that is not installed). `--allreduce-only` times one all_reduce of the ViT-B/16 gradient (86.6 M floats).
+`--device mps` trains on the Mac's GPU (`auto`, the default, picks it where there is one); `--fake-mps`
+stands in for it with the fake accelerator of torch_thunderbolt.testing (to test without a Mac).
 
     python examples/train_vit.py --backend gloo --preset small --steps 5 --json vit.json
-    torchrun --nproc-per-node 2 examples/train_vit.py --preset base --compression int8
+    torchrun --nproc-per-node 2 examples/train_vit.py --preset base --compression int8 --device mps
     python examples/train_vit.py --backend gloo --allreduce-only --steps 10
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from models.launch import RankInfo, add_launch_args, import_thunderbolt, launch, median, run_main
+from models.launch import RankInfo, add_launch_args, import_thunderbolt, launch, median, pick_device, run_main
 from models.vit import PRESETS, SyntheticImages, ViT, make_config, param_count
 
 COMPRESSIONS = ("int8", "fp16", "bf16")
@@ -47,6 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     p.add_argument("--compression", choices=COMPRESSIONS, default=None)
+    p.add_argument("--device", choices=("auto", "cpu", "mps"), default="auto",
+                   help="where the model trains (auto: mps where there is one, else cpu)")
+    p.add_argument("--fake-mps", action="store_true",
+                   help="for tests: torch_thunderbolt.testing's fake accelerator stands in for mps")
     p.add_argument("--allreduce-only", action="store_true",
                    help="only time all_reduce of a float32 tensor of the ViT-B/16 gradient size")
     p.add_argument("--numel", type=int, default=None, help="--allreduce-only tensor size (floats)")
@@ -56,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.nosync_steps is None:
         args.nosync_steps = args.steps
     make_config(args.preset, image_size=args.image_size)  # fail early on a bad size
+    if not args.fake_mps:
+        pick_device(args.device)  # fail early when mps is asked for where there is none
     select_hook(args.compression)  # fail early when int8 is asked for without torch_thunderbolt.hooks
     return args
 
@@ -123,10 +131,22 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, images: torch
     return loss.item()
 
 
+def rank_device(args: argparse.Namespace) -> torch.device:
+    """The device this rank trains on. The fake accelerator must be installed in each rank's process
+    before its first backward pass (autograd counts the devices then)."""
+    if not args.fake_mps or args.device == "cpu":
+        return pick_device(args.device)
+    import_thunderbolt()
+    fake_device = importlib.import_module("torch_thunderbolt.testing.fake_device")
+    fake_device.install()
+    return torch.device(fake_device.DEFAULT_NAME, 0)
+
+
 def train(args: argparse.Namespace, info: RankInfo) -> dict[str, Any] | None:
     cfg = make_config(args.preset, image_size=args.image_size)
+    device = rank_device(args)
     torch.manual_seed(args.seed)
-    ddp = DDP(ViT(cfg), bucket_cap_mb=args.bucket_mb)
+    ddp = DDP(ViT(cfg).to(device), bucket_cap_mb=args.bucket_mb)
     hook, make_state, hook_name = select_hook(args.compression)
     recorder = CommRecorder()
     ddp.register_comm_hook(make_state(), recorder.wrap(hook))
@@ -136,6 +156,7 @@ def train(args: argparse.Namespace, info: RankInfo) -> dict[str, Any] | None:
     losses, step_s, busy_s = [], [], []
     for step in range(args.warmup + args.steps):
         images, labels = data.batch(args.batch, info.rank, step)
+        images, labels = images.to(device), labels.to(device)
         t0 = time.perf_counter()
         losses.append(train_step(ddp, opt, images, labels))
         elapsed = time.perf_counter() - t0
@@ -152,6 +173,7 @@ def train(args: argparse.Namespace, info: RankInfo) -> dict[str, Any] | None:
     nosync_s = []
     for step in range(args.nosync_steps):
         images, labels = data.batch(args.batch, info.rank, 10_000 + step)
+        images, labels = images.to(device), labels.to(device)
         t0 = time.perf_counter()
         with ddp.no_sync():
             train_step(ddp, opt, images, labels)
@@ -163,6 +185,7 @@ def train(args: argparse.Namespace, info: RankInfo) -> dict[str, Any] | None:
     params = sum(p.numel() for p in ddp.parameters())
     result = {
         "example": "train_vit", "mode": "ddp", "backend": info.backend, "world_size": info.world,
+        "device": device.type,
         "preset": args.preset, "config": asdict(cfg), "params": params, "grad_bytes": params * 4,
         "batch_per_rank": args.batch, "threads_per_rank": torch.get_num_threads(),
         "compression": args.compression, "hook": hook_name, "bucket_mb": args.bucket_mb,
@@ -172,7 +195,8 @@ def train(args: argparse.Namespace, info: RankInfo) -> dict[str, Any] | None:
         "nosync_step_ms_median": nosync_med * 1e3, "comm_exposed_share": (step_med - nosync_med) / step_med,
         "losses": losses, "torch": torch.__version__,
     }
-    print(f"ViT DDP: backend {info.backend}, preset {args.preset} ({params / 1e6:.1f} M params, image "
+    print(f"ViT DDP: backend {info.backend}, device {device.type}, preset {args.preset} "
+          f"({params / 1e6:.1f} M params, image "
           f"{cfg.image_size}), {info.world} ranks x batch {args.batch}, {result['threads_per_rank']} "
           f"thread(s)/rank, hook {hook_name}\n"
           f"  step {step_med * 1e3:.1f} ms (median of {len(step_s)}), {result['images_per_s']:.2f} images/s\n"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -17,6 +18,7 @@ from .errors import ConfigError
 ALGOS = ("auto", "ring", "biring", "direct", "chain")
 TRANSPORTS = ("auto", "tcp", "shm")
 COMPRESSIONS = ("none", "int8", "fp16", "bf16")
+INTEGRITY_MODES = ("none", "mac")
 DEFAULT_COMPRESSION_BLOCK = 256
 
 
@@ -99,15 +101,24 @@ class Config:
     shm_window_bytes: int | None = None  # THUNDERBOLT_SHM_WINDOW: bytes per shared-window buffer; None =
     # automatic by rank count (rendezvous.shm.default_window_bytes), 0 = no window (collectives use the rings)
     shm_dir: str = ""  # THUNDERBOLT_SHM_DIR: existing writable directory for file-backed segments ("" = POSIX shm)
+    # THUNDERBOLT_VERBS: where the RDMA verbs come from: "system" (librdma.dylib on macOS, libibverbs.so.1 on
+    # Linux) or "fake" with verbs_fabric = the fake fabric's directory (THUNDERBOLT_VERBS=fake:/path), the
+    # test provider of transport/fakeverbs.py; never a measure of RDMA speed.
+    verbs: str = "system"
+    verbs_fabric: str = ""
     autoload: bool = True  # THUNDERBOLT_AUTOLOAD=0: `import torch` does not register the backend
     # THUNDERBOLT_SECRET (or @file): the job's private key for the stream handshake; b"" = derive it from
     # the rendezvous store, which anyone who reaches MASTER_PORT can read. repr=False: never printed.
     secret: bytes = field(default=b"", repr=False)
+    # THUNDERBOLT_INTEGRITY=mac: a keyed BLAKE2b MAC on every TCP frame (protocol/integrity.py), for cables
+    # that are not trusted; needs THUNDERBOLT_SECRET (without it the key is in the rendezvous store).
+    integrity: str = "none"
     extra: dict = field(default_factory=dict, compare=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Config":
         env = os.environ if env is None else env
+        check_text(env)
         get = lambda k: env.get(k, "").strip()  # noqa: E731
         kw: dict = {}
         if get("THUNDERBOLT_IFNAME"):
@@ -123,6 +134,7 @@ class Config:
                 kw[key] = _size(get(var), var)
         kw.update(_shm_fields(get))
         kw["autoload"] = parse_autoload(env)
+        kw["verbs"], kw["verbs_fabric"] = parse_verbs(get("THUNDERBOLT_VERBS"))
         if get("THUNDERBOLT_SPIN_US"):
             kw["spin_us"] = _int(get("THUNDERBOLT_SPIN_US"), "THUNDERBOLT_SPIN_US", 0, 1_000_000)
         if get("THUNDERBOLT_LINK_TIMEOUT_MS"):
@@ -139,6 +151,11 @@ class Config:
         kw["congestion_control"] = get("THUNDERBOLT_CC")
         if get("THUNDERBOLT_SECRET"):
             kw["secret"] = parse_secret(get("THUNDERBOLT_SECRET"))
+        kw["integrity"] = _choice(get("THUNDERBOLT_INTEGRITY") or "none", "THUNDERBOLT_INTEGRITY", INTEGRITY_MODES)
+        if kw["integrity"] != "none" and not kw.get("secret"):
+            raise ConfigError("THUNDERBOLT_INTEGRITY=mac needs THUNDERBOLT_SECRET (the same on every rank): without "
+                              "it the frames' key would come from the rendezvous store, which anyone who reaches "
+                              "MASTER_PORT can read")
         return cls(**kw)
 
 
@@ -153,8 +170,9 @@ def job_settings(cfg: Config) -> dict[str, str]:
     LISTEN_ALL: where this rank listens), the set-up and link timeouts (CONNECT_TIMEOUT, LINK_TIMEOUT_MS:
     how long this rank waits, or its kernel's limit for its own sockets), spinning (SPIN_US, SHM_SPIN_US),
     socket buffers and congestion control (SOCKET_BUFFER, CC: this rank's sockets), SHM_DIR (peers map a
-    segment by the path its creator published), DEBUG (logging only) and AUTOLOAD. THUNDERBOLT_SECRET must
-    agree too, but the set-up compares it without publishing it (the handshake, rendezvous/tcp.py)."""
+    segment by the path its creator published), DEBUG (logging only), AUTOLOAD and VERBS (where this rank
+    loads its RDMA library from). THUNDERBOLT_SECRET must agree too, but the set-up compares it without
+    publishing it (its records' MACs and the handshake)."""
     out = {"THUNDERBOLT_TRANSPORT": cfg.transport, "THUNDERBOLT_ALGO": cfg.algo,
            "THUNDERBOLT_SMALL": _human(cfg.small_bytes), "THUNDERBOLT_CHUNK": _human(cfg.chunk_bytes),
            "THUNDERBOLT_COMPRESSION": cfg.compression}
@@ -163,6 +181,7 @@ def job_settings(cfg: Config) -> dict[str, str]:
     if cfg.transport != "shm":
         out["THUNDERBOLT_STREAMS"] = str(cfg.streams)  # each rank expects this many streams from each peer
         out["THUNDERBOLT_STRIPE"] = _human(cfg.stripe_bytes)  # a receive guesses from it how a peer cuts a message
+        out["THUNDERBOLT_INTEGRITY"] = cfg.integrity  # sealed frames are unreadable to a rank that expects plain ones
     return out
 
 
@@ -176,6 +195,21 @@ def host_settings(cfg: Config) -> dict[str, str]:
             "THUNDERBOLT_SHM_WINDOW": window}
 
 
+def check_text(env: Mapping[str, str]) -> None:
+    """A ConfigError naming the first THUNDERBOLT_* variable whose value is not valid UTF-8. Python hands
+    such bytes over as lone surrogates (os.environ decodes with surrogateescape), which pass every parser
+    here and fail much later (UnicodeEncodeError at a socket option, or at the secret's first use). The
+    value is never shown: it may be the secret."""
+    for name, value in env.items():
+        if not isinstance(name, str) or not name.startswith("THUNDERBOLT_") or not isinstance(value, str):
+            continue
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{name}: expected UTF-8 text, but the value holds bytes that are not (value not "
+                              f"shown); set it again from a UTF-8 terminal or file") from None
+
+
 SECRET_MIN_CHARS = 32  # 32 hex digits = 128 bits: out of reach of an offline guess of the handshake MAC
 SECRET_MAX_BYTES = 4096  # a longer "secret" file is almost surely the wrong file
 
@@ -184,14 +218,22 @@ def parse_secret(text: str, name: str = "THUNDERBOLT_SECRET") -> bytes:
     """The value itself, or `@/path` to a file holding it (read here, once). Used as bytes as written, so
     every rank only needs the same string; errors never quote the value."""
     where = name
+    check_text({name: text})
     if text.startswith("@"):
         path = os.path.expanduser(text[1:].strip())
         where = f"{name}=@{path}"
         try:
             with open(path, "rb") as fh:
+                mode = os.fstat(fh.fileno()).st_mode
                 raw = fh.read(SECRET_MAX_BYTES + 1)
         except OSError as exc:
             raise ConfigError(f"{where}: cannot read the secret file ({exc.strerror or exc})") from None
+        # As ssh refuses a private key others can read: with the secret, anyone who reads the file can join
+        # the job and receive its tensors. (Pipes and devices, e.g. @/dev/stdin, have no such mode.)
+        if stat.S_ISREG(mode) and mode & 0o077:
+            raise ConfigError(f"{where}: the secret file has mode {stat.S_IMODE(mode):04o}, so other users can "
+                              f"{'read' if mode & 0o044 else 'change'} it; run `chmod 600 {path}` (a mounted "
+                              f"container secret: give it mode 0400 or 0600)")
         value = raw.strip()
     else:
         value = text.strip().encode()
@@ -216,6 +258,21 @@ def parse_compression(env: Mapping[str, str]) -> tuple[str, int]:
 def parse_autoload(env: Mapping[str, str]) -> bool:
     """THUNDERBOLT_AUTOLOAD (default on). torch_thunderbolt_autoload.py answers "0" without importing us."""
     return _flag(env.get("THUNDERBOLT_AUTOLOAD", "").strip() or "1", "THUNDERBOLT_AUTOLOAD")
+
+
+def parse_verbs(text: str, name: str = "THUNDERBOLT_VERBS") -> tuple[str, str]:
+    """(provider, fabric directory) from THUNDERBOLT_VERBS: unset or `system` -> ("system", ""); `fake:DIR`
+    -> ("fake", DIR), DIR holding a fabric (its fabric.json; testing/fake_verbs.py creates one)."""
+    if text in ("", "system"):
+        return "system", ""
+    kind, _, where = text.partition(":")
+    if kind != "fake" or not where:
+        raise ConfigError(f"{name}: expected 'system' or 'fake:/path/to/fabric', got {text!r}")
+    fabric = os.path.abspath(os.path.expanduser(where))
+    if not os.path.isfile(os.path.join(fabric, "fabric.json")):
+        raise ConfigError(f"{name}={text}: {fabric} holds no fake verbs fabric (no fabric.json); create one with "
+                          f"`python -m torch_thunderbolt.testing.fake_verbs create {fabric}`")
+    return "fake", fabric
 
 
 def _shm_fields(get: "Callable[[str], str]") -> dict:

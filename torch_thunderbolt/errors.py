@@ -19,7 +19,20 @@ class ProtocolError(ThunderboltError):
 
 
 class HandshakeError(ProtocolError):
-    """A connection failed the handshake: wrong magic, version, secret, rank or group."""
+    """A connection failed the handshake (wrong magic, version, secret, rank or group), a set-up record in
+    the rendezvous store failed its check, or a connection was relayed. `why` says which kind of failure it
+    is where the set-up words its message after it: "mac" (the peer proved no key, or another one: most
+    likely another THUNDERBOLT_SECRET), "relay" (the addresses each end used differ: someone in the middle),
+    "store" (a record failed its MAC: the store was tampered with), "" (anything else)."""
+
+    def __init__(self, message: str = "", *, why: str = "") -> None:
+        super().__init__(message)
+        self.why = why
+
+
+class IntegrityError(ProtocolError):
+    """With THUNDERBOLT_INTEGRITY=mac, a frame failed its MAC: it was altered, replayed, reordered or dropped
+    on the way (or the peer is not one of ours)."""
 
 
 class MismatchError(ThunderboltError):
@@ -53,3 +66,15 @@ class PeerAbortedError(ThunderboltError):
     """A peer failed (for a reason of its own) and told us before closing its connections."""
 
     peer: int = -1
+
+
+class RdmaError(ThunderboltError):
+    """A verbs call failed (the RDMA device, its driver or the machine's set-up). `call` is the ibverbs
+    function, `device` the RDMA device (e.g. rdma_en2), `errno` the OS error; the message says what to do.
+    Raised only by transport/verbs.py, which translates every errno in one place."""
+
+    def __init__(self, message: str, *, call: str = "", device: str = "", errno: int = 0) -> None:
+        super().__init__(message)
+        self.call = call
+        self.device = device
+        self.errno = errno

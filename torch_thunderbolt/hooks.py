@@ -8,6 +8,11 @@ Gradients are averaged (divided by the world size, then summed through the compr
 `torch_thunderbolt.compression`). Unlike torch's fp16/bf16 hooks the sum is taken in fp32, so the
 error does not grow with the number of ranks' roundings. Works on any backend that has
 all_to_all_single and all_gather_single (gloo, thunderbolt).
+
+A bucket on the CPU gets the result written in place (the future's value is the bucket). For a bucket on a
+device (mps) the future's value is the averaged gradient in host memory, which DDP copies into `.grad` in
+autograd's thread: no device op runs in the thread that finishes the exchange, and the exchange overlaps
+the rest of the backward pass.
 """
 
 from typing import Optional
@@ -17,8 +22,7 @@ import torch.distributed as dist
 
 from .compression.codecs import Codec, codec_for
 from .compression.scheme import DEFAULT_BLOCK_SIZE, check_block_size, chunk_layout
-from .compression.pipeline import (AsyncGroups, Residuals, all_reduce_future, completed_future, make_phase2_group,
-                                   unwrap_result)
+from .compression.pipeline import AsyncGroups, Residuals, all_reduce_future, completed_future, make_phase2_group
 
 __all__ = ["CompressionState", "int8_hook", "fp16_hook", "bf16_hook"]
 
@@ -90,23 +94,19 @@ def _compressed_hook(
     residuals = state.residuals_for(bucket.index(), buffer.numel()) if feedback else None
     reduced = all_reduce_future(flat, codec, state.groups, residuals)
 
+    if not buffer.is_cpu:
+        # A bucket on a device (mps): the averaged gradient stays in host memory and DDP copies it into
+        # .grad itself, in autograd's thread. Writing it into the bucket here would be a device op in
+        # whichever thread completes the exchange (a backend thread; Metal encoding from two threads at
+        # once crashes the process), and the whole exchange overlaps the rest of the backward pass.
+        return reduced
+
     def write_back(fut: torch.futures.Future) -> torch.Tensor:
         # In place into the bucket, as torch's hooks do, to avoid a second bucket-sized buffer.
         buffer.copy_(fut.value().view(buffer.shape))
         return buffer
 
-    if buffer.is_cpu:
-        return reduced.then(write_back)
-    # A device bucket: the reduced values are copied in and the future completed in this thread, never in
-    # a backend thread where the `.then` would run (Metal encoding from two threads crashes). The
-    # compression of a device bucket therefore does not overlap the rest of the backward pass.
-    done: torch.futures.Future = torch.futures.Future()
-    try:
-        reduced.wait()
-        done.set_result(write_back(reduced))
-    except BaseException as exc:  # noqa: BLE001 - raised inside the .then below, which C++ callers see
-        done.set_result(exc)
-    return done.then(unwrap_result)
+    return reduced.then(write_back)
 
 
 def int8_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

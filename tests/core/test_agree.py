@@ -16,9 +16,10 @@ import pytest
 import torch.distributed as dist
 
 from torch_thunderbolt.config import Config
-from torch_thunderbolt.errors import ConfigError
+from torch_thunderbolt.errors import ConfigError, PeerLostError
 from torch_thunderbolt.rendezvous import agree
 from torch_thunderbolt.rendezvous.group import connect
+from torch_thunderbolt.rendezvous.records import Records
 from torch_thunderbolt.rendezvous.shm import connect_shm
 from torch_thunderbolt.rendezvous.tcp import connect_tcp
 from torch_thunderbolt.testing.worlds import on_threads
@@ -130,15 +131,14 @@ def test_three_ranks_name_every_value_once():
 def test_per_host_settings_are_compared_among_the_ranks_of_each_host_only():
     """Hosts A (ranks 0, 1) and B (ranks 2, 3) with different slot sizes: fine. Within B: refused."""
     settings = [{"job": {}, "host": {"THUNDERBOLT_SHM_SLOT": s}} for s in ("4K", "4K", "8K", "8K")]
-    store = dist.HashStore()
-    deadline = time.monotonic() + 5
-    agree.Agreement(store, 1, 4, settings, deadline, None).check_hosts(["A", "A", "B", "B"], "auto")
+    records = Records(dist.HashStore(), 1, b"", time.monotonic() + 5)
+    agree.Agreement(records, 1, 4, settings, None).check_hosts(["A", "A", "B", "B"], "auto")
     settings[3]["host"]["THUNDERBOLT_SHM_SLOT"] = "16K"
     with pytest.raises(ConfigError, match=r"THUNDERBOLT_SHM_SLOT differs between ranks: rank 2 8K, rank 3 16K; "
                                           r"every rank sharing memory on one host \(B\)"):
-        agree.Agreement(store, 1, 4, settings, deadline, None).check_hosts(["A", "A", "B", "B"], "auto")
+        agree.Agreement(records, 1, 4, settings, None).check_hosts(["A", "A", "B", "B"], "auto")
     # TCP maps no memory: nothing to compare
-    agree.Agreement(store, 1, 4, settings, deadline, None).check_hosts(None, "tcp")
+    agree.Agreement(records, 1, 4, settings, None).check_hosts(None, "tcp")
 
 
 class SlowStore:
@@ -201,14 +201,22 @@ def test_the_store_host_names_a_rank_that_never_finishes_set_up():
     """A rank that never says it is done (it died between its last read and the end): rank 0 gives up at the
     set-up deadline with an error naming it, instead of waiting forever."""
     store = dist.HashStore()
-    agree.publish(store, agree.DONE.format(rank=1), 1)
-    with pytest.raises(Exception, match=r"ranks \[2\] did not finish the set-up"):
-        agree.leave_together(store, 0, 3, time.monotonic() + 0.5)
+    Records(store, 1, b"", 0.0).publish(agree.DONE.format(rank=1), 1)
+    with pytest.raises(PeerLostError, match=r"waiting for rank 2 to publish that it finished its set-up"):
+        agree.leave_together(Records(store, 0, b"", time.monotonic() + 0.5), 0, 3)
+
+
+def test_the_store_host_raises_the_reason_a_rank_gave_up_for():
+    store = dist.HashStore()
+    Records(store, 1, b"", 0.0).publish(agree.DONE.format(rank=1), 1)
+    Records(store, 2, b"", 0.0).announce(ConfigError("rank 2: something of its own"))
+    with pytest.raises(ConfigError, match=r"rank 2 gave up during set-up: ConfigError: rank 2: something of its own"):
+        agree.leave_together(Records(store, 0, b"", time.monotonic() + 30), 0, 3)
 
 
 def test_leaving_together_costs_the_other_ranks_no_wait():
     store = dist.HashStore()
     t0 = time.monotonic()
-    agree.leave_together(store, 1, 3, time.monotonic() + 30)  # rank 2 is not done: rank 1 goes on anyway
+    agree.leave_together(Records(store, 1, b"", time.monotonic() + 30), 1, 3)  # rank 2 is not done: rank 1 goes on
     assert time.monotonic() - t0 < 5
     assert store.check([agree.DONE.format(rank=1)])

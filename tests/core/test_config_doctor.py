@@ -49,6 +49,8 @@ BAD_VALUES = [(var, text) for var in SIZE_VARS for text in ("inf", "-inf", "1e40
     ("THUNDERBOLT_AUTOLOAD", "garbage"),
     ("THUNDERBOLT_COMPRESSION", "int9"), ("THUNDERBOLT_COMPRESSION_BLOCK", "0"),
     ("THUNDERBOLT_COMPRESSION_BLOCK", "2000000"),
+    ("THUNDERBOLT_VERBS", "soft-roce"), ("THUNDERBOLT_VERBS", "fake:"),
+    ("THUNDERBOLT_VERBS", "fake:/nonexistent-thunderbolt-fabric"),
 ]
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import os
 import socket
@@ -15,6 +14,7 @@ import torch.distributed as dist
 
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.protocol import handshake as hs
+from torch_thunderbolt.rendezvous.records import unchecked_value
 from torch_thunderbolt.rendezvous.tcp import connect_tcp, group_key
 from torch_thunderbolt.testing.worlds import all_reduce_on_threads
 
@@ -47,7 +47,7 @@ def test_hostile_connections_are_refused_and_the_job_runs(caplog) -> None:
     t0.start()
     view = dist.PrefixStore("job/", server)
     view.wait(["tb/ep/0"])
-    ep = tuple(json.loads(view.get("tb/ep/0"))["endpoints"][0])
+    ep = tuple(unchecked_value(view.get("tb/ep/0"))["endpoints"][0])
     secret, group = group_key(view, 1, b"")  # no THUNDERBOLT_SECRET here: the store's nonce is the key
 
     def attempt(action) -> None:

@@ -145,3 +145,42 @@ def test_client_detects_wrong_rank_at_address() -> None:
     client = hs.ClientHandshake(b"s" * 32, 3, 1, 0, "g")
     with pytest.raises(HandshakeError, match="expected rank 1"):
         client.receive_challenge(server.challenge())
+
+
+def test_handshake_binds_the_addresses_each_end_used() -> None:
+    """A relay forwards a genuine HELLO over a connection of its own: the addresses the client dialled and
+    dialled from are not those of the connection the server accepted, so the server refuses it (and says
+    why, so the client can); a direct connection is accepted, and both ends derive the same stream key."""
+    key = b"s" * 32
+    server = hs.ServerHandshake(key, 0, "g", lambda r, s: True, 1, local=("10.0.0.1", 5000),
+                                peer=("10.0.0.2", 40001))
+    relayed = hs.ClientHandshake(key, 1, 0, 0, "g", dialled=("10.0.0.9", 6000), local=("10.0.0.2", 40002))
+    with pytest.raises(HandshakeError, match="relayed: rank 1 dialled 10.0.0.9:6000 from 10.0.0.2:40002, but "
+                                             "the connection reached this rank at 10.0.0.1:5000 from "
+                                             "10.0.0.2:40001") as info:
+        server.receive(relayed.receive_challenge(server.challenge()))
+    assert info.value.why == "relay"
+    with pytest.raises(HandshakeError, match="refused") as info:
+        relayed.receive_reply(server.reply)
+    assert info.value.why == "relay"
+
+    server = hs.ServerHandshake(key, 0, "g", lambda r, s: True, 1, local=("10.0.0.1", 5000),
+                                peer=("10.0.0.2", 40001))
+    direct = hs.ClientHandshake(key, 1, 0, 0, "g", dialled=("10.0.0.1", 5000), local=("10.0.0.2", 40001))
+    res = server.receive(direct.receive_challenge(server.challenge()))
+    direct.receive_reply(server.reply)
+    assert res.session == direct.session and len(res.session) == 32 and res.session != key
+
+
+def test_a_bad_mac_is_told_apart_from_other_refusals() -> None:
+    server, client = _pair(secret_c=b"x" * 32)
+    with pytest.raises(HandshakeError) as info:
+        server.receive(client.receive_challenge(server.challenge()))
+    assert info.value.why == "mac" and server.claimed_rank == 3
+    with pytest.raises(HandshakeError) as info:
+        client.receive_reply(server.reply)
+    assert info.value.why == "mac"
+    server, client = _pair(accept=lambda r, s: False)
+    with pytest.raises(HandshakeError) as info:
+        server.receive(client.receive_challenge(server.challenge()))
+    assert info.value.why == ""

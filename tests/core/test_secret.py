@@ -20,7 +20,8 @@ from torch_thunderbolt.config import Config, parse_secret
 from torch_thunderbolt.errors import ConfigError, HandshakeError, PeerLostError
 from torch_thunderbolt.protocol import handshake as hs
 from torch_thunderbolt.rendezvous.hosts import recv_exact as _recv_exact
-from torch_thunderbolt.rendezvous.tcp import connect_tcp, group_key
+from torch_thunderbolt.rendezvous.records import Records, unchecked_value
+from torch_thunderbolt.rendezvous.tcp import connect_tcp
 from torch_thunderbolt.testing.ranks import run_ranks
 from torch_thunderbolt.testing.worlds import all_reduce_on_threads
 
@@ -72,21 +73,22 @@ def world():
 
 
 def stranger_joins_as_rank_1(view, streams: int) -> list[socket.socket]:
-    """The attack: read rank 0's endpoint and the group key from the store exactly as a rank without a
-    private secret does (group_key with no secret), publish our own address as rank 1's (rank 0 accepts
-    rank 1 only from the address in the store, which anyone can write), then complete the handshake as
-    rank 1 on every stream. Returns the accepted sockets; raises HandshakeError when rank 0 refuses."""
-    view.wait(["tb/ep/0"])
-    key, group = group_key(view, 1, b"")
-    ep = tuple(json.loads(view.get("tb/ep/0"))["endpoints"][0])
-    view.set("tb/ep/1", json.dumps({"endpoints": [["127.0.0.1", 9]], "nets": [], "host": "stranger"}))
-    view.set("tb/done/1", "1")  # and says it read all it needs, as a rank does at the end of set-up
+    """The attack: read rank 0's endpoint and the group's nonce from the store (with no private secret the
+    nonce is the key), publish our own address as rank 1's (rank 0 accepts rank 1 only from the address in
+    the store, which anyone can write), then complete the handshake as rank 1 on every stream. Returns the
+    accepted sockets; raises HandshakeError when rank 0 refuses."""
+    view.wait(["tb/ep/0", "tb/group"])
+    shared = unchecked_value(view.get("tb/group"))
+    key, group = bytes.fromhex(shared["nonce"]), shared["group"]
+    ep = tuple(unchecked_value(view.get("tb/ep/0"))["endpoints"][0])
+    Records(view, 1, b"", 0.0).publish("tb/ep/1", {"endpoints": [["127.0.0.1", 9]], "nets": [], "host": "stranger"})
+    Records(view, 1, b"", 0.0).publish("tb/done/1", 1)  # and says it read all it needs, as a rank does at the end
     socks = []
     try:
         for stream in range(streams):
             s = socket.create_connection(ep, timeout=10)
             socks.append(s)
-            client = hs.ClientHandshake(key, 1, 0, stream, group)
+            client = hs.ClientHandshake(key, 1, 0, stream, group, dialled=s.getpeername(), local=s.getsockname())
             s.sendall(client.receive_challenge(_recv_exact(s, hs.CHALLENGE_SIZE)))
             client.receive_reply(_recv_exact(s, hs.REPLY_SIZE))
     except BaseException:
@@ -140,18 +142,20 @@ def test_without_a_secret_the_store_alone_lets_a_stranger_in(world, caplog) -> N
 
 @pytest.mark.timeout(60)
 def test_different_secrets_fail_naming_the_peer(world) -> None:
-    world.start(0, Config(streams=2, secret=SECRET, connect_timeout=4))
-    world.start(1, Config(streams=2, secret=OTHER, connect_timeout=4))
+    """Rank 1 finds rank 0's group record signed with another key, says so and gives up; rank 0 reads rank
+    1's failure (signed with rank 1's key) and says that rank 1 failed its handshake: both with the hint,
+    at once rather than at the connect timeout, and neither shows a secret."""
+    world.start(0, Config(streams=2, secret=SECRET, connect_timeout=20))
+    world.start(1, Config(streams=2, secret=OTHER, connect_timeout=20))
     world.join()
     assert set(world.errors) == {0, 1}, world.errors
     client, server = world.errors[1], world.errors[0]
     assert isinstance(client, HandshakeError), repr(client)
-    assert "rank 1: the handshake with rank 0 at 127.0.0.1:" in str(client)
-    assert "wrong secret" in str(client) and "same THUNDERBOLT_SECRET" in str(client)
-    assert isinstance(server, PeerLostError) and server.peer == 1, repr(server)
-    assert "waiting for ranks [1]" in str(server) and "refused" in str(server)
-    assert "same THUNDERBOLT_SECRET" in str(server)
+    assert "rank 1: rank 0's record tb/group is signed with another key" in str(client)
+    assert isinstance(server, HandshakeError), repr(server)
+    assert "rank 0: rank 1 failed its handshake" in str(server)
     for exc in (client, server):
+        assert "same THUNDERBOLT_SECRET" in str(exc) and "another THUNDERBOLT_SECRET" in str(exc)
         assert SECRET.decode() not in str(exc) and OTHER.decode() not in str(exc)
 
 
@@ -195,6 +199,7 @@ def test_secret_from_the_environment_or_a_file(tmp_path) -> None:
     assert Config.from_env({"THUNDERBOLT_SECRET": f"  {SECRET.decode()}\n"}).secret == SECRET
     path = tmp_path / "secret"
     path.write_bytes(OTHER + b"\n")
+    path.chmod(0o600)  # a file others can read is refused (tests/core/test_config_text.py)
     assert Config.from_env({"THUNDERBOLT_SECRET": f"@{path}"}).secret == OTHER
     assert SECRET.decode() not in repr(Config(secret=SECRET))
 
@@ -215,6 +220,7 @@ def test_bad_secrets_are_config_errors_that_do_not_show_them(value: str, match: 
 def test_an_oversized_secret_file_is_refused(tmp_path) -> None:
     path = tmp_path / "big"
     path.write_bytes(SECRET * 100)
+    path.chmod(0o600)
     with pytest.raises(ConfigError, match="right file"):
         parse_secret(f"@{path}")
 

@@ -105,3 +105,18 @@ def test_vit_ddp_on_thunderbolt_learns(tmp_path):
                     "--steps", "5", "--nosync-steps", "0"], tmp_path / "v.json", 80)
     losses = out["losses"]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+@needs_thunderbolt
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_vit_ddp_on_the_fake_mps_device_trains_as_on_the_cpu(tmp_path):
+    """`--device mps` on a machine without one, through the fake accelerator that stands in for it: the same
+    losses as on the CPU, up to the attention kernel (torch runs SDPA's math path on any non-CPU device)."""
+    common = ["train_vit.py", "--backend", "thunderbolt", "--nproc", "2", "--preset", "tiny", "--steps", "4",
+              "--nosync-steps", "0", "--seed", "0"]
+    cpu = run_json([*common, "--device", "cpu"], tmp_path / "cpu.json", 90)
+    dev = run_json([*common, "--device", "mps", "--fake-mps"], tmp_path / "dev.json", 90)
+    assert cpu["device"] == "cpu" and dev["device"] == "tbfake"
+    assert dev["losses"] == pytest.approx(cpu["losses"], rel=1e-5)
+    assert dev["losses"][-1] < dev["losses"][0]

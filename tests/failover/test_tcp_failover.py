@@ -5,6 +5,7 @@ gives, on one side only, at a random moment."""
 from __future__ import annotations
 
 import errno
+import os
 import random
 import socket
 import threading
@@ -15,11 +16,14 @@ import torch
 
 from torch_thunderbolt.errors import PeerLostError
 from torch_thunderbolt.protocol.framing import Space
+from torch_thunderbolt.protocol.integrity import stream_keys
 from torch_thunderbolt.transport.engine import Transport
 from torch_thunderbolt.transport.tcp import TcpLinks, tcp_transport
 
 
-def _pair(sources=("127.0.0.1", "127.0.0.2"), stripe=64 << 10) -> tuple[Transport, Transport]:
+def _pair(sources=("127.0.0.1", "127.0.0.2"), stripe=64 << 10, sealed: bool = False) -> tuple[Transport, Transport]:
+    """`sealed`: every frame carries a MAC (THUNDERBOLT_INTEGRITY=mac), so a resend must be sealed anew on
+    the surviving stream and a payload cut short never counts."""
     lst = socket.create_server(("127.0.0.1", 0))
     port = lst.getsockname()[1]
     client, server = [], []
@@ -31,7 +35,10 @@ def _pair(sources=("127.0.0.1", "127.0.0.2"), stripe=64 << 10) -> tuple[Transpor
         client.append(c)
         server.append(s)
     lst.close()
-    return (tcp_transport(0, 2, {1: server}, stripe_bytes=stripe), tcp_transport(1, 2, {0: client}, stripe_bytes=stripe))
+    sessions = [os.urandom(32) for _ in sources]
+    seal = [(r, {1 - r: [stream_keys(s, r, 1 - r) for s in sessions]}) if sealed else None for r in (0, 1)]
+    return (tcp_transport(0, 2, {1: server}, stripe_bytes=stripe, seal=seal[0]),
+            tcp_transport(1, 2, {0: client}, stripe_bytes=stripe, seal=seal[1]))
 
 
 def _tcp(t: Transport) -> TcpLinks:
@@ -104,10 +111,11 @@ def _run(t0, t1, sizes, cut_at: float | None, lazy: bool, seed: int, cut_rank: i
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
 @pytest.mark.parametrize("seed", range(6))
-def test_transfers_survive_losing_one_of_two_cables(seed):
+def test_transfers_survive_losing_one_of_two_cables(seed, sealed):
     rng = random.Random(seed)
-    t0, t1 = _pair()
+    t0, t1 = _pair(sealed=sealed)
     try:
         sizes = [rng.choice([1, 1000, 50_000, 1 << 20, 3 << 20]) for _ in range(24)]
         msgs, results = _run(t0, t1, sizes, cut_at=0.1 + 0.4 * rng.random(), lazy=seed % 2 == 1, seed=seed,

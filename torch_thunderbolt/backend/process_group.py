@@ -1,8 +1,10 @@
 """The torch ProcessGroup: one class for one group, whatever torch calls on it.
 
 Collectives turn torch's arguments into flat CPU buffers (tensors.py) and run the Communicator in issue order
-on the group's worker thread (worker.py); point-to-point calls post their message at once and are driven by
-the thread that waits on the work (work.py). Registration with torch is in registration.py."""
+on the group's worker thread (worker.py); a collective on device tensors is that CPU op on host copies, its
+device part done on a thread allowed to touch the device (device.py). Point-to-point calls post their
+message at once and are driven by the thread that waits on the work (work.py). Registration with torch is
+in registration.py."""
 from __future__ import annotations
 
 import atexit
@@ -26,6 +28,7 @@ from ..config import Config
 from ..errors import CollectiveTimeout
 from ..transport.base import ANY_SOURCE
 from ..transport.engine import Transport
+from .device import DeviceCompletions
 from .tensors import (Staged, byte_view, check_same_dtype, flat_cat, flat_view, on_device, reduce_op,
                       rows_to_elems, split_into, total_bytes)
 from .work import Work
@@ -58,6 +61,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         self._timeout = timeout
         self._comm = Communicator(transport, cfg, timeout, shape)
         self._worker = Worker(f"tb-worker-r{transport.rank}")
+        self._devices = DeviceCompletions()  # ops on device tensors not yet complete (device.py)
         self._group_name = ""
         self._group_desc = description
         # How works name their op ("all_reduce on rank 3"), formatted once: a small op pays for every string.
@@ -115,13 +119,11 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
     # -- plumbing ------------------------------------------------------------------------------------------
     def _submit(self, what: str, fn: Callable[[], None], result: Any, nbytes: int | None = None,
                 inputs: Any = None, opts: Any = None) -> Work:
-        """Run `fn` (the op on flat CPU buffers) in issue order. Ops that touch a tensor on another device
-        (`result` holds the outputs, `inputs` the inputs) run entirely in the caller's thread; see worker.
+        """Run `fn` (the op on flat CPU buffers; `result` holds its outputs, `inputs` its inputs) in issue order.
         `nbytes`: the op's size, for `_inline_ok` (None: the bytes of `result` and `inputs`)."""
+        if not self._devices.idle:
+            self._devices.complete_ready()  # this thread's device ops whose bytes are in (device.py)
         work = Work(self._whats.get(what) or f"{what} on rank {self._rank}", result)
-        if on_device(result) or (inputs is not None and on_device(inputs)):
-            work.device = True
-            return self._worker.run_in_caller(work, fn)
         return self._worker.submit(work, fn, inline_ok=self._inline_ok(
             total_bytes(result) + total_bytes(inputs) if nbytes is None else nbytes, opts))
 
@@ -150,12 +152,16 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 # One contiguous CPU tensor (a DDP bucket, most direct calls): reduced in place, with no
                 # staging to copy back and no device check, the steps that dominate a small op.
                 what = self._whats["all_reduce"]
+                if not self._devices.idle:
+                    self._devices.complete_ready()
                 if self._inline_ok(flat.numel() * flat.element_size(), opts):
                     ran, exc = self._worker.run_if_idle(self._all_reduce_flat, opts, flat, op, factor)
                     if ran:
                         return Work.completed(what, tensors, exc)
                 return self._worker.submit(Work(what, tensors),
                                            functools.partial(self._all_reduce_flat, opts, flat, op, factor))
+        if on_device(tensors):
+            return self._devices.run(tensors, lambda s: self.allreduce(s.read_write(tensors), opts))
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, op, opts)
         staged = [Staged(t) for t in tensors]
@@ -222,6 +228,8 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 and flat.numel() * flat.element_size() > self._cfg.small_bytes and self._size > 1)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        if on_device(tensors):
+            return self._devices.run(tensors, lambda s: self.allreduce_coalesced(s.read_write(tensors), opts))
         op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
 
         def run() -> None:
@@ -240,6 +248,8 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         return self._submit("all_reduce_coalesced", run, tensors, opts=opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
+        if on_device(tensors):
+            return self._devices.run(tensors, lambda s: self.reduce(s.read_write(tensors), opts))
         op, factor = reduce_op(opts.reduceOp)
         root = opts.rootRank
         staged = [Staged(t) for t in tensors]
@@ -257,6 +267,8 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                             opts=opts)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Work:
+        if on_device(outputs) or on_device(inputs):
+            return self._devices.run(outputs, lambda s: self.reduce_scatter(s.write(outputs), s.read(inputs), opts))
         op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
 
         def run() -> None:
@@ -277,6 +289,8 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         return self.reduce_scatter_single(output, x, opts)
 
     def reduce_scatter_single(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> Work:
+        if on_device(output) or on_device(x):
+            return self._devices.run([output], lambda s: self.reduce_scatter_single(s.write(output), s.read(x), opts))
         op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
 
         def run() -> None:
@@ -296,6 +310,9 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Work:
+        if on_device(outputs) or on_device(inputs):
+            return self._devices.run(outputs, lambda s: self.reduce_scatter_single_coalesced(
+                s.write(outputs), s.read(inputs), opts))
         op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
 
         def run() -> None:
@@ -316,6 +333,9 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
     # -- data-moving collectives (through the worker, in issue order) ----------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
         root = opts.rootRank
+        if on_device(tensors):  # only the root's tensors are read
+            return self._devices.run(tensors, lambda s: self.broadcast(
+                s.read_write(tensors) if self._rank == root else s.write(tensors), opts))
         staged = [Staged(t, read=self._rank == root) for t in tensors]
 
         def run() -> None:
@@ -328,6 +348,9 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                             opts=opts)
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        if on_device(outputs) or on_device(inputs):
+            return self._devices.run(outputs, lambda s: self.allgather(s.write(outputs), s.read(inputs), opts))
+
         def run() -> None:
             comm = self._with_timeout(opts)
             for outs, x in zip(outputs, inputs):
@@ -344,6 +367,9 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                             opts: Any = None) -> Work:
         """`outputs[q][j]` receives rank q's `inputs[j]`: every input travels in one all_gather of their
         bytes (so dtypes may differ, complex and empty tensors included)."""
+        if on_device(outputs) or on_device(inputs):
+            return self._devices.run(outputs, lambda s: self.allgather_coalesced(s.write(outputs), s.read(inputs),
+                                                                                 opts))
         self._check_list(outputs, "all_gather_coalesced output list")
         for q, outs in enumerate(outputs):
             if len(outs) != len(inputs) or any(o.numel() != x.numel() or o.dtype != x.dtype
@@ -374,6 +400,8 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         return self.all_gather_single(output, x, opts)
 
     def all_gather_single(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> Work:
+        if on_device(output) or on_device(x):
+            return self._devices.run([output], lambda s: self.all_gather_single(s.write(output), s.read(x), opts))
         out = Staged(output, read=False)
 
         def run() -> None:
@@ -388,6 +416,10 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> Work:
+        if on_device(outputs) or on_device(inputs):
+            return self._devices.run(outputs, lambda s: self.all_gather_single_coalesced(
+                s.write(outputs), s.read(inputs), opts))
+
         def run() -> None:
             comm = self._with_timeout(opts)
             for o, x in zip(outputs, inputs):
@@ -400,6 +432,8 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Work:
+        if on_device(outputs) or on_device(inputs):
+            return self._devices.run(outputs, lambda s: self.gather(s.write(outputs), s.read(inputs), opts))
         root = opts.rootRank
 
         def run() -> None:
@@ -417,6 +451,8 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         return self._submit("gather", run, outputs, inputs=inputs, opts=opts)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:
+        if on_device(outputs) or on_device(inputs):
+            return self._devices.run(outputs, lambda s: self.scatter(s.write(outputs), s.read(inputs), opts))
         root = opts.rootRank
 
         def run() -> None:
@@ -432,6 +468,9 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         return self._submit("scatter", run, outputs, inputs=inputs, opts=opts)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        if on_device(outputs) or on_device(inputs):
+            return self._devices.run(outputs, lambda s: self.alltoall(s.write(outputs), s.read(inputs), opts))
+
         def run() -> None:
             self._check_list(outputs, "all_to_all output list")
             self._check_list(inputs, "all_to_all input list")
@@ -444,6 +483,10 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
 
     def all_to_all_single(self, output: torch.Tensor, x: torch.Tensor, out_splits: list[int],
                           in_splits: list[int], opts: Any = None) -> Work:
+        if on_device(output) or on_device(x):
+            return self._devices.run([output], lambda s: self.all_to_all_single(
+                s.write(output), s.read(x), out_splits, in_splits, opts))
+
         def run() -> None:
             r, w = self._rank, self._size
             send = rows_to_elems(x, list(in_splits), w, "all_to_all_single input", r)

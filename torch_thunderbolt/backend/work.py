@@ -23,7 +23,7 @@ class Work(dist._Work):
     _exc: BaseException | None = None
     _source = -1
     # Touches a tensor on another device (mps, cuda): completed, and its future's callbacks run, only in
-    # a thread that issued or waits on it (see worker.py).
+    # a thread that issued or waits on it (collectives: device.DeviceWork; a p2p work: its waiter).
     device = False
     # p2p works make progress themselves when waited on. The work is passed in rather than captured, so
     # a finished work is freed by reference counting: a cycle (work -> closure -> work) would keep its
@@ -110,7 +110,7 @@ class Work(dist._Work):
                     self._raw.set_result(self._result)
                 elif self._wait_fn is not None and not self.device:
                     # p2p works progress when waited on; a future alone must complete by itself too
-                    threading.Thread(target=self._complete, daemon=True).start()
+                    threading.Thread(target=self._complete, name="tb-p2p-complete", daemon=True).start()
         if self.device and not self._finished:
             self._complete()  # device results are copied back in this thread, never in one of ours
         return self._fut

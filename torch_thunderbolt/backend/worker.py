@@ -3,10 +3,8 @@
 Small ops issued while the worker is idle run inline in the caller's thread: two thread hand-offs cost
 more than a 4 KB all_reduce itself on a machine whose cross-core wake-up is ~40 µs.
 
-Ops on device tensors (mps, cuda) always run in the caller's thread (`run_in_caller`), after every op
-issued before them: no operation on a device tensor, and no future callback (DDP copies results into
-`.grad` in one), may run on a thread of ours. Metal command encoding from two threads at once crashes the
-process, and autograd encodes its own kernels while the backend works.
+An op on device tensors (mps) reaches the worker as the CPU op on host copies: the worker never touches a
+device tensor, nor completes a device op's future (device.py).
 """
 from __future__ import annotations
 
@@ -61,18 +59,6 @@ class Worker:
             exc = e
         self._done()
         return True, exc
-
-    def run_in_caller(self, work: Work, fn: Callable[[], None]) -> Work:
-        """Run `fn` in this (the caller's) thread once every op issued before it has finished, and finish
-        `work` here too, so its future's callbacks run in this thread as well."""
-        with self._lock:
-            if self._stopped:
-                raise RuntimeError(f"{self._name}: the process group has been shut down")
-            while self._busy:
-                self._idle.sleep()
-            self._busy += 1
-        self._run(work, fn)
-        return work
 
     def _run(self, work: Work, fn: Callable[[], None]) -> None:
         try:

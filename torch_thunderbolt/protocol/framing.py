@@ -99,6 +99,8 @@ class FrameDecoder:
     `payload_remaining` says how many payload bytes of the current frame are still to come.
     """
 
+    header_size = FRAME_HEADER_SIZE  # bytes of stream a header takes (more with per-frame MACs: integrity.py)
+
     def __init__(self, max_message: int = DEFAULT_MAX_MESSAGE) -> None:
         self._buf = bytearray()
         self._pos = 0

@@ -12,57 +12,22 @@ the same on every rank, and leaving the set-up together.
   keys from the store fails with a lost connection instead of finishing. So every rank marks that it has
   read everything it needs, and rank 0 leaves only once every rank has (`leave_together`).
 
-Every record this module writes or reads goes through `publish` and `read_all`, so that one place can
-authenticate them.
+Every record here is a set-up record of the group (records.py): with THUNDERBOLT_SECRET it carries a MAC, and
+a rank that gives up announces why, which every rank waiting for one of its records raises.
 """
 from __future__ import annotations
 
-import json
-import time
-from datetime import timedelta
-from typing import Any, Sequence
+from typing import Sequence
 
 from ..config import Config, host_settings, job_settings
-from ..errors import ConfigError, PeerLostError
+from ..errors import ConfigError
 from ..protocol.handshake import VERSION as PROTOCOL_VERSION
 from ..transport.names import RankNames
+from .records import Records
 
 SETTINGS = "tb/settings/{rank}"
 DONE = "tb/done/{rank}"
 VERSION_KEY = "torch-thunderbolt version"
-
-
-def publish(store: Any, name: str, value: Any) -> None:
-    """Write set-up record `name` (JSON-able `value`) to the store."""
-    store.set(name, json.dumps(value))
-
-
-def read_all(store: Any, rank: int, names: Sequence[str], owners: Sequence[int], deadline: float,
-             what: str) -> list[Any]:
-    """The values of records `names` (published by ranks `owners`), waiting for them until `deadline`
-    (time.monotonic()); a PeerLostError naming the ranks whose record never came."""
-    wait_all(store, rank, names, owners, deadline, what)
-    multi_get = getattr(store, "multi_get", None)
-    raws = multi_get(list(names)) if multi_get is not None else [store.get(n) for n in names]
-    return [json.loads(raw) for raw in raws]
-
-
-def wait_all(store: Any, rank: int, names: Sequence[str], owners: Sequence[int], deadline: float,
-             what: str) -> None:
-    """Wait (one store call) until every record of `names` exists, or raise at `deadline`."""
-    if not names:
-        return
-    left = max(0.001, deadline - time.monotonic())
-    try:
-        store.wait(list(names), timedelta(seconds=left))
-    except RuntimeError as exc:  # torch's DistStoreError on a timeout; a lost store raises its own error
-        if "timeout" not in str(exc).lower():
-            raise
-        missing = [o for n, o in zip(names, owners) if not store.check([n])]
-        raise PeerLostError(
-            f"rank {rank}: ranks {missing} did not {what} within {left:.0f} s of this rank (the set-up timeout: "
-            f"the group's timeout or THUNDERBOLT_CONNECT_TIMEOUT, the smaller): did they start, and do they run "
-            f"the same torch-thunderbolt version?", rank=rank, peer=missing[0] if missing else -1) from None
 
 
 def my_settings(cfg: Config) -> dict[str, dict[str, str]]:
@@ -78,10 +43,9 @@ class Agreement:
     """Every rank's published settings (`settings[r]`), compared job-wide by `agree_settings` and per host
     by `check_hosts` once the hosts are known."""
 
-    def __init__(self, store: Any, rank: int, world: int, settings: list[dict], deadline: float,
+    def __init__(self, records: Records, rank: int, world: int, settings: list[dict],
                  names: RankNames | None) -> None:
-        self.store, self.rank, self.world, self.settings = store, rank, world, settings
-        self.deadline, self.names = deadline, names
+        self.records, self.rank, self.world, self.settings, self.names = records, rank, world, settings, names
 
     def check_hosts(self, hosts: "Sequence[str] | None", transport: str) -> None:
         """The per-host settings must agree among the ranks of each host. `hosts`: every rank's host identity
@@ -93,7 +57,7 @@ class Agreement:
         for host in dict.fromkeys(hosts):
             ranks = [r for r in range(self.world) if hosts[r] == host]
             where = "" if len(set(hosts)) == 1 else f" on one host ({host.split('|')[0]})"
-            self._compare([self.settings[r]["host"] for r in ranks], ranks,
+            self._compare([self.settings[r].get("host", {}) for r in ranks], ranks,
                           f"every rank sharing memory{where} needs the same value")
 
     def _compare(self, values: list[dict], ranks: list[int], need: str) -> None:
@@ -103,7 +67,7 @@ class Agreement:
         err = ConfigError(f"rank {self.rank}: " + "; ".join(diffs) + f"; {need}")
         # Every rank compares the same records and raises the same error: but the store's host must not go
         # (and take the store with it) before every rank has read them.
-        leave_together(self.store, self.rank, self.world, self.deadline)
+        leave_together(self.records, self.rank, self.world)
         raise err if self.names is None else self.names.apply(err)
 
 
@@ -114,7 +78,7 @@ def differences(values: Sequence[dict], ranks: Sequence[int]) -> list[str]:
     for var in dict.fromkeys(k for v in values for k in v):
         seen: dict[str, list[int]] = {}
         for r, v in zip(ranks, values):
-            seen.setdefault(v.get(var, "(not set: an older version)"), []).append(r)
+            seen.setdefault(str(v.get(var, "(not set: an older version)")), []).append(r)
         if len(seen) > 1:
             each = ", ".join(f"rank {rs[0]} {val}" if len(rs) == 1 else f"ranks {rs} {val}"
                              for val, rs in seen.items())
@@ -122,27 +86,32 @@ def differences(values: Sequence[dict], ranks: Sequence[int]) -> list[str]:
     return out
 
 
-def agree_settings(store: Any, rank: int, world: int, cfg: Config, deadline: float,
+def agree_settings(records: Records, rank: int, world: int, cfg: Config,
                    names: RankNames | None = None) -> Agreement:
     """Publish this rank's settings, read every rank's, and raise ConfigError (on every rank) if the
-    job-wide ones differ. All ranks of the group call this together, before anything else of the set-up."""
-    publish(store, SETTINGS.format(rank=rank), my_settings(cfg))
-    ranks = list(range(world))
-    settings = read_all(store, rank, [SETTINGS.format(rank=p) for p in ranks], ranks, deadline,
-                        "publish their settings")
-    agreement = Agreement(store, rank, world, settings, deadline, names)
-    agreement._compare([s["job"] for s in settings], ranks, "every rank of a job needs the same value")
+    job-wide ones differ. All ranks of the group call this together, before anything else of the set-up
+    but joining the group (`records.join_group`)."""
+    records.publish(SETTINGS.format(rank=rank), my_settings(cfg))
+    settings = []
+    for p in range(world):
+        got = records.read(SETTINGS.format(rank=p), p, "its settings")
+        if not isinstance(got, dict) or not isinstance(got.get("job"), dict):
+            raise ConfigError(f"rank {rank}: rank {p}'s settings record is not one this version reads: does it "
+                              f"run another version of torch-thunderbolt?")
+        settings.append(got)
+    agreement = Agreement(records, rank, world, settings, names)
+    agreement._compare([s["job"] for s in settings], list(range(world)), "every rank of a job needs the same value")
     return agreement
 
 
-def leave_together(store: Any, rank: int, world: int, deadline: float) -> None:
+def leave_together(records: Records, rank: int, world: int) -> None:
     """This rank has read all it needs from the store: say so; rank 0, which serves the store in env:// and
-    thunderbolt:// jobs, then waits until every rank has said so (one wait, until `deadline`), so that it
-    cannot leave the set-up, exit and take the store with it while a peer still reads from it. The other
-    ranks go on at once."""
+    thunderbolt:// jobs, then waits until every rank has said so (within the set-up deadline; a rank that
+    gave up meanwhile is named with its reason), so that it cannot leave the set-up, exit and take the store
+    with it while a peer still reads from it. The other ranks go on at once."""
     if world == 1:
         return
-    publish(store, DONE.format(rank=rank), 1)
+    records.publish(DONE.format(rank=rank), 1)
     if rank == 0:
-        ranks = list(range(1, world))
-        wait_all(store, rank, [DONE.format(rank=p) for p in ranks], ranks, deadline, "finish the set-up")
+        for p in range(1, world):
+            records.read(DONE.format(rank=p), p, "that it finished its set-up")

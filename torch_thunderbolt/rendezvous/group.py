@@ -21,6 +21,7 @@ from ..transport.base import LinkKind
 from ..transport.names import RankNames
 from .agree import agree_settings, leave_together
 from .hosts import host_map
+from .records import GroupAuth, Records
 from .shm import ShmOptions, connect_shm_links
 from .tcp import connect_tcp_links
 
@@ -36,25 +37,38 @@ class Connected:
 def connect(store: Any, rank: int, world: int, cfg: Config, timeout: float,
             names: RankNames | None = None) -> Connected:
     """Connect this rank to every other rank of the group (all ranks call this together). `names`: how the
-    transport's errors name the ranks of a subgroup (None when its ranks are the global ones)."""
+    transport's errors name the ranks of a subgroup (None when its ranks are the global ones). Every record
+    read from the store is checked (records.py); a rank that gives up says why there, and every rank
+    waiting for it raises that reason."""
     if world == 1:
         return Connected(Transport(rank, 1, [], names=names), None)
+    records = Records(store, rank, cfg.secret, time.monotonic() + min(timeout, cfg.connect_timeout))
+    try:
+        auth = records.join_group()
+        return _connect(store, rank, world, cfg, timeout, names, records, auth)
+    except BaseException as exc:
+        records.announce(exc)
+        raise
+
+
+def _connect(store: Any, rank: int, world: int, cfg: Config, timeout: float, names: RankNames | None,
+             records: Records, auth: GroupAuth) -> Connected:
     # First of all: the settings that must agree (a transport that differs would make the steps below
     # wait for records or connections that never come).
-    agreement = agree_settings(store, rank, world, cfg, time.monotonic() + min(timeout, cfg.connect_timeout), names)
-    hosts = None if cfg.transport != "auto" else host_map(store, rank, world)
+    agreement = agree_settings(records, rank, world, cfg, names)
+    hosts = None if cfg.transport != "auto" else host_map(records, rank, world)
     agreement.check_hosts(hosts, cfg.transport)
     kind = choose_transport(cfg.transport, rank, hosts)
     if kind in ("shm", "hybrid"):
         kind = shm_or_tcp(kind, rank)
     if kind == "shm":
-        connected = Connected(Transport(rank, world, [connect_shm_links(store, rank, world, cfg, timeout)],
-                                        names=names), None)
+        connected = Connected(Transport(rank, world, [connect_shm_links(store, rank, world, cfg, timeout,
+                                                                        records=records)], names=names), None)
     else:
         if kind == "hybrid" and hosts is not None:
-            kinds, nets = connect_hybrid_links(store, rank, world, cfg, timeout, hosts)
+            kinds, nets = connect_hybrid_links(store, rank, world, cfg, timeout, hosts, records, auth)
         else:
-            tcp, nets = connect_tcp_links(store, rank, world, cfg, timeout)
+            tcp, nets = connect_tcp_links(store, rank, world, cfg, timeout, records=records, auth=auth)
             kinds = [tcp]
         transport = Transport(rank, world, kinds, names=names)
         if hosts is not None and 1 < len(set(hosts)) < len(hosts):  # several hosts, some with several ranks
@@ -62,7 +76,7 @@ def connect(store: Any, rank: int, world: int, cfg: Config, timeout: float,
         else:
             connected = Connected(transport, shape_from_networks(nets) if nets else None)
     try:
-        leave_together(store, rank, world, time.monotonic() + min(timeout, cfg.connect_timeout))
+        leave_together(records, rank, world)
     except BaseException:
         connected.transport.close()
         raise
@@ -70,7 +84,8 @@ def connect(store: Any, rank: int, world: int, cfg: Config, timeout: float,
 
 
 def connect_hybrid_links(store: Any, rank: int, world: int, cfg: Config, timeout: float,
-                         hosts: list[str]) -> "tuple[list[LinkKind], list[list[str]]]":
+                         hosts: list[str], records: Records | None = None,
+                         auth: GroupAuth | None = None) -> "tuple[list[LinkKind], list[list[str]]]":
     """Shared memory among the ranks whose host identity (`hosts[r]`) equals ours, TCP for the rest: the
     two kinds of links of one engine, and every rank's networks. Every rank of the group must call this
     together."""
@@ -78,9 +93,9 @@ def connect_hybrid_links(store: Any, rank: int, world: int, cfg: Config, timeout
     opts = ShmOptions.from_config(cfg)
     # TCP first: every rank takes part in it, so the shm set-up below cannot wait on a rank stuck in TCP's.
     remote = [p for p in range(world) if p != rank and p not in local]
-    tcp, networks = connect_tcp_links(store, rank, world, cfg, timeout, peers=remote)
+    tcp, networks = connect_tcp_links(store, rank, world, cfg, timeout, peers=remote, records=records, auth=auth)
     try:
-        shm = connect_shm_links(store, rank, world, cfg, timeout, opts, peers=local)
+        shm = connect_shm_links(store, rank, world, cfg, timeout, opts, peers=local, records=records)
     except BaseException:
         for link in tcp.links.values():
             link.close()

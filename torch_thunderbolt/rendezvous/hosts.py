@@ -7,9 +7,12 @@ import re
 import socket
 import subprocess
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..platform import IOREG, SYSCTL, Platform, current
+
+if TYPE_CHECKING:
+    from .records import Records
 
 
 def _run_tool(argv: list[str]) -> str:
@@ -49,10 +52,11 @@ def host_identity(plat: Platform | None = None, run: Callable[[list[str]], str] 
     return "|".join(parts)
 
 
-def host_map(store: Any, rank: int, world: int) -> list[str]:
-    """Every rank's host identity (publishes ours); for choosing shm, tcp or a mix."""
-    store.set(f"tbshm/host/{rank}", host_identity())  # looked up at call time: tests emulate hosts by patching it
-    return [store.get(f"tbshm/host/{p}").decode() for p in range(world)]
+def host_map(records: "Records", rank: int, world: int) -> list[str]:
+    """Every rank's host identity (publishes ours), from the group's checked set-up records; for choosing
+    shm, tcp or a mix."""
+    records.publish(f"tbshm/host/{rank}", host_identity())  # looked up at call time: tests emulate hosts by patching it
+    return [str(records.read(f"tbshm/host/{p}", p, "its host identity")) for p in range(world)]
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:

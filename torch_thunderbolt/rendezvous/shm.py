@@ -1,9 +1,9 @@
 """Setting up the shared-memory links of one group through the rendezvous store.
 
 Every rank creates its inbound segment and a Unix-socket listener, publishes both (plus its host identity)
-under `tbshm/<rank>`, connects a doorbell socket to every lower rank (authenticated with a per-group token
-from the store) and accepts one from every higher rank, maps every peer's segment, and waits until all
-ranks have mapped theirs. Then each unlinks its segment and listener path: from here on a crash, even
+under `tbshm/<rank>` (a set-up record, checked with the job's key when there is one: records.py), connects
+a doorbell socket to every lower rank (authenticated with a per-group token from the store) and accepts one
+from every higher rank, maps every peer's segment, and waits until all ranks have mapped theirs. Then each unlinks its segment and listener path: from here on a crash, even
 kill -9, leaves nothing behind. Options come from the Config (THUNDERBOLT_SHM_SLOT, _SLOTS, _SPIN_US,
 _WINDOW and _DIR, parsed and checked in config.py): slot payload bytes (default 1M), slots per directed pair
 (default 8), spin before blocking (default 100 µs, or 0 when ranks outnumber cores), bytes per buffer of the
@@ -12,7 +12,6 @@ collectives then run over the rings) and where file-backed segments live.
 """
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import socket
@@ -31,6 +30,7 @@ from ..transport.shm_window import area_bytes
 from . import hosts
 from .agree import leave_together
 from .hosts import recv_exact
+from .records import Records
 
 _HELLO = struct.Struct("<I16s")
 
@@ -98,18 +98,23 @@ def _connect(rank: int, peer: int, path: str, token: bytes, deadline: float) -> 
                         rank=rank, peer=peer, address=path)
 
 
-def _accept(lst: socket.socket, rank: int, higher: set[int], token: bytes, deadline: float) -> dict[int, socket.socket]:
+def _accept(lst: socket.socket, rank: int, higher: set[int], token: bytes, deadline: float,
+            records: Records | None = None) -> dict[int, socket.socket]:
     got: dict[int, socket.socket] = {}
     while len(got) < len(higher):
         left = deadline - time.monotonic()
+        missing = sorted(higher - set(got))
         if left <= 0:
-            missing = sorted(higher - set(got))
             raise PeerLostError(f"rank {rank}: timed out waiting for ranks {missing} to attach over shared memory",
                                 rank=rank, peer=missing[0])
-        lst.settimeout(left)
+        lst.settimeout(min(left, 0.25))
         try:
             sock, _ = lst.accept()
         except socket.timeout:
+            for p in missing if records is not None else ():  # one that gave up says why: raise it now
+                failed = records.failure(p)
+                if failed is not None:
+                    raise failed from None
             continue
         try:
             sock.settimeout(5.0)
@@ -129,19 +134,29 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Config, timeout: float,
     """A transport over shared memory alone: every rank of the group on this host (see `hosts.host_map`).
     `opts`: sizes overriding the Config's (benchmarks, tests). Rank 0 returns only once every rank has read
     what it needs from the store (which rank 0 may serve: agree.leave_together)."""
-    transport = Transport(rank, world, [connect_shm_links(store, rank, world, cfg, timeout, opts)])
+    records = Records(store, rank, cfg.secret, time.monotonic() + min(timeout, cfg.connect_timeout))
     try:
-        leave_together(store, rank, world, time.monotonic() + min(timeout, cfg.connect_timeout))
-    except BaseException:
+        records.join_group()
+        links = connect_shm_links(store, rank, world, cfg, timeout, opts, records=records)
+    except BaseException as exc:
+        records.announce(exc)
+        raise
+    transport = Transport(rank, world, [links])
+    try:
+        leave_together(records, rank, world)
+    except BaseException as exc:
+        records.announce(exc)
         transport.close()
         raise
     return transport
 
 
 def connect_shm_links(store: Any, rank: int, world: int, cfg: Config, timeout: float,
-                      opts: ShmOptions | None = None, peers: "Sequence[int] | None" = None) -> ShmLinks:
+                      opts: ShmOptions | None = None, peers: "Sequence[int] | None" = None,
+                      records: Records | None = None) -> ShmLinks:
     """This group's shared-memory links. `peers`: only these ranks (all on this host; default every other
-    rank), e.g. a host's share of a multi-host job."""
+    rank), e.g. a host's share of a multi-host job. `records`: the group's set-up records when the caller
+    (group.connect) has joined the group already; by default this joins it itself."""
     why = ring.shm_refusal()
     if why is not None:
         raise ConfigError(f"rank {rank}: shared memory is not safe on this machine ({why}); set "
@@ -149,6 +164,13 @@ def connect_shm_links(store: Any, rank: int, world: int, cfg: Config, timeout: f
     opts = opts or ShmOptions.from_config(cfg)
     members = sorted(set(range(world) if peers is None else peers) - {rank})
     deadline = time.monotonic() + min(timeout, cfg.connect_timeout)
+    if records is None:
+        records = Records(store, rank, cfg.secret, deadline)
+        try:
+            records.join_group()
+        except BaseException as exc:
+            records.announce(exc)
+            raise
     try:
         segs.cleanup_stale_segments()  # a janitor pass: leftovers of crashed jobs on this host
     except OSError:
@@ -157,10 +179,18 @@ def connect_shm_links(store: Any, rank: int, world: int, cfg: Config, timeout: f
     # It sits in the unauthenticated store, yet a stranger on another host who reads it gains nothing: it only
     # opens the doorbell, a Unix socket on this host, and the segments are this host's memory. (A local
     # attacker is out of scope, as for gloo; no THUNDERBOLT_SECRET is needed here, so shm-only groups don't warn.)
-    token_key = "tbshm/token" if peers is None else f"tbshm/token/{min(members + [rank])}"
-    if rank < min(members, default=rank + 1):
-        store.set(token_key, secrets.token_hex(16))
-    token = bytes.fromhex(store.get(token_key).decode())
+    first = min(members + [rank])
+    token_key = "tbshm/token" if peers is None else f"tbshm/token/{first}"
+    if rank == first:
+        token_hex = secrets.token_hex(16)
+        records.publish(token_key, token_hex)
+    else:
+        try:
+            token_hex = records.read(token_key, first, "the shared-memory token")
+        except BaseException as exc:
+            records.announce(exc)
+            raise
+    token = bytes.fromhex(token_hex)
     # This host's ranks share a window: the whole group's, or a multi-host job's per-host phases run on it.
     window = default_window_bytes(len(members) + 1) if opts.window_bytes is None else opts.window_bytes
     area = area_bytes(window)
@@ -175,8 +205,8 @@ def connect_shm_links(store: Any, rank: int, world: int, cfg: Config, timeout: f
         own_mv.release()
         me = {"name": own.name, "path": str(own.path) if own.path else None, "sock": path, "pid": os.getpid(),
               "host": hosts.host_identity()}
-        store.set(f"tbshm/{rank}", json.dumps(me))
-        infos = {p: json.loads(store.get(f"tbshm/{p}")) for p in members}
+        records.publish(f"tbshm/{rank}", me)
+        infos = {p: records.read(f"tbshm/{p}", p, "its shared-memory segment") for p in members}
         for p, info in infos.items():
             if info["host"] != me["host"]:
                 raise ConfigError(f"THUNDERBOLT_TRANSPORT=shm: rank {p} runs on another host ({info['host']}) "
@@ -184,7 +214,7 @@ def connect_shm_links(store: Any, rank: int, world: int, cfg: Config, timeout: f
         for p in members:
             if p < rank:
                 socks[p] = _connect(rank, p, infos[p]["sock"], token, deadline)
-        socks.update(_accept(lst, rank, {p for p in members if p > rank}, token, deadline))
+        socks.update(_accept(lst, rank, {p for p in members if p > rank}, token, deadline, records))
         peers = {}
         for p, info in infos.items():
             layout = ConfigError(f"rank {p}'s shared-memory segment has a different layout (set the same "
@@ -194,7 +224,9 @@ def connect_shm_links(store: Any, rank: int, world: int, cfg: Config, timeout: f
             except segs.SizeMismatch:
                 raise layout from None
             except FileNotFoundError:
-                _raise_peer_failure(store, rank, p)
+                failed = records.failure(p)  # it gave up and removed its segment: say why
+                if failed is not None:
+                    raise failed from None
                 raise
             attached.append(seg)
             mv = memoryview(seg.mm)
@@ -203,19 +235,16 @@ def connect_shm_links(store: Any, rank: int, world: int, cfg: Config, timeout: f
             if not ok:
                 raise layout
             peers[p] = (socks[p], info["pid"], seg)
-        store.set(f"tbshm/ready/{rank}", "1")
+        records.publish(f"tbshm/ready/{rank}", 1)
         for p in infos:
-            store.get(f"tbshm/ready/{p}")
+            records.read(f"tbshm/ready/{p}", p, "its readiness")
         own.unlink()  # every peer has it mapped
         spin = None if opts.spin_us is None else opts.spin_us * 1e-6
         return ShmLinks(rank, world, own, peers, slots=opts.slots, slot_bytes=opts.slot_bytes, spin=spin,
                         window_bytes=window)
     except BaseException as exc:
         # Before our segment disappears: a peer that can't attach it any more learns why from the store.
-        try:
-            store.set(f"tbshm/failed/{rank}", f"{type(exc).__name__}: {exc}"[:1000])
-        except Exception:  # noqa: BLE001 - the store may be what failed
-            pass
+        records.announce(exc)
         own.unlink()
         own.close()
         for seg in attached:
@@ -229,18 +258,4 @@ def connect_shm_links(store: Any, rank: int, world: int, cfg: Config, timeout: f
             os.unlink(path)
         except FileNotFoundError:
             pass
-
-
-def _raise_peer_failure(store: Any, rank: int, peer: int) -> None:
-    """If `peer` gave up during setup (its segment is gone), raise its reason on this rank too."""
-    key = f"tbshm/failed/{peer}"
-    try:
-        if not store.check([key]):
-            return
-        text = store.get(key).decode(errors="replace")
-    except Exception:  # noqa: BLE001 - no reason available: the caller raises what it has
-        return
-    name, _, reason = text.partition(": ")
-    cls = ConfigError if name == "ConfigError" else HandshakeError
-    raise cls(f"rank {rank}: rank {peer} failed to set up shared memory: {reason or name}")
 

@@ -2,35 +2,38 @@
 listeners on the chosen addresses only, authenticated streams to every peer.
 
 Rank r connects to every lower rank and accepts from every higher one; each stream is authenticated with
-the group's key (protocol.handshake). With THUNDERBOLT_SECRET the key is derived from that private secret and
-the group nonce, so what the store holds is useless to a stranger; without it the nonce itself is the key,
-and anyone who can reach the store (MASTER_PORT, no authentication) can join, so each rank warns. Anything
-else that connects is refused and logged. Listeners are closed once the group is connected, so stray
-connections later get "connection refused".
+the group's key (protocol.handshake), bound to the addresses both ends of that connection see. With
+THUNDERBOLT_SECRET the key is derived from that private secret and the group nonce, so what the store holds
+is useless to a stranger, and every record read from the store is checked (records.py), so a rewritten
+endpoint fails the set-up, naming it, instead of leading a rank to a relay; without it the nonce itself is
+the key, and anyone who can reach the store (MASTER_PORT, no authentication) can join, so each rank warns.
+Anything else that connects is refused and logged. Listeners are closed once the group is connected, so
+stray connections later get "connection refused". A rank that gives up announces why in the store, and the
+ranks waiting for it raise that reason.
 """
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import socket
 import threading
 import time
-import uuid
 from typing import Any, Callable
 
 from ..config import Config
-from ..errors import ConfigError, HandshakeError, PeerLostError
+from ..errors import ConfigError, HandshakeError, PeerLostError, ThunderboltError
 from ..platform import (DARWIN_TCP_RXT_CONNDROPTIME, LINUX_TCP_USER_TIMEOUT, LOCAL_NETWORK_SETTING,  # noqa: F401
                         Platform, current)
 from ..protocol import handshake as hs
+from ..protocol.integrity import stream_keys
 from ..transport.engine import Transport
 from ..transport.netif import choose_addresses, network_of
 from ..transport.tcp import TcpLinks
 from . import hosts
 from .agree import leave_together
 from .hosts import recv_exact
+from .records import SECRET_HINT, GroupAuth, Records
 
 log = logging.getLogger("torch_thunderbolt.bootstrap")
 # The no-secret warning goes on the package's top logger: it is about the whole job, not a set-up detail.
@@ -42,8 +45,6 @@ NO_SECRET_WARNING = (
     "MASTER_PORT can read it, join the job in a rank's place and receive its tensors. Set the same random "
     "THUNDERBOLT_SECRET on every rank (python -c 'import secrets; print(secrets.token_hex(32))'), or start "
     "the job with `torch-thunderbolt launch`, which does this for you.")
-SECRET_HINT = ("every rank of the job needs the same THUNDERBOLT_SECRET (`torch-thunderbolt launch` gives all "
-               "ranks of a job the same one)")
 
 
 def store_host(store: Any) -> str | None:
@@ -99,6 +100,9 @@ class SocketTuner:
         elif cc:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
+            except UnicodeEncodeError:  # a Config made without from_env, which refuses such values
+                raise ConfigError(f"THUNDERBOLT_CC={cc!r}: expected the name of a congestion control "
+                                  f"algorithm in UTF-8 text, e.g. cubic") from None
             except OSError as exc:
                 raise ConfigError(f"THUNDERBOLT_CC={cc}: not available here ({exc})") from exc
 
@@ -185,7 +189,12 @@ def _nodelay(sock: socket.socket) -> None:
 
 
 class _Acceptor:
-    """Accepts and authenticates the streams of every higher rank, each handshake on its own thread."""
+    """Accepts and authenticates the streams of every higher rank, each handshake on its own thread.
+
+    A stranger's connection is refused and logged, and the set-up goes on. Two things end it at once
+    (`fatal`): a connection from an expected rank that proved the job's private key (THUNDERBOLT_SECRET) but
+    was relayed (that rank was led to a stranger's address: it can never connect directly, and the store
+    was tampered with), and a peer record that fails its check."""
 
     def __init__(self, listeners: list[socket.socket], rank: int, world: int, streams: int, secret: bytes,
                  group_id: str, peer_addrs: "Callable[[int], set[str]]", cfg: Config, deadline: float,
@@ -196,11 +205,16 @@ class _Acceptor:
         self.higher = set(range(rank + 1, world)) if higher is None else higher
         self.expected = len(self.higher) * streams
         self.conns: dict[tuple[int, int], socket.socket] = {}
+        self.sessions: dict[tuple[int, int], bytes] = {}
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._loop, name=f"tb-accept-{rank}", daemon=True)
         self.rejected = 0
         self.last_refusal = ""  # why the last stranger (or misconfigured rank) was refused, for the timeout
+        # Refusals of a well-formed HELLO from an expected rank whose MAC was wrong: a rank with another
+        # THUNDERBOLT_SECRET (or a stranger who read the store): only these earn the hint about the secret.
+        self.bad_mac: dict[int, str] = {}
+        self.fatal: BaseException | None = None
 
     def stop(self) -> None:
         self.done.set()
@@ -228,7 +242,11 @@ class _Acceptor:
     def _claim(self, src_ip: str, rank: int, stream: int) -> bool:
         if rank not in self.higher:
             return False
-        allowed = self.peer_addrs(rank)  # published before that rank connects, so this never waits
+        try:
+            allowed = self.peer_addrs(rank)  # published before that rank connects, so this never waits
+        except ThunderboltError as exc:  # its record failed its check: nobody can be accepted as that rank
+            self._end(exc)
+            return False
         if not self.cfg.listen_all and src_ip not in allowed and "0.0.0.0" not in allowed:
             log.warning("rank %d: refused rank %d's stream from unexpected address %s (expected %s)",
                         self.rank, rank, src_ip, sorted(allowed))
@@ -239,9 +257,19 @@ class _Acceptor:
             self.conns[(rank, stream)] = None  # reserved
             return True
 
+    def _end(self, exc: BaseException) -> None:
+        if self.fatal is None:
+            self.fatal = exc
+        self.done.set()
+
     def _handshake(self, sock: socket.socket, addr: tuple) -> None:
+        try:
+            local, peer = sock.getsockname()[:2], sock.getpeername()[:2]
+        except OSError:
+            sock.close()
+            return
         server = hs.ServerHandshake(self.secret, self.rank, self.group_id,
-                                    lambda r, s: self._claim(addr[0], r, s), self.streams)
+                                    lambda r, s: self._claim(addr[0], r, s), self.streams, local=local, peer=peer)
         try:
             sock.settimeout(10.0)
             try:
@@ -255,6 +283,7 @@ class _Acceptor:
             result = server.receive(head + recv_exact(sock, hs.HELLO_SIZE - len(head)))
             sock.sendall(server.reply)
         except (HandshakeError, OSError) as exc:
+            why = getattr(exc, "why", "")
             self.rejected += 1
             self.last_refusal = f"{addr[0]}: {exc}"
             log.warning("rank %d: refused a connection from %s:%s: %s", self.rank, addr[0], addr[1], exc)
@@ -264,10 +293,21 @@ class _Acceptor:
                 except OSError:
                     pass
             sock.close()
+            if why == "mac" and server.claimed_rank in self.higher:
+                self.bad_mac[server.claimed_rank] = f"{addr[0]}: {exc}"
+            elif why == "relay" and self.cfg.secret and server.claimed_rank in self.higher:
+                # Only a holder of the private key makes a HELLO whose MAC checks out (without a secret,
+                # anyone who read the store can, and is merely refused).
+                self._end(HandshakeError(
+                    f"rank {self.rank}: {exc}. A rank that knows the job's key reached this rank through a relay: "
+                    f"the rendezvous store was tampered with (record tb/ep/{self.rank}, this rank's endpoints, "
+                    f"was rewritten to point elsewhere); restart every rank and firewall MASTER_PORT (README, "
+                    f"Security)", why="relay"))
             return
         _nodelay(sock)
         with self.lock:
             self.conns[(result.peer_rank, result.stream)] = sock
+            self.sessions[(result.peer_rank, result.stream)] = result.session
             if sum(1 for s in self.conns.values() if s is not None) == self.expected:
                 self.done.set()
 
@@ -343,9 +383,19 @@ def _refuses(target: tuple[str, int]) -> BaseException | None:
 
 def _connect(rank: int, peer: int, stream: int, target: tuple[str, int], source: str, secret: bytes,
              group_id: str, cfg: Config, deadline: float, tuner: SocketTuner | None = None,
-             new_socket: Callable[[], socket.socket] = _tcp_socket) -> socket.socket:
+             new_socket: Callable[[], socket.socket] = _tcp_socket, records: Records | None = None) -> socket.socket:
     """One authenticated stream to `peer` (retrying refused connections until `deadline`). Where the
     platform has Local Network privacy (macOS), a peer denied that way fails within a few tries."""
+    return _dial(rank, peer, stream, target, source, secret, group_id, cfg, deadline, tuner, new_socket,
+                 records)[0]
+
+
+def _dial(rank: int, peer: int, stream: int, target: tuple[str, int], source: str, secret: bytes,
+          group_id: str, cfg: Config, deadline: float, tuner: SocketTuner | None = None,
+          new_socket: Callable[[], socket.socket] = _tcp_socket,
+          records: Records | None = None) -> tuple[socket.socket, bytes]:
+    """`_connect`, and the stream's own key (for per-frame MACs). `records`: where to look for `peer`'s
+    announced failure when its endpoint refuses connections (its reason beats "died")."""
     tuner = tuner or SocketTuner(cfg, rank=rank)
     last: Exception | None = None
     denied = 0
@@ -358,15 +408,22 @@ def _connect(rank: int, peer: int, stream: int, target: tuple[str, int], source:
                 sock.bind((source, 0))
             sock.settimeout(10.0)
             sock.connect(target)
-            client = hs.ClientHandshake(secret, rank, peer, stream, group_id)
+            client = hs.ClientHandshake(secret, rank, peer, stream, group_id, dialled=sock.getpeername()[:2],
+                                        local=sock.getsockname()[:2])
             sock.sendall(client.receive_challenge(recv_exact(sock, hs.CHALLENGE_SIZE)))
             client.receive_reply(recv_exact(sock, hs.REPLY_SIZE))
             _nodelay(sock)
-            return sock
+            return sock, client.session
         except HandshakeError as exc:
             sock.close()
-            raise HandshakeError(f"rank {rank}: the handshake with rank {peer} at {target[0]}:{target[1]} "
-                                 f"failed: {exc}; {SECRET_HINT}") from exc
+            where = f"rank {rank}: the handshake with rank {peer} at {target[0]}:{target[1]} failed: {exc}"
+            if exc.why == "relay":
+                raise HandshakeError(
+                    f"{where}: the address in record tb/ep/{peer} does not reach rank {peer} directly but through a "
+                    f"relay: the rendezvous store was tampered with; restart every rank and firewall MASTER_PORT "
+                    f"(README, Security)", why="relay") from exc
+            hint = f"; {SECRET_HINT}" if exc.why == "mac" else ""
+            raise HandshakeError(f"{where}{hint}", why=exc.why) from exc
         except OSError as exc:
             sock.close()
             last = exc
@@ -381,7 +438,8 @@ def _connect(rank: int, peer: int, stream: int, target: tuple[str, int], source:
                 now = time.monotonic()
                 refused_since = now if refused_since is None else refused_since
                 if now - refused_since >= REFUSED_DEAD_SECONDS:
-                    raise died_in_setup(rank, peer, target, now - refused_since, exc) from exc
+                    failed = records.failure(peer) if records is not None else None
+                    raise (failed or died_in_setup(rank, peer, target, now - refused_since, exc)) from exc
             else:
                 refused_since = None
             time.sleep(0.1)
@@ -402,45 +460,54 @@ def stream_routes(my_addrs: list[str], my_nets: list[str], peer_eps: list, peer_
     return [direct[s % len(direct)] for s in range(streams)]
 
 
-def group_key(store: Any, rank: int, private: bytes) -> tuple[bytes, str]:
-    """(handshake key, group id) of this group. Rank 0 publishes a fresh group id and nonce; the key is
-    derived from `private` (THUNDERBOLT_SECRET) when there is one, else it is the published nonce itself."""
-    if rank == 0:
-        store.set("tb/group", json.dumps({"nonce": os.urandom(32).hex(), "group": uuid.uuid4().hex}))
-    shared = json.loads(store.get("tb/group"))
-    nonce, group_id = bytes.fromhex(shared["nonce"]), shared["group"]
-    return (hs.derive_key(private, nonce, group_id) if private else nonce), group_id
+def group_key(store: Any, rank: int, private: bytes, timeout: float = 60.0) -> tuple[bytes, str]:
+    """(handshake key, group id) of this group (Records.join_group): rank 0 publishes a fresh group id and
+    nonce; the key is derived from `private` (THUNDERBOLT_SECRET) when there is one, else it is the published
+    nonce itself."""
+    auth = Records(store, rank, private, time.monotonic() + timeout).join_group()
+    return auth.key, auth.group_id
 
 
-def check_same_auth(rank: int, auth: str, peer: int, info: dict) -> None:
-    """A ConfigError when `peer` published a different kind of key (one rank with THUNDERBOLT_SECRET, one
-    without): clearer than the handshake failure it would otherwise get."""
-    theirs = info.get("auth", "store")
-    if theirs != auth:
-        kinds = {"private": "has THUNDERBOLT_SECRET set", "store": "has no THUNDERBOLT_SECRET"}
-        raise ConfigError(f"rank {rank}: rank {peer} {kinds.get(theirs, f'uses an unknown key kind {theirs!r}')} "
-                          f"but this rank {kinds[auth]}; {SECRET_HINT}")
+def same_integrity(rank: int, cfg: Config, peer: int, info: dict) -> None:
+    """A ConfigError when `peer` (its endpoint record `info`) runs another THUNDERBOLT_INTEGRITY: its frames
+    would be unreadable here, and ours there."""
+    theirs = info.get("integrity", "none")
+    if theirs != cfg.integrity:
+        raise ConfigError(f"rank {rank}: THUNDERBOLT_INTEGRITY differs: rank {peer} has {theirs!r}, this rank has "
+                          f"{cfg.integrity!r}; set the same on every rank")
 
 
-def _wait_for_higher(acceptor: "_Acceptor", store: Any, rank: int, members: list[int], streams: int,
+def _missing(acceptor: "_Acceptor", members: list[int], rank: int, streams: int) -> list[int]:
+    return sorted({p for p in members if p > rank for s in range(streams) if acceptor.conns.get((p, s)) is None})
+
+
+def _wait_for_higher(acceptor: "_Acceptor", records: Records, rank: int, members: list[int], streams: int,
                      deadline: float) -> "tuple[bool, PeerLostError | None]":
-    """Wait for every higher rank to connect: (True, None), or (False, None) at `deadline`. Meanwhile, from
-    PROBE_AFTER on, check the published endpoint of each rank still missing: one that refuses connections
-    REFUSED_DEAD_SECONDS long is a rank that died during set-up: (False, what to say about it) at once."""
+    """Wait for every higher rank to connect: (True, None), or (False, None) at `deadline`. Meanwhile raise
+    what ends the set-up at once: a rank still missing that announced its failure (its reason), a record
+    that fails its check, a relayed connection (`acceptor.fatal`). From PROBE_AFTER on, also check the
+    published endpoint of each rank still missing: one that refuses connections REFUSED_DEAD_SECONDS long
+    is a rank that died during set-up without a word: (False, what to say about it) at once."""
     started = time.monotonic()
     refused_since: dict[int, float] = {}
     while not acceptor.done.wait(max(0.0, min(PROBE_EVERY, deadline - time.monotonic()))):
+        if acceptor.fatal is not None:
+            raise acceptor.fatal
+        missing = _missing(acceptor, members, rank, streams)
+        for p in missing:
+            failed = records.failure(p)
+            if failed is not None:
+                raise failed
         now = time.monotonic()
         if now >= deadline:
             return False, None
         if now - started < PROBE_AFTER:
             continue
-        missing = sorted({p for p in members if p > rank
-                          for s in range(streams) if acceptor.conns.get((p, s)) is None})
         for p in missing:
-            if not store.check([f"tb/ep/{p}"]):
+            info = records.peek(f"tb/ep/{p}", p)
+            if info is None:
                 continue  # not even published: only the deadline can tell
-            ep = json.loads(store.get(f"tb/ep/{p}"))["endpoints"][0]
+            ep = info["endpoints"][0]
             if ep[0] == "0.0.0.0":
                 continue
             target = (ep[0], int(ep[1]))
@@ -452,89 +519,120 @@ def _wait_for_higher(acceptor: "_Acceptor", store: Any, rank: int, members: list
             if time.monotonic() - since >= REFUSED_DEAD_SECONDS:
                 if acceptor.done.is_set() or all(acceptor.conns.get((p, s)) is not None for s in range(streams)):
                     continue  # its streams came in meanwhile, and it closed its listener (its set-up is done)
+                failed = records.failure(p)  # it may have said why just before it closed its listener
+                if failed is not None:
+                    raise failed
                 return False, died_in_setup(rank, p, target, time.monotonic() - since, exc)
+    if acceptor.fatal is not None:
+        raise acceptor.fatal
     return True, None
 
 
 def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) -> Transport:
     """A transport over TCP alone, to every other rank of the group. Rank 0 returns only once every rank has
     read what it needs from the store (which rank 0 may serve: agree.leave_together)."""
-    links, _ = connect_tcp_links(store, rank, world, cfg, timeout)
+    records = Records(store, rank, cfg.secret, time.monotonic() + min(timeout, cfg.connect_timeout))
+    try:
+        auth = records.join_group()
+        links, _ = connect_tcp_links(store, rank, world, cfg, timeout, records=records, auth=auth)
+    except BaseException as exc:
+        records.announce(exc)
+        raise
     transport = Transport(rank, world, [links])
     try:
-        leave_together(store, rank, world, time.monotonic() + min(timeout, cfg.connect_timeout))
-    except BaseException:
+        leave_together(records, rank, world)
+    except BaseException as exc:
+        records.announce(exc)
         transport.close()
         raise
     return transport
 
 
 def connect_tcp_links(store: Any, rank: int, world: int, cfg: Config, timeout: float,
-                      peers: "list[int] | None" = None) -> "tuple[TcpLinks, list[list[str]]]":
+                      peers: "list[int] | None" = None, records: Records | None = None,
+                      auth: GroupAuth | None = None) -> "tuple[TcpLinks, list[list[str]]]":
     """This group's TCP links, and every rank's networks (the backend derives the cluster shape from
     them). `peers`: connect only to these ranks (default every other one), e.g. the other hosts' ranks of
-    a multi-host job with several ranks per host; rank numbers stay the group's."""
+    a multi-host job with several ranks per host; rank numbers stay the group's. `records`, `auth`: the
+    group's set-up records and handshake key when the caller (group.connect) has them already; by default
+    this joins the group itself (every rank must then call this, not group.connect)."""
     members = sorted(set(range(world) if peers is None else peers) - {rank})
     deadline = time.monotonic() + min(timeout, cfg.connect_timeout)
     tuner = SocketTuner(cfg, rank=rank)
     # Every peer's streams, twice while the listeners and handshakes overlap.
     ensure_open_files(len(members) * cfg.streams * 2 + OPEN_FILES_MARGIN, rank)
+    records = records or Records(store, rank, cfg.secret, deadline)
     addrs = choose_addresses(cfg.ifnames, store_host(store))
     listeners = [_listen(a, cfg, rank, tuner) for a in (addrs[:1] if cfg.listen_all else addrs)]
     acceptor: _Acceptor | None = None
     conns: dict[int, list[socket.socket]] = {}
+    sessions: dict[int, list[bytes]] = {}
     try:
-        secret, group_id = group_key(store, rank, cfg.secret)
-        auth = "private" if cfg.secret else "store"
+        auth = auth or records.join_group()
         if not cfg.secret and members:
             security_log.warning(NO_SECRET_WARNING, rank)
         endpoints = [[a, lst.getsockname()[1]] for a, lst in zip(addrs, listeners)]
         nets = [network_of(a) for a in addrs]
-        store.set(f"tb/ep/{rank}", json.dumps({"endpoints": endpoints, "nets": nets, "host": hosts.host_identity(),
-                                               "auth": auth}))
+        records.publish(f"tb/ep/{rank}", {"endpoints": endpoints, "nets": nets, "host": hosts.host_identity(),
+                                          "integrity": cfg.integrity})
         # Accept before waiting for anyone: peers may connect as soon as we published our endpoint.
-        acceptor = _Acceptor(listeners, rank, world, cfg.streams, secret, group_id,
-                             lambda p: {a for a, _ in json.loads(store.get(f"tb/ep/{p}"))["endpoints"]},
+        acceptor = _Acceptor(listeners, rank, world, cfg.streams, auth.key, auth.group_id,
+                             lambda p: {a for a, _ in records.read(f"tb/ep/{p}", p, "its endpoints")["endpoints"]},
                              cfg, deadline, {p for p in members if p > rank})
         acceptor.start()
         lower = [p for p in members if p < rank]
-        infos = {p: json.loads(store.get(f"tb/ep/{p}")) for p in lower}
+        infos = {p: records.read(f"tb/ep/{p}", p, "its endpoints") for p in lower}
         for p in lower:
-            check_same_auth(rank, auth, p, infos[p])
+            same_integrity(rank, cfg, p, infos[p])
             routes = stream_routes(addrs, nets, infos[p]["endpoints"], infos[p].get("nets", []), cfg.streams)
-            conns[p] = []
+            conns[p], sessions[p] = [], []
             for s, (source, target) in enumerate(routes):
-                conns[p].append(_connect(rank, p, s, target, source, secret, group_id, cfg, deadline, tuner))
-        connected, dead = _wait_for_higher(acceptor, store, rank, members, cfg.streams, deadline)
+                sock, session = _dial(rank, p, s, target, source, auth.key, auth.group_id, cfg, deadline, tuner,
+                                      records=records)
+                conns[p].append(sock)
+                sessions[p].append(session)
+        connected, dead = _wait_for_higher(acceptor, records, rank, members, cfg.streams, deadline)
         if not connected:
-            missing = sorted({p for p in members if p > rank
-                              for s in range(cfg.streams) if acceptor.conns.get((p, s)) is None})
-            for p in missing:  # a rank that published its endpoint with another kind of key: say so
-                if store.check([f"tb/ep/{p}"]):
-                    check_same_auth(rank, auth, p, json.loads(store.get(f"tb/ep/{p}")))
-            refused = (f"; {acceptor.rejected} connection(s) were refused, the last from {acceptor.last_refusal} "
-                       f"({SECRET_HINT})" if acceptor.rejected else "")
+            missing = _missing(acceptor, members, rank, cfg.streams)
+            refused = (f"; {acceptor.rejected} connection(s) were refused, the last from {acceptor.last_refusal}"
+                       if acceptor.rejected else "")
+            # Only a HELLO that looked like a missing rank's but did not prove the job's key earns the hint.
+            bad = {p: why for p, why in acceptor.bad_mac.items() if p in missing}
+            if bad:
+                refused += "; " + "; ".join(f"rank {p} failed its handshake (a connection as rank {p}, from {why})"
+                                            for p, why in sorted(bad.items())) + f"; {SECRET_HINT}"
             if dead is not None:  # known dead: no point waiting for the deadline
                 why = str(dead).split(": ", 1)[1]
                 raise PeerLostError(f"rank {rank}: gave up waiting for ranks {missing} to connect (listening on "
                                     f"{endpoints}): {why}{refused}", rank=rank, peer=dead.peer,
                                     address=dead.address)
-            raise PeerLostError(f"rank {rank}: timed out waiting for ranks {missing} to connect "
-                                f"(listening on {endpoints}){refused}", rank=rank,
-                                peer=missing[0] if missing else -1)
+            err_cls = HandshakeError if bad else PeerLostError
+            message = (f"rank {rank}: timed out waiting for ranks {missing} to connect (listening on {endpoints})"
+                       f"{refused}")
+            if err_cls is HandshakeError:
+                raise HandshakeError(message, why="mac")
+            raise PeerLostError(message, rank=rank, peer=missing[0] if missing else -1)
         for (p, s), sock in sorted(acceptor.conns.items()):
             conns.setdefault(p, []).append(sock)
-        every = [None if p == rank else infos.get(p) or json.loads(store.get(f"tb/ep/{p}")) for p in range(world)]
+            sessions.setdefault(p, []).append(acceptor.sessions[(p, s)])
+        every = [None if p == rank else infos.get(p) or records.read(f"tb/ep/{p}", p, "its endpoints")
+                 for p in range(world)]
+        for p, e in enumerate(every):
+            if e is not None and p in members:
+                same_integrity(rank, cfg, p, e)
         all_nets = [nets if e is None else e.get("nets", []) for e in every]
         here = hosts.host_identity()
         local_ranks = sum(1 for e in every if e is None or e.get("host") == here)
         # Spinning only pays while every local rank has a core of its own.
         spin = cfg.spin_us if local_ranks <= (os.cpu_count() or 1) else 0
+        seal = None if cfg.integrity == "none" else (
+            rank, {p: [stream_keys(key, rank, p) for key in keys] for p, keys in sessions.items()})
         links = TcpLinks(conns, stripe_bytes=cfg.stripe_bytes, early_bytes=cfg.small_bytes, spin_us=spin,
-                         probe_after=cfg.link_timeout_ms / 3000,
+                         probe_after=cfg.link_timeout_ms / 3000, seal=seal,
                          plat=tuner.plat, link_timeout=link_timeout_options(tuner.plat, cfg.link_timeout_ms))
         return links, all_nets
-    except BaseException:
+    except BaseException as exc:
+        records.announce(exc)  # before the listeners close: a peer that finds them closed reads why
         for sock in [x for socks in conns.values() for x in socks] + [
                 x for x in (acceptor.conns.values() if acceptor else []) if x is not None]:
             sock.close()

@@ -1,27 +1,49 @@
 """A fake accelerator that stands in for `mps` on Linux, and records which thread runs each op on it.
 
 torch can register a pure-Python backend for its PrivateUse1 device
-(`torch.utils.backend_registration._setup_privateuseone_for_python_backend`). Here every tensor of the fake
-device wraps a real CPU tensor (`raw`); one boxed fallback kernel runs any aten op on the raw tensors,
-re-wraps the results (views stay views, in-place ops write the raw tensor) and appends
-`(op name, thread name)` to the device's log. So a test can assert both the values and that no op on a
-device tensor ran on a thread of the backend's: the property that matters on a Mac, where Metal command
-encoding from two threads at once crashes the process.
+(`torch.utils.backend_registration._setup_privateuseone_for_python_backend`); one boxed fallback kernel
+then receives every aten op that has no other kernel for the device. Here the fake device's memory is host
+memory, and a fake tensor is exactly a CPU tensor seen through the device:
 
-What it does not emulate: asynchronous execution (ops run at once), device memory, MPS's missing dtypes.
-Limit: a fake tensor's own strides are always contiguous (torch offers no Python way to build a
-PrivateUse1 tensor with other strides), so ops on non-contiguous views (a transposed weight inside a model's
-backward) are not faithful: use it for contiguous tensors, as the backend's tests do.
+- every fake *storage* is a PrivateUse1 storage of the same size whose Python object carries the CPU
+  storage that owns the bytes (`_tb_host`). torch keeps a storage's Python object alive as long as the
+  storage, so the bytes live exactly as long as any fake tensor on them;
+- a fake tensor's sizes, strides and storage offset are those of the CPU tensor it stands for, so the CPU
+  view behind any fake tensor is that storage read with the fake tensor's own metadata (`host_view`);
+- the kernel runs the op on those CPU views and hands back fake tensors with the results' metadata: on
+  the storage of the argument a view or in-place op shares it with (views stay views), on a new fake
+  storage otherwise, and the fake argument itself for in-place and `out=` ops (after taking over any
+  metadata change, e.g. `resize_` or `transpose_`).
+
+So every op computes exactly what it computes on the CPU, with the same strides, the same kernels and the
+same random streams: a model trains on this device bit for bit as on the CPU, except where torch itself
+chooses differently by device type (see `SDPA_NOTE`). Each op appends `(op name, thread name)` to the
+device's log, so a test can assert that no op on a device tensor ran on a thread of the backend's (the
+property that matters on a Mac, where Metal command encoding from two threads at once crashes the process;
+every thread the backend starts is named `tb-...`).
+
+What it does not emulate: asynchronous execution (ops run at once), separate device memory (a fake
+tensor's `data_ptr()` is its host address, but the backend treats it as unreadable: it is not a CPU
+tensor), MPS's missing dtypes (float64), pinned memory (DDP's `find_unused_parameters=True` asks the
+accelerator for it and fails here).
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_map
 
 DEFAULT_NAME = "tbfake"
+
+SDPA_NOTE = ("F.scaled_dot_product_attention chooses its kernel by device type: the CPU's fused kernel on "
+             "the CPU, the math path (matmul, softmax) on any other device, as on a Mac; the two agree to "
+             "float rounding, not bit for bit. Under torch.nn.attention.sdpa_kernel(SDPBackend.MATH) the "
+             "CPU runs the math path too and the results are identical.")
+
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_SET = torch.ops.aten.set_.source_Storage_storage_offset
 
 
 @dataclass
@@ -47,26 +69,17 @@ class DeviceLog:
         with self.lock:
             return [o for o, _ in self.entries]
 
+    def on_backend_threads(self) -> list[tuple[str, str]]:
+        """The entries made on a thread the backend started (every one is named `tb-...`)."""
+        with self.lock:
+            return [(o, t) for o, t in self.entries if t.startswith("tb-")]
+
 
 class _Module:
-    """What torch expects of a device module (torch.<name>), plus this process's fake-device state: the op
-    log, and the CPU tensor behind each fake tensor, keyed by its StorageImpl (shared by the shallow copies
-    autograd makes without calling any kernel, e.g. `detach()`)."""
+    """What torch expects of a device module (torch.<name>), plus this process's op log."""
 
     def __init__(self) -> None:
         self.log = DeviceLog()
-        self.raws: dict[int, torch.Tensor] = {}
-
-    def wrap(self, raw: torch.Tensor) -> torch.Tensor:
-        t = torch._C._acc.create_empty_tensor(list(raw.shape), raw.dtype)
-        self.raws[t.untyped_storage()._cdata] = raw
-        return t
-
-    def raw(self, t: torch.Tensor) -> torch.Tensor:
-        raw = self.raws[t.untyped_storage()._cdata]
-        if raw.shape != t.shape:
-            raise AssertionError(f"fake device: a view {tuple(t.shape)} of {tuple(raw.shape)} made without a kernel")
-        return raw
 
     def is_available(self) -> bool:
         return True
@@ -99,43 +112,180 @@ def install(name: str = DEFAULT_NAME) -> DeviceLog:
         return getattr(torch, name).log
     module = _Module()
     _setup_privateuseone_for_python_backend(name, backend_module=module)
+    kernel = _fallback(module, name)
     lib = torch.library.Library("_", "IMPL")
-    lib.fallback(_fallback(module, name), "PrivateUse1")
-    module._lib = lib  # kept alive with the module: dropping the Library unregisters the kernel
+    lib.fallback(kernel, "PrivateUse1")
+    # Convolutions on a device torch has no kernels for go to these two ops, whose default kernels
+    # (registered for every device, so the fallback never sees them) raise: run the CPU's own choice.
+    aten = torch.library.Library("aten", "IMPL")
+    aten.impl("convolution_overrideable", _as(kernel, torch.ops.aten.convolution.default), "PrivateUse1")
+    aten.impl("convolution_backward_overrideable", _as(kernel, _convolution_backward), "PrivateUse1")
+    # Ops with a CPU kernel and a generic one for other devices (native_layer_norm, softmax, the structured
+    # element-wise ops) would run the generic one here, which rounds differently: run the CPU's.
+    for qualified in _cpu_ops_with_generic_kernels():
+        base, _, overload = qualified[len("aten::"):].partition(".")
+        op = getattr(getattr(torch.ops.aten, base), overload or "default")
+        aten.impl(qualified[len("aten::"):], _as(kernel, op), "PrivateUse1")
+    module._libs = (lib, aten)  # kept alive with the module: dropping a Library unregisters its kernels
     return module.log
 
 
-def _fallback(module: _Module, name: str):
-    def on_device(x: object) -> bool:
-        return isinstance(x, torch.Tensor) and x.device.type == name
+def _cpu_ops_with_generic_kernels() -> list[str]:
+    """aten ops (with overload) that have a CPU kernel and a CompositeExplicitAutograd one, which every
+    device without its own kernel (this one) would otherwise run instead of the fallback."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return [n for n in torch._C._dispatch_get_all_op_names()
+            if n.startswith("aten::") and has(n, "CPU") and not has(n, "PrivateUse1")
+            and (has(n, "CompositeExplicitAutograd") or has(n, "CompositeExplicitAutogradNonFunctional"))]
 
-    def unwrap(x: object) -> object:
-        return module.raw(x) if on_device(x) else x
 
-    def kernel(op, *args, **kwargs):
-        module.log.add(str(op.name()))
-        schema = op._schema
-        if schema.name == "aten::_copy_from":  # (src, dst): either side may be on the CPU
-            src, dst = args[0], args[1]
-            unwrap(dst).copy_(unwrap(src))
-            return dst
-        kw = {k: unwrap(v) for k, v in kwargs.items()}
-        if isinstance(kw.get("device"), torch.device) and kw["device"].type == name:
-            kw["device"] = torch.device("cpu")
-        out = op(*tree_map(unwrap, args), **kw)
-        # In-place and out= ops return their mutated input: hand back that fake tensor itself.
-        mutated = [a for a, arg in zip(args, schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write]
-        mutated += [v for k, v in kwargs.items() if k == "out" and on_device(v)]
-        if len(mutated) == 1 and isinstance(out, torch.Tensor):
-            return mutated[0]
-        to_cpu = isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type == "cpu"
-        return tree_map(lambda x: module.wrap(x) if isinstance(x, torch.Tensor) and not to_cpu else x, out)
+def _as(kernel: Callable[..., Any], op: Any) -> Callable[..., Any]:
+    """A kernel for one op that runs `op` (an aten op or a function of CPU tensors) through `kernel`."""
+    return lambda *args, **kwargs: kernel(op, *args, **kwargs)
 
-    return kernel
+
+class _ConvolutionBackward:
+    """convolution_backward_overrideable's arguments handed to the CPU's convolution_backward (which
+    also takes the bias sizes, and computes the bias gradient as a CPU convolution's backward does)."""
+
+    _schema = torch.ops.aten.convolution_backward_overrideable.default._schema
+
+    @staticmethod
+    def name() -> str:
+        return "aten::convolution_backward_overrideable"
+
+    def __call__(self, grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride: Any,
+                 padding: Any, dilation: Any, transposed: bool, output_padding: Any, groups: int,
+                 output_mask: Any) -> Any:
+        bias_sizes = [weight.shape[1] * groups if transposed else weight.shape[0]]
+        return torch.ops.aten.convolution_backward.default(grad_output, x, weight, bias_sizes, stride, padding,
+                                                           dilation, transposed, output_padding, groups,
+                                                           output_mask)
+
+
+_convolution_backward = _ConvolutionBackward()
+
+
+def host_view(t: torch.Tensor) -> torch.Tensor:
+    """The CPU tensor a fake-device tensor stands for: its storage's host bytes read with its own sizes,
+    strides and offset (a view: writing it writes the device tensor). Makes no device op."""
+    host = t.untyped_storage()._tb_host
+    return torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.shape, t.stride())
 
 
 def values(t: torch.Tensor) -> torch.Tensor:
     """A CPU copy of a fake-device tensor's values, read without the dispatcher (nothing logged)."""
     if t.device.type == "cpu":
-        return t.clone()
-    return getattr(torch, t.device.type).raws[t.untyped_storage()._cdata].clone()
+        return t.detach().clone()
+    return host_view(t.detach()).clone()
+
+
+def _device_storage(host: torch.UntypedStorage, device: torch.device) -> torch.UntypedStorage:
+    """A device storage over the bytes of CPU storage `host`, which it keeps alive."""
+    storage = torch._C._construct_storage_from_data_pointer(host.data_ptr(), device, host.nbytes())
+    storage._tb_host = host
+    return storage
+
+
+def _point(t: torch.Tensor, storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+    """Make fake tensor `t` a view of `storage` with the sizes, strides and offset of CPU tensor `like`.
+    The CPU kernel of `set_` only rewrites the tensor's metadata, whatever its device."""
+    _SET.redispatch(_CPU_KEYS, t, storage, like.storage_offset(), like.shape, like.stride())
+    return t
+
+
+def _map(fn: Callable[[Any], Any], x: Any) -> Any:
+    """fn over the leaves of an op's arguments or results (tensors, and lists, tuples and dicts of them).
+    torch's pytree does the same at about twice the cost, which every op of the device pays."""
+    if type(x) in (list, tuple):
+        return type(x)(_map(fn, v) for v in x)
+    if type(x) is dict:
+        return {k: _map(fn, v) for k, v in x.items()}
+    return fn(x)
+
+
+def _written_arguments(schema: Any) -> list[tuple[int, str]]:
+    """(position, name) of the arguments an op writes (in-place and out= ops)."""
+    return [(i, arg.name) for i, arg in enumerate(schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write]
+
+
+def _fallback(module: _Module, name: str) -> Callable[..., Any]:
+    device = torch.device(name, 0)
+    cpu = torch.device("cpu")
+    written: dict[Any, list[tuple[int, str]]] = {}  # per op, computed once
+
+    def kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
+        module.log.add(str(op.name()))
+        schema = op._schema
+        if schema.name == "aten::_copy_from":  # (src, dst, non_blocking): either side may be on the CPU
+            src, dst = args[0], args[1]
+            (host_view(dst) if dst.device.type == name else dst).copy_(
+                host_view(src) if src.device.type == name else src)
+            return dst
+
+        storages: dict[int, torch.UntypedStorage] = {}  # host storage -> the device storage over it
+        fakes: dict[int, torch.Tensor] = {}  # id(CPU view) -> the fake tensor it stands for
+
+        def unwrap(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.device.type == name:
+                fake_storage = x.untyped_storage()
+                storages.setdefault(fake_storage._tb_host._cdata, fake_storage)
+                raw = host_view(x)
+                fakes[id(raw)] = x
+                return raw
+            if isinstance(x, torch.UntypedStorage) and x.device.type == name:
+                storages.setdefault(x._tb_host._cdata, x)
+                return x._tb_host
+            if isinstance(x, torch.device) and x.type == name:
+                return cpu
+            return x
+
+        raw_args = _map(unwrap, args)
+        raw_kwargs = _map(unwrap, kwargs)
+        out = op(*raw_args, **raw_kwargs)
+
+        def storage_for(raw: torch.Tensor) -> torch.UntypedStorage:
+            host = raw.untyped_storage()
+            held = storages.get(host._cdata)
+            if held is None or held.nbytes() != host.nbytes() or held.data_ptr() != host.data_ptr():
+                held = _device_storage(host, device)  # new bytes, or bytes a resize_ moved
+                storages[host._cdata] = held
+            return held
+
+        # In-place ops may also change an argument's metadata (resize_ by an out= op, transpose_, set_):
+        # the fake argument takes over its CPU view's.
+        writes = written.get(op)
+        if writes is None:
+            writes = written[op] = _written_arguments(schema)
+        for i, arg_name in writes:
+            if i < len(args):
+                fake, raw = args[i], raw_args[i]
+            elif arg_name in kwargs:
+                fake, raw = kwargs[arg_name], raw_kwargs[arg_name]
+            else:
+                continue
+            for f, r in zip(fake if isinstance(fake, (list, tuple)) else [fake],
+                            raw if isinstance(raw, (list, tuple)) else [raw]):
+                if isinstance(f, torch.Tensor) and f.device.type == name and (
+                        f.shape != r.shape or f.stride() != r.stride() or f.storage_offset() != r.storage_offset()
+                        or f.untyped_storage()._tb_host._cdata != r.untyped_storage()._cdata
+                        or f.untyped_storage().nbytes() != r.untyped_storage().nbytes()):
+                    _point(f, storage_for(r), r)
+
+        explicit = kwargs.get("device")
+        to_cpu = isinstance(explicit, torch.device) and explicit.type == "cpu"
+
+        def rewrap(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            fake = fakes.get(id(x))
+            if fake is not None:  # an in-place or out= op hands back its argument
+                return fake
+            if to_cpu:
+                return x
+            return _point(torch._C._acc.create_empty_tensor([0], x.dtype), storage_for(x), x)
+
+        return _map(rewrap, out)
+
+    return kernel

@@ -13,7 +13,7 @@ import socket
 import threading
 from typing import Any, Iterable
 
-from ..errors import CollectiveTimeout, MismatchError, PeerAbortedError, PeerLostError, ProtocolError
+from ..errors import CollectiveTimeout, IntegrityError, MismatchError, PeerAbortedError, PeerLostError, ProtocolError
 from ..protocol.framing import Space
 
 Key = tuple[int, int, int]  # (space, tag, seq)
@@ -246,7 +246,7 @@ def bytes_view(buf: memoryview | bytearray | bytes) -> memoryview:
 
 
 _REMOTE_ERRORS = {"MismatchError": MismatchError, "CollectiveTimeout": CollectiveTimeout,
-                  "ProtocolError": ProtocolError, "PeerLostError": PeerLostError}
+                  "ProtocolError": ProtocolError, "PeerLostError": PeerLostError, "IntegrityError": IntegrityError}
 
 
 def remote_error(rank: int, peer: int, text: str) -> BaseException:

@@ -11,6 +11,8 @@ others (bookkeeping in failover.py). With failover on, a keeper thread acknowled
 while no thread waits. A rank that only waits to receive sends PING probes after a quiet spell; each names
 the op it waits for, so a peer that ran that op differently (another root or collective) detects the
 mismatch, and its answer says whom it waits on itself (a timeout then blames the end of the chain).
+With THUNDERBOLT_INTEGRITY=mac a peer's link is a SealedTcpLink: every frame carries MACs
+(protocol/integrity.py), sealed when its first byte is about to be written and checked before it is acted on.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from ..errors import MismatchError, ProtocolError, ThunderboltError
 from ..platform import SOCKET_IO_CAP, Platform, current
 from ..protocol.framing import (FRAME_HEADER_SIZE, Frame, FrameDecoder, Kind, Space, encode_control,
                                 encode_frame_header)
+from ..protocol.integrity import SEALED_HEADER_SIZE, Opener, SealedFrameDecoder, Sealer
 from ..protocol.signature import describe_sig
 from .base import ANY_SOURCE, Key, Link, LinkKind, QuickReceive, Request, close_socket, remote_error
 from .engine import Transport
@@ -83,7 +86,7 @@ class Stream:
     """One socket to a peer and what is in flight on it."""
 
     __slots__ = ("sock", "fd", "peer", "stream", "addr", "local", "decoder", "sendq", "inbound", "parked", "bye",
-                 "staging", "dead", "log", "rx", "lifted", "window_at", "emptied")
+                 "staging", "dead", "log", "rx", "lifted", "window_at", "emptied", "sealer", "opener")
 
     def __init__(self, sock: socket.socket, peer: int, stream: int, max_message: int) -> None:
         sock.setblocking(False)
@@ -108,6 +111,9 @@ class Stream:
         # socket was empty then, so one more read would most likely only raise (over a microsecond in
         # Python: a small message pays it once per pump). What arrives later, poll() reports.
         self.emptied = False
+        # THUNDERBOLT_INTEGRITY=mac (SealedTcpLink): frames sealed as written, checked as read.
+        self.sealer: Sealer | None = None
+        self.opener: Opener | None = None
 
     @property
     def where(self) -> str:
@@ -263,7 +269,10 @@ class TcpLink(Link):
     def enqueue(self, c: Stream, out: Outgoing, front: bool = False) -> None:
         """Queue a frame (with `front`: right after the frame being written, if any) and try to write."""
         if front and c.sendq:
-            c.sendq.insert(1 if c.sendq[0].sent else 0, out)
+            head = c.sendq[0]
+            if not head.sent and c.sealer is not None and len(head.hdr) != FRAME_HEADER_SIZE:
+                head.hdr = c.sealer.unseal(head.hdr)  # sealed but not written: `out` takes its number
+            c.sendq.insert(1 if head.sent else 0, out)
         else:
             c.sendq.append(out)
         if c.sendq[0] is out:
@@ -321,6 +330,8 @@ class TcpLink(Link):
         moved = False
         while c.sendq and not c.dead:
             out = c.sendq[0]
+            if c.sealer is not None and not out.sent and len(out.hdr) == FRAME_HEADER_SIZE:
+                out.hdr = c.sealer.seal(out.hdr, out.payload)  # numbered in the order frames hit the wire
             hl = len(out.hdr)
             # At most SOCKET_IO_CAP bytes per call: macOS fails a sendmsg over INT_MAX with EINVAL.
             bufs = ([out.hdr[out.sent:], out.payload[: SOCKET_IO_CAP - hl]] if out.sent < hl
@@ -373,7 +384,7 @@ class TcpLink(Link):
                 if frame is None:
                     frame = c.decoder.next_frame()
                     if frame is not None and c.rx is not None:
-                        c.rx.consumed += FRAME_HEADER_SIZE
+                        c.rx.consumed += c.decoder.header_size
                 if frame is None:
                     if c.emptied:
                         return moved
@@ -416,8 +427,8 @@ class TcpLink(Link):
             self.conn_error(c, exc)
         finally:
             if c.rx is not None and c.rx.ack_due() and not c.dead and engine.broken is None:
-                c.rx.acked = c.rx.consumed
-                self.enqueue(c, _control_frame(encode_control(Kind.ACK, c.rx.consumed)), front=True)
+                c.rx.acked = self._checked(c)
+                self.enqueue(c, _control_frame(encode_control(Kind.ACK, c.rx.acked)), front=True)
         return True
 
     def _read_payload(self, c: Stream) -> bool | None:
@@ -444,6 +455,8 @@ class TcpLink(Link):
             c.inbound[3] = got
             return True
         c.inbound = None
+        if c.opener is not None:
+            c.opener.check(dest)  # before the bytes count as received
         engine = self.engine
         if target is ABORT_PAYLOAD:
             engine.remote_abort(c.peer, remote_error(engine.rank, c.peer, bytes(dest).decode(errors="replace")))
@@ -486,12 +499,18 @@ class TcpLink(Link):
         log.warning("rank %d: lost stream %d to rank %d (%s -> %s): %s; continuing on %s", self.engine.rank,
                     c.stream, c.peer, c.local, c.addr, exc,
                     ", ".join(f"stream {x.stream} ({x.local})" for x in survivors))
-        if c.inbound is not None:  # payload bytes already in place count: the resend starts after them
+        if c.opener is not None:  # a payload not yet checked does not count: the peer sends its frame again
+            c.rx.consumed = self._checked(c)
+        elif c.inbound is not None:  # payload bytes already in place count: the resend starts after them
             dest, target, frame, got = c.inbound
             if target is not ABORT_PAYLOAD and got and self.engine.matcher.part_done(c.peer, frame.key, target, got):
                 self.engine._cv.signal()
         c.inbound, c.parked = None, None
         unstarted = [o for o in c.sendq if o.entry is None and o.fields is not None]
+        if c.sealer is not None:
+            for o in unstarted:
+                if len(o.hdr) != FRAME_HEADER_SIZE:
+                    o.hdr = c.sealer.unseal(o.hdr)
         c.sendq.clear()  # started frames are in the log and go again when the peer's RESYNC says from where
         self.enqueue(survivors[0], _control_frame(encode_control(Kind.RESYNC, c.rx.consumed, c.stream)), front=True)
         for i, out in enumerate(unstarted):
@@ -499,6 +518,14 @@ class TcpLink(Link):
         for x in survivors:  # frames parked there may wait for data that will now come after them
             if x.parked is not None:
                 self._read(x)
+
+    @staticmethod
+    def _checked(c: Stream) -> int:
+        """Bytes of stream `c` consumed that count (what an ACK or RESYNC may say): all of them, or with
+        per-frame MACs only up to the start of a frame whose payload is still coming (not checked yet)."""
+        if c.opener is None or c.inbound is None:
+            return c.rx.consumed
+        return c.rx.consumed - SEALED_HEADER_SIZE - c.inbound[3]
 
     def _control(self, c: Stream, frame: Frame) -> None:
         if c.log is None:
@@ -521,7 +548,8 @@ class TcpLink(Link):
 
     # -- ending ---------------------------------------------------------------------------------------------
     def abort_writes(self, body: bytes) -> "list[tuple[socket.socket, list[memoryview]]]":
-        frame = memoryview(encode_frame_header(Kind.ABORT, Space.COLL, 0, 0, 0, 0, len(body), len(body)) + body)
+        hdr = encode_frame_header(Kind.ABORT, Space.COLL, 0, 0, 0, 0, len(body), len(body))
+        frame = memoryview(hdr + body)
         self.unsent.clear()
         writes = []
         for c in self.streams:
@@ -532,8 +560,11 @@ class TcpLink(Link):
                 out, hl = c.sendq[0], len(c.sendq[0].hdr)
                 bufs = ([memoryview(out.hdr)[out.sent:], out.payload] if out.sent < hl
                         else [out.payload[out.sent - hl:]])
+            elif c.sendq and c.sealer is not None and len(c.sendq[0].hdr) != FRAME_HEADER_SIZE:
+                c.sealer.unseal(c.sendq[0].hdr)  # sealed, never written: the ABORT takes its number
             c.sendq.clear()
-            writes.append((c.sock, bufs + [frame]))
+            abort = frame if c.sealer is None else memoryview(c.sealer.seal(hdr, body) + body)
+            writes.append((c.sock, bufs + [abort]))
         return writes
 
     def say_bye(self) -> None:
@@ -541,7 +572,7 @@ class TcpLink(Link):
         for c in self.streams:
             if not c.sendq and not c.dead:
                 try:
-                    c.sock.send(bye)
+                    c.sock.send(bye if c.sealer is None else c.sealer.seal(bye, b""))
                 except OSError:
                     pass
 
@@ -550,6 +581,31 @@ class TcpLink(Link):
         for c in self.streams:
             c.sendq.clear()
             close_socket(c.sock)
+
+
+class SealedTcpLink(TcpLink):
+    """A TcpLink whose frames carry MACs (THUNDERBOLT_INTEGRITY=mac, protocol/integrity.py). `keys`: per
+    stream, (key of what this rank sends, key of what it receives). Every frame is sealed by the writer
+    (`_flush`, so frames are numbered in the order they hit the wire) and checked by the reader; the small-
+    message shortcuts, which write and read frames without either, are off (TcpLink keeps them free of any
+    check for this mode)."""
+
+    def __init__(self, kind: "TcpLinks", peer: int, socks: list[socket.socket], max_message: int,
+                 keys: "list[tuple[bytes, bytes]]", rank: int) -> None:
+        super().__init__(kind, peer, socks, max_message)
+        for c, (send, recv) in zip(self.streams, keys):
+            c.sealer = Sealer(send)
+            c.opener = Opener(recv, f"rank {rank}: a frame from rank {peer} on stream {c.stream} ({c.addr})")
+            c.decoder = SealedFrameDecoder(c.opener, max_message)
+
+    def send_now(self, key: Key, sig: int, buf: memoryview) -> Request | None:
+        return Link.send_now(self, key, sig, buf)
+
+    def quick_receive(self, key: Key, sig: int, dest: memoryview) -> "StreamReceive | None":
+        return None
+
+    def _write_whole(self, c: Stream, key: Key, sig: int, buf: memoryview) -> int:
+        return 0  # queue it: _flush seals it
 
 
 class StreamReceive(QuickReceive):
@@ -613,7 +669,10 @@ class TcpLinks(LinkKind):
 
     def __init__(self, conns: dict[int, list[socket.socket]], *, stripe_bytes: int = 256 << 10,
                  early_bytes: int = 64 << 10, max_message: int = 1 << 40, spin_us: int = 0, probe_after: float = 1.5,
-                 plat: Platform | None = None, link_timeout: Sequence[tuple[int, int, int]] = ()) -> None:
+                 plat: Platform | None = None, link_timeout: Sequence[tuple[int, int, int]] = (),
+                 seal: "tuple[int, dict[int, list[tuple[bytes, bytes]]]] | None" = None) -> None:
+        """`seal`: (this rank, per peer and stream the keys of integrity.stream_keys) to carry a MAC on every
+        frame to those peers (THUNDERBOLT_INTEGRITY=mac); None: plain frames."""
         self.log = log
         # Where the link timeout would also end a connection whose peer keeps its window closed, a stream
         # whose sends find no room lifts it while that lasts (Platform.timeout_on_closed_window).
@@ -622,7 +681,9 @@ class TcpLinks(LinkKind):
         self.guard_window = self.plat.timeout_on_closed_window and bool(self.link_timeout)
         self.stripe_bytes = stripe_bytes
         self.early_bytes = early_bytes  # early collective frames up to this size are read ahead, not parked
-        self.links: dict[int, TcpLink] = {p: TcpLink(self, p, socks, max_message) for p, socks in conns.items()}
+        self.links: dict[int, TcpLink] = {
+            p: TcpLink(self, p, socks, max_message) if seal is None or p not in seal[1]
+            else SealedTcpLink(self, p, socks, max_message, seal[1][p], seal[0]) for p, socks in conns.items()}
         self.spin = spin_us / 1e6
         self.lost_streams = 0
         self.resent_bytes = 0  # payload sent again after a lost stream

@@ -1,0 +1,363 @@
+"""Collectives on tensors of another device (mps): overlapped with the caller, with every device op on a
+thread that may touch the device.
+
+The rule: no op on a device tensor, and no future callback (which may run one), on a thread of the
+backend's. Metal command encoding from two threads at once crashes the process, and autograd encodes its
+kernels while the backend works. An op on device tensors therefore runs in three parts:
+
+1. Issue, in the caller's thread: the device inputs are copied to host memory (a copy is needed anyway),
+   the outputs get host buffers (`DeviceStaging`), and the op itself is the CPU op on those host tensors
+   (inline or on the worker, by the CPU path's rules: a large async op returns at once).
+2. The bytes move on the worker, between host buffers only.
+3. Completion, on a thread allowed to touch the device: the host results are copied into the device
+   outputs, the work is marked complete and its future's callbacks run. Works complete in issue order, at
+   the first of:
+   - a thread waiting on it: `work.wait()`, the future's `wait()`/`value()`, or `is_completed()`/`done()`
+     once its bytes are in;
+   - the issuing thread's next op on the group, for works whose bytes are in;
+   - the end of the backward pass it was issued in. DDP issues bucket all_reduces from autograd hooks and
+     waits on their futures in C++ at the end of the pass (`Reducer::finalize_backward`, a callback queued
+     after the last bucket): the first device op of a pass queues a callback of ours before it, which
+     completes the pass's works on autograd's thread, so DDP finds them complete and copies the results
+     into `.grad` itself. Inside autograd's final callbacks (DDP's first iteration with `static_graph`) no
+     callback can be queued ahead of the caller, so there an op completes before it returns.
+
+A C++ caller waiting on a device op's future without going through any of these (torch.futures.wait_all /
+collect_all on such futures) waits until one of them happens. C++ callers also see a failed op's future as
+complete: DDP learns of the error from the end-of-pass callback, which raises it into `backward()`.
+"""
+from __future__ import annotations
+
+import collections
+import datetime
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+from torch.autograd import Variable
+
+from ..errors import CollectiveTimeout
+from .work import Work
+
+BACKEND_THREAD_PREFIX = "tb-"  # every thread the backend starts is named so; none may touch the device
+
+
+def on_backend_thread() -> bool:
+    return threading.current_thread().name.startswith(BACKEND_THREAD_PREFIX)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class HostBuffers:
+    """Host buffers for staging, kept for reuse by element count and dtype. A fresh buffer costs a page fault
+    per 4 KB on its first write (a 16 MB copy took 2 ms into a used buffer and up to 50 ms into a fresh
+    one here), and DDP stages buckets of the same sizes every step."""
+
+    KEEP = 8  # free buffers kept per size and dtype
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous host tensor of `t`'s shape and dtype (contents undefined)."""
+        with self._lock:
+            free = self._free.get((t.numel(), t.dtype))
+            flat = free.pop() if free else None
+        if flat is None:
+            flat = torch.empty(t.numel(), dtype=t.dtype)
+        return flat.view(t.shape)
+
+    def give(self, buffers: list[torch.Tensor]) -> None:
+        with self._lock:
+            for b in buffers:
+                free = self._free.setdefault((b.numel(), b.dtype), [])
+                if len(free) < self.KEEP:
+                    free.append(b.view(-1))
+
+
+class DeviceStaging:
+    """Host stand-ins for an op's device tensors: inputs copied now, outputs written back at completion.
+    CPU tensors pass through unchanged (the CPU op reads and writes them itself)."""
+
+    def __init__(self, completions: "DeviceCompletions") -> None:
+        self._completions = completions
+        self._back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._held: list[torch.Tensor] = []  # pooled buffers, returned once the op is complete
+        self.written: set[int] = set()  # storages of the device tensors written at completion
+
+    def _map(self, tensors: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        if isinstance(tensors, torch.Tensor):
+            return tensors if tensors.is_cpu else fn(tensors)
+        if isinstance(tensors, (list, tuple)):
+            return type(tensors)(self._map(t, fn) for t in tensors)
+        return tensors
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_sparse:  # not pooled
+            return t.detach().to("cpu")
+        host = self._completions.buffers.take(t)
+        self._held.append(host)
+        return host
+
+    def _copy_in(self, t: torch.Tensor) -> torch.Tensor:
+        # An earlier op still in flight that writes this tensor comes first: collectives take effect in
+        # issue order, as on any backend.
+        self._completions.settle(t)
+        host = self._host(t)
+        if not t.is_sparse:
+            host.copy_(t.detach())
+        return host
+
+    def _buffer_for(self, t: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        self._back.append((t, host))
+        self.written.add(_storage_key(t))
+        return host
+
+    def read(self, tensors: Any) -> Any:
+        """Inputs: host copies of the device tensors, taken now."""
+        return self._map(tensors, self._copy_in)
+
+    def write(self, tensors: Any) -> Any:
+        """Outputs: host buffers, copied into the device tensors at completion."""
+        return self._map(tensors, lambda t: self._buffer_for(t, self._host(t)))
+
+    def read_write(self, tensors: Any) -> Any:
+        """In-out tensors (all_reduce, broadcast's root, reduce): host copies now, copied back at completion."""
+        return self._map(tensors, lambda t: self._buffer_for(t, self._copy_in(t)))
+
+    def write_back(self) -> None:
+        """Copy the host results into the device tensors: a device op, on a thread allowed to run one."""
+        for t, host in self._back:
+            if t.is_sparse:
+                with torch.no_grad():  # a sparse tensor's detached alias would take the new indices, not `t`
+                    t.copy_(host)
+            else:
+                t.detach().copy_(host)
+        self._back.clear()
+
+    def release(self) -> None:
+        """The op is complete: its host buffers may serve another."""
+        held, self._held = self._held, []
+        self._completions.buffers.give(held)
+
+
+class DeviceFuture(torch.futures.Future):
+    """The future of an op on device tensors. Completed (its callbacks run) only on a thread allowed to
+    touch the device; a Python thread that waits on it, or asks whether it is done, completes it itself.
+    Its value is the op's device tensors, written. `then` returns a future of the same kind, so waiting
+    on a chained future drives the op too."""
+
+    def __init__(self, work: "DeviceWork") -> None:
+        super().__init__()
+        self._work = work
+        self._error: BaseException | None = None
+
+    def wait(self) -> Any:
+        self._work.wait()
+        value = super().wait()
+        if self._error is not None:
+            raise self._error
+        return value
+
+    def value(self) -> Any:
+        return self.wait()
+
+    def done(self) -> bool:
+        self._work.is_completed()  # completes the op here if its bytes are in
+        return super().done()
+
+    def then(self, callback: Callable[[Any], Any]) -> "DeviceFuture":
+        child = DeviceFuture(self._work)
+        super().then(callback).add_done_callback(child._take)
+        return child
+
+    def _take(self, chained: torch.futures.Future) -> None:
+        """The result of a `then` callback, which ran where this future completed (a device thread)."""
+        try:
+            value = chained.value()
+        except BaseException as exc:  # noqa: BLE001 - raised by wait(), and by the end-of-pass callback
+            self._error = exc
+            self._work.completions.callback_failed(exc)
+            value = None
+        self.set_result(value)
+
+
+class DeviceWork(Work):
+    """An op on device tensors: the host op's work (`host`, finished by the worker once the bytes are in)
+    plus the device part, run by `DeviceCompletions` on a thread allowed to touch the device."""
+
+    device = True
+
+    def __init__(self, host: Work, staging: DeviceStaging, result: Any, completions: "DeviceCompletions") -> None:
+        super().__init__(host.what, result)
+        self.host = host
+        self.staging = staging
+        self.completions = completions
+        self.issuer = threading.get_ident()
+        self.graph_task = -1
+
+    def complete(self) -> None:
+        """The device part, once the bytes are in (the host work finished): write the results back, then
+        finish, which runs the future's callbacks here. Finished before the callbacks run, since a
+        callback may read the future's value (which waits on this work)."""
+        exc = self.host.exception()
+        if exc is None:
+            try:
+                self.staging.write_back()
+            except BaseException as e:  # noqa: BLE001 - delivered through the work
+                exc = e
+        self.staging.release()
+        with self._lock:
+            self._exc = exc
+            self._finished = True
+            fut = self._raw
+        if fut is not None:
+            fut.set_result(self._result)
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self._finished:
+            seconds = timeout.total_seconds() if timeout is not None and timeout.total_seconds() > 0 else None
+            self.completions.complete_through(self, seconds)
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._finished and self.host.is_completed() and not on_backend_thread():
+            self.completions.complete_through(self, None)
+        return self._finished
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._fut is None:
+                self._fut = self._raw = DeviceFuture(self)
+                if self._finished:
+                    self._raw.set_result(self._result)
+        return self._fut
+
+
+class DeviceCompletions:
+    """The device ops of one group not yet complete, in issue order, and who completes them (module doc)."""
+
+    def __init__(self) -> None:
+        self.buffers = HostBuffers()
+        self._lock = threading.Lock()
+        self._turn = threading.RLock()  # held while completing: one thread at a time, in issue order
+        self._pending: collections.deque[DeviceWork] = collections.deque()
+        self._drain_task = -1  # the backward pass whose end-of-pass callback is queued
+        # Errors of ops issued in a backward pass, and of callbacks chained on device futures: raised into
+        # backward() by the end-of-pass callback (C++ waiters see a completed future as a success).
+        self._errors: list[tuple[int, BaseException]] = []
+
+    @property
+    def idle(self) -> bool:
+        return not self._pending
+
+    def run(self, result: Any, op: Callable[[DeviceStaging], Work]) -> Work:
+        """Issue `op` (the CPU op, given a staging to map its device tensors) for `result`'s device tensors.
+        Called in the issuing thread."""
+        if on_backend_thread():
+            raise RuntimeError("torch_thunderbolt: an op on device tensors was issued on a backend thread")
+        if self._pending:
+            self.complete_ready()
+        staging = DeviceStaging(self)
+        work = DeviceWork(op(staging), staging, result, self)
+        task = torch._C._current_graph_task_id()
+        with self._lock:
+            self._pending.append(work)
+        if task != -1:
+            if torch._C._current_autograd_node() is None:
+                # In autograd's final callbacks (DDP's static_graph first pass issues every bucket there and
+                # waits right after): nothing can be queued ahead of the caller, so complete now.
+                self.complete_through(work, None)
+                if work._exc is not None:
+                    raise work._exc
+                return work
+            work.graph_task = task
+            if self._drain_task != task:
+                self._drain_task = task
+                Variable._execution_engine.queue_callback(lambda: self.drain(task))
+        if work.host.is_completed():  # ran inline (small, or the caller waits anyway)
+            self.complete_ready()
+        return work
+
+    def settle(self, t: torch.Tensor) -> None:
+        """Complete every pending op that writes `t` (and those before it) before `t` is read."""
+        if not self._pending:
+            return
+        key = _storage_key(t)
+        with self._lock:
+            last = next((w for w in reversed(self._pending) if key in w.staging.written), None)
+        if last is not None:
+            self.complete_through(last, None)
+
+    def complete_ready(self) -> None:
+        """Complete, in order, the works at the head whose bytes are in and that this thread issued."""
+        me = threading.get_ident()
+        if not self._turn.acquire(blocking=False):
+            return  # another thread is completing: it keeps the order
+        try:
+            while True:
+                with self._lock:
+                    head = self._pending[0] if self._pending else None
+                if head is None or head.issuer != me or not head.host.is_completed():
+                    return
+                self._complete(head)
+        finally:
+            self._turn.release()
+
+    def complete_through(self, work: DeviceWork, seconds: float | None) -> None:
+        """Wait for the bytes of every pending work up to `work` and complete them, in this thread."""
+        if on_backend_thread():
+            raise RuntimeError(f"{work.what}: a backend thread waited on an op on device tensors")
+        deadline = None if seconds is None else time.monotonic() + seconds
+        with self._turn:
+            while not work._finished:
+                with self._lock:
+                    head = self._pending[0]
+                if not head.host.is_completed():
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    try:
+                        head.host.wait(None if left is None else _timedelta(left))
+                    except BaseException:  # noqa: BLE001 - the op's own error: delivered by complete()
+                        if not head.host.is_completed():
+                            raise CollectiveTimeout(f"{work.what}: Timed out after {seconds:.1f}s waiting for "
+                                                    f"it to finish") from None
+                self._complete(head)
+
+    def _complete(self, head: DeviceWork) -> None:
+        with self._lock:
+            self._pending.popleft()
+        head.complete()
+        if head._exc is not None and head.graph_task != -1:
+            with self._lock:
+                self._errors.append((head.graph_task, head._exc))
+
+    def callback_failed(self, exc: BaseException) -> None:
+        """A callback chained on a device future raised. Outside a backward pass its waiter sees it."""
+        task = torch._C._current_graph_task_id()
+        if task != -1:
+            with self._lock:
+                self._errors.append((task, exc))
+
+    def drain(self, task: int) -> None:
+        """End of backward pass `task` (autograd's final callback, on its thread): complete the pass's ops,
+        and raise the first error among them or their chained callbacks into `backward()`."""
+        with self._lock:
+            last = next((w for w in reversed(self._pending) if w.graph_task == task), None)
+            self._drain_task = -1
+        if last is not None:
+            self.complete_through(last, None)
+        with self._lock:
+            errors = [exc for t, exc in self._errors if t == task]
+            self._errors = [(t, exc) for t, exc in self._errors if t != task]
+        if errors:
+            raise errors[0]
+
+
+def _timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(seconds, 1e-6))
