@@ -4,9 +4,10 @@
     python scripts/reliability/early_exit.py --trials 10 --backend gloo          # the same jobs on gloo
 
 Each trial runs `world` ranks on this host (testing.ranks, THUNDERBOLT_TRANSPORT as given: auto = shared
-memory) that call init_process_group and exit (testing/reliability/programs/early_exit.py; --exit now:
-with os._exit, so rank 0's store goes the moment its set-up returns), with one busy loop per core beside them. A failed rank is counted as failing "in torch_thunderbolt" when a frame of its
-traceback is in this package (its set-up reading the store, say), else as failing in torch's own steps.
+memory) that call init_process_group and exit (testing/reliability/programs/early_exit.py; --exit now, the
+default: with os._exit, so rank 0's store goes the moment its set-up returns), with one busy loop per core
+beside them. A failed rank is counted as failing "in torch_thunderbolt" when a frame of its traceback is in
+this package (its set-up reading the store, say), else as failing in torch's own steps.
 """
 from __future__ import annotations
 

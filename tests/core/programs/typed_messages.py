@@ -28,7 +28,8 @@ SENTINEL = 7
 
 
 def typed() -> None:
-    dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=float(os.environ.get("TB_TIMEOUT", "20"))))
+    timeout = datetime.timedelta(seconds=float(os.environ.get("TB_TIMEOUT", "20")))
+    dist.init_process_group("thunderbolt", timeout=timeout)
     r = dist.get_rank()
     case, n = os.environ["TEST_CASE"], int(os.environ.get("TEST_N", "2"))
     early = os.environ.get("TEST_EARLY") == "1"
