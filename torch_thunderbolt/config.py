@@ -194,6 +194,41 @@ def parse_port(text: str, local_rank: str) -> tuple[int, tuple[int, int]]:
         return low + offset, (low + offset, low + offset)
     return low + offset % (high - low + 1), (low, high)
 
+def job_settings(cfg: Config) -> dict[str, str]:
+    """The settings every rank of a group must share, as their variables name them (values as a user would
+    write them): each changes what goes on the wire or how a result is computed, so ranks that differ would
+    read each other's bytes wrongly, disagree on an op's messages or wait for connections that never come.
+    rendezvous/agree.py compares them at set-up. TCP-only ones only count where TCP may be used; the int8
+    block size only where int8 compression is on (nothing else reads it).
+
+    Left out, because each rank may set them for itself: interfaces, addresses and ports (IFNAME, PORT,
+    LISTEN_ALL: where this rank listens), the set-up and link timeouts (CONNECT_TIMEOUT, LINK_TIMEOUT_MS:
+    how long this rank waits, or its kernel's limit for its own sockets), spinning (SPIN_US, SHM_SPIN_US),
+    socket buffers and congestion control (SOCKET_BUFFER, CC: this rank's sockets), SHM_DIR (peers map a
+    segment by the path its creator published), DEBUG (logging only), AUTOLOAD and VERBS (where this rank
+    loads its RDMA library from). THUNDERBOLT_SECRET must agree too, but the set-up compares it without
+    publishing it (its records' MACs and the handshake)."""
+    out = {"THUNDERBOLT_TRANSPORT": cfg.transport, "THUNDERBOLT_ALGO": cfg.algo,
+           "THUNDERBOLT_SMALL": _human(cfg.small_bytes), "THUNDERBOLT_CHUNK": _human(cfg.chunk_bytes),
+           "THUNDERBOLT_COMPRESSION": cfg.compression}
+    if cfg.compression == "int8":
+        out["THUNDERBOLT_COMPRESSION_BLOCK"] = str(cfg.compression_block)
+    if cfg.transport != "shm":
+        out["THUNDERBOLT_STREAMS"] = str(cfg.streams)  # each rank expects this many streams from each peer
+        out["THUNDERBOLT_STRIPE"] = _human(cfg.stripe_bytes)  # a receive guesses from it how a peer cuts a message
+        out["THUNDERBOLT_INTEGRITY"] = cfg.integrity  # sealed frames are unreadable to a rank that expects plain ones
+    return out
+
+
+def host_settings(cfg: Config) -> dict[str, str]:
+    """The settings the ranks that share memory on one host must share: the layout of the segments they map
+    from each other (ring slots, the shared window). Ranks on different hosts never map each other's."""
+    if cfg.transport == "tcp":
+        return {}
+    window = "auto" if cfg.shm_window_bytes is None else _human(cfg.shm_window_bytes)
+    return {"THUNDERBOLT_SHM_SLOT": _human(cfg.shm_slot_bytes), "THUNDERBOLT_SHM_SLOTS": str(cfg.shm_slots),
+            "THUNDERBOLT_SHM_WINDOW": window}
+
 
 def check_text(env: Mapping[str, str]) -> None:
     """A ConfigError naming the first THUNDERBOLT_* variable whose value is not valid UTF-8. Python hands

@@ -3,6 +3,8 @@ on the in-memory transport (the fast tier): exact results, or a MismatchError on
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 import zlib
 
 import pytest
@@ -11,7 +13,8 @@ import torch
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import CollectiveTimeout, MismatchError, PeerLostError
 from torch_thunderbolt.protocol.signature import describe_sig, encode_sig
-from torch_thunderbolt.testing.worlds import memory_world
+from torch_thunderbolt.testing.worlds import memory_world, on_threads
+from torch_thunderbolt.transport.memory import MemoryHub
 
 ALGOS = ["auto", "ring", "direct", "chain", "biring"]
 
@@ -139,3 +142,78 @@ def test_an_op_the_dtype_cannot_take_is_refused_with_the_tensor_untouched(op, dt
         return torch.equal(y, torch.full((6,), 2.0))
 
     assert all(memory_world(2, body, window_bytes=4096))
+
+
+def _view(x: torch.Tensor) -> memoryview:
+    return memoryview(x.numpy()).cast("B")
+
+
+@pytest.mark.parametrize("receive_first", [False, True], ids=["message-first", "receive-first"])
+def test_a_point_to_point_message_of_another_dtype_is_refused_on_both_ranks_with_the_tensor_untouched(
+        receive_first):
+    """float32[2] sent, int32[2] expected (8 bytes each): the signatures the backend gives the two calls
+    differ, so the receive fails before any byte lands, and the sender is told."""
+    hub = MemoryHub(2)
+    sigs = {0: encode_sig("send", "float32", 0, 2), 1: encode_sig("send", "int32", 0, 2)}
+    y = torch.full((2,), 7, dtype=torch.int32)
+    ready = threading.Event()
+
+    def body(r: int) -> None:
+        t = hub.transports[r]
+        if r == 0:
+            if receive_first:
+                ready.wait(5)
+            t.wait([t.isend_p2p(1, 0, _view(torch.ones(2)), sigs[0])], time.monotonic() + 5)
+            deadline = time.monotonic() + 5
+            while t.broken is None and time.monotonic() < deadline:
+                t.progress(0.05)
+            t.check_usable()
+        else:
+            req = t.irecv_p2p(0, 0, _view(y), sigs[1])
+            ready.set()
+            t.wait([req], time.monotonic() + 5)
+
+    run = on_threads(2, body, 10)
+    assert not run.hung and set(run.errors) == {0, 1}, run.errors
+    assert all(isinstance(e, MismatchError) for e in run.errors.values()), run.errors
+    assert "send(float32) of 2 elements" in str(run.errors[1]) and "send(int32) of 2 elements" in str(run.errors[1])
+    assert torch.equal(y, torch.full((2,), 7, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("window", [0, 4096])
+def test_all_gather_of_the_same_bytes_packed_from_other_dtypes_is_a_mismatch(window):
+    """What all_gather_coalesced passes: 16 bytes of float32[4] on one rank, of int32[4] on the other."""
+    errors: list = []
+
+    def body(comm):
+        layout = ("coalesced", (("float32" if comm.rank == 0 else "int32", 4),))
+        out = torch.zeros(32, dtype=torch.uint8)
+        try:
+            comm.all_gather(out, torch.ones(16, dtype=torch.uint8), layout=layout)
+        except Exception as exc:
+            errors.append(exc)
+            raise
+
+    with pytest.raises((MismatchError, PeerLostError)):
+        memory_world(2, body, window_bytes=window, comm_timeout=10)
+    assert errors and all(isinstance(e, (MismatchError, PeerLostError)) for e in errors), errors
+    assert any(isinstance(e, MismatchError) for e in errors), errors
+
+
+@pytest.mark.parametrize("window", [0, 4096])
+@pytest.mark.parametrize("n", [4, 5000])
+def test_all_reduce_of_tensors_packed_differently_is_a_mismatch(window, n):
+    """all_reduce_coalesced of [n, n] on one rank and [2n] on the other: the same flat buffer, another packing."""
+    errors: list = []
+
+    def body(comm):
+        layout = (n, n) if comm.rank == 0 else None
+        try:
+            comm.all_reduce(torch.ones(2 * n), layout=layout)
+        except Exception as exc:
+            errors.append(exc)
+            raise
+
+    with pytest.raises((MismatchError, PeerLostError)):
+        memory_world(2, body, cfg=Config(small_bytes=64), window_bytes=window, comm_timeout=10)
+    assert any(isinstance(e, MismatchError) for e in errors), errors

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import ConfigError, HandshakeError, PeerLostError
 from torch_thunderbolt.protocol import handshake as hs
+from torch_thunderbolt.rendezvous import agree
 from torch_thunderbolt.rendezvous.group import connect
 from torch_thunderbolt.rendezvous.hosts import recv_exact
 from torch_thunderbolt.rendezvous.records import Records, unchecked_value
@@ -176,7 +177,12 @@ def test_the_secret_hint_only_for_a_hello_that_failed_its_mac(make_world, hello)
     """Rank 1 never comes; a stranger connects to rank 0 meanwhile. Garbage is refused and mentioned, but
     is no reason to suspect the secret; a HELLO as rank 1 whose MAC fails is: rank 1 failed its handshake."""
     world = make_world(2)
-    world.start(0, Config(streams=1, secret=SECRET, transport="tcp", connect_timeout=4))
+    cfg = Config(streams=1, secret=SECRET, transport="tcp", connect_timeout=4)
+    world.start(0, cfg)
+    # Rank 1 gets as far as publishing its settings (which every rank does first) and no further.
+    rank_1 = Records(world.view, 1, SECRET, time.monotonic() + 10)
+    rank_1.join_group()
+    rank_1.publish(agree.SETTINGS.format(rank=1), agree.my_settings(cfg))
     _stranger_hello(world.view, None if hello == "garbage" else b"x" * 32)
     world.join()
     exc = world.errors[0]

@@ -31,6 +31,28 @@ def test_sigstopped_rank_is_named_by_both_survivors_not_the_rank_waiting_on_it(n
     assert all(e["ranks"] == [2] for e in got.values()), json.dumps(got)
 
 
+@pytest.mark.parametrize("op", ["broadcast", "send"])
+def test_a_rank_frozen_while_a_peer_sends_it_64_mb_is_named_by_the_sender_at_the_timeout(op: str, tmp_path) -> None:
+    """The sender waits for its peer to take the bytes, not to send any: its CollectiveTimeout used to blame
+    nobody (`.ranks` empty, the frozen rank only under "pending"), and came ABORT_GRACE (2 s) after the group
+    timeout, spent waiting for the frozen peer to read the ABORT."""
+    timeout = 4.0
+    with start_ranks(blame, 2, tmp_path, args=["frozen_receiver"], setup=reliability_setup(),
+                     env={"TB_TIMEOUT": str(timeout), "TB_N": str(16 << 20), "TB_OP": op}) as ranks:
+        deadline = time.time() + 60  # rank 0 exits; rank 1 stays stopped until kill_all
+        while time.time() < deadline and ranks[0].proc.poll() is None:
+            time.sleep(0.05)
+        errors = ranks[0].tagged("ERROR")
+        logs = {rk.rank: rk.stderr()[-1500:] for rk in ranks}
+    assert errors, logs
+    err = errors[0]
+    assert err["type"] == "CollectiveTimeout" and err["ranks"] == [1], err
+    assert "[1]" in err["msg"].split("pending:")[0], err
+    # Raised at the timeout: the time the ABORT to the frozen rank takes is not added to it any more. (A
+    # bound, not a measurement: the grace alone made it timeout + 2 s.)
+    assert timeout <= err["seconds"] < timeout + 1.5, err
+
+
 @pytest.mark.parametrize("dies", [1, 2])
 def test_a_rank_that_dies_during_set_up_is_named_within_seconds(dies: int, tmp_path) -> None:
     """A rank publishes its endpoint and dies. Its listener now refuses: a rank connecting to it, and a rank

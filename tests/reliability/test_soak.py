@@ -80,3 +80,29 @@ def test_mixed_reduce_ops_fail_on_every_rank_of_each_collective(kind, ops, world
         env["THUNDERBOLT_TRANSPORT"] = transport
     outs = [r.json()["mixed"] for r in run_ranks(soak, world, tmp_path, timeout=90, env=env)]
     assert all(m["ok"] is False and m["type"] == "MismatchError" for m in outs), outs
+
+
+# Pairs of calls that pair up but do not mean the same thing (programs/soak.py `mismatched_call`): another
+# dtype with the same bytes, another element count, other split sizes, another packing. Each must be a
+# MismatchError on every rank (a rank that only sends may finish first: then at its next call), never a
+# result read in another dtype or packing, never a timeout.
+MISMATCHED = [("send_recv_dtype", 2, "tcp"), ("send_recv_dtype", 3, "default"), ("send_recv_count", 2, "default"),
+              ("all_gather_coalesced_dtype", 2, "tcp"), ("all_gather_coalesced_dtype", 3, "default"),
+              ("all_reduce_coalesced_layout", 2, "default"), ("all_reduce_coalesced_layout", 3, "tcp"),
+              ("all_gather_uneven", 2, "tcp"), ("all_to_all_splits", 3, "default"), ("broadcast_dtype", 2, "tcp"),
+              ("sparse_shape", 2, "default")]
+
+
+@pytest.mark.parametrize("case,world,transport", MISMATCHED, ids=[f"{c}-{w}-{t}" for c, w, t in MISMATCHED])
+def test_mismatched_pairs_fail_on_every_rank(case, world, transport, tmp_path) -> None:
+    env = {"TB_OPS": "0", "TB_SEED": "1", "TB_MISMATCH": case, "TB_TIMEOUT": "20"}
+    if transport != "default":
+        env["THUNDERBOLT_TRANSPORT"] = transport
+    outs = [r.json()["mismatch"] for r in run_ranks(soak, world, tmp_path, timeout=90, env=env)]
+    for rank, o in enumerate(outs):
+        first = o if not o["ok"] else o["next_call"]
+        # On 3 ranks a rank the pair does not involve may hear of it first as the FIN of a rank that failed.
+        allowed = ("MismatchError",) if world == 2 or rank < 2 else ("MismatchError", "PeerLostError")
+        assert first["ok"] is False and first["type"] in allowed, (rank, outs)
+        assert first["seconds"] < 10, (rank, outs)
+    assert any(o.get("type") == "MismatchError" for o in outs), outs

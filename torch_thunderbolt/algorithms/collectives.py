@@ -163,6 +163,10 @@ class Communicator:
             sig = self._sigs[key] = encode_sig(what, str(like.dtype).removeprefix("torch."), root, count, op, layout)
         return sig
 
+    def message_sig(self, x: torch.Tensor) -> int:
+        """The signature of a point-to-point message of the flat tensor `x`: its dtype and element count."""
+        return self._sig("send", x, 0, x.numel(), "none", None)
+
     def _combiner(self, op: str, dtype: torch.dtype) -> Combiner:
         """The kernel of `op` on `dtype`, which `check_op` tried before this op's first traffic."""
         return self._combiners[(op, dtype)]
@@ -190,31 +194,33 @@ class Communicator:
         self._combiners[key] = combine
 
     # -- collectives ----------------------------------------------------------------------------------------
-    def all_reduce(self, x: torch.Tensor, op: str = "sum", premul: object = None) -> None:
+    def all_reduce(self, x: torch.Tensor, op: str = "sum", premul: object = None, layout: object = None) -> None:
+        """Reduce `x` in place. `layout`: how `x` was packed from several tensors (a coalesced call), for the
+        signature; such an op takes the general paths, not the small ones kept per element count."""
         small = self._small_ops.get((x.numel(), x.dtype, op))
-        if small is not None:
+        if small is not None and layout is None:
             self._small_all_reduce(small, x, op, premul)
             return
         self.check_op("all_reduce", op, x.dtype)
         if op == "premul_sum" and premul is not None:
             x.mul_(premul)
         n, es = x.numel(), x.element_size()
-        if self._flat and n * es <= self._one_shot_bytes:
+        if self._flat and n * es <= self._one_shot_bytes and layout is None:
             self._one_shot_all_reduce(x, op)
         elif self._flat:
             combine = self._combiner(op, x.dtype)
             self._run_body(lambda sig, deadline, what: windowed.all_reduce(
-                self.window, x, combine, sig, deadline, what), "all_reduce", x, count=n, op=op)
+                self.window, x, combine, sig, deadline, what), "all_reduce", x, count=n, op=op, layout=layout)
         else:
             plan = self._plan(("ar", n, es), lambda: select.allreduce_plan(
                 self.cfg, self.rank, self.world, n, es, self.shape))
             if self._per_host and plan.algo == "hier":
                 self._run_body(lambda sig, deadline, what: self._hier_all_reduce(x, op, sig, deadline, what),
-                                 "all_reduce", x, count=n, op=op, how="hier")
-            elif plan.algo == "direct" and self.world > 1:
+                                 "all_reduce", x, count=n, op=op, how="hier", layout=layout)
+            elif plan.algo == "direct" and self.world > 1 and layout is None:
                 self._direct_all_reduce(x, op)
             else:
-                self._run(plan, "all_reduce", {"in": x, "out": x}, op, x, count=n)
+                self._run(plan, "all_reduce", {"in": x, "out": x}, op, x, count=n, layout=layout)
         if op == "avg":
             x.div_(self.world)
 
@@ -306,27 +312,30 @@ class Communicator:
         if op == "avg" and self.rank == root:
             x.div_(self.world)
 
-    def all_gather(self, out: torch.Tensor, x: torch.Tensor, counts: list[int] | None = None) -> None:
-        """`out` holds every rank's block in rank order; `counts` gives uneven block sizes."""
+    def all_gather(self, out: torch.Tensor, x: torch.Tensor, counts: list[int] | None = None,
+                   layout: object = None) -> None:
+        """`out` holds every rank's block in rank order; `counts` gives uneven block sizes. `layout`: what the
+        bytes are when `out` is only bytes (the dtypes and sizes a coalesced call packed), for the signature."""
         counts = counts or [x.numel()] * self.world
+        blocks = tuple(counts) if layout is None else (tuple(counts), layout)
         offs = offsets(counts)
         mine = out[offs[self.rank] : offs[self.rank] + counts[self.rank]]
         if mine.data_ptr() != x.data_ptr() or mine.numel() != x.numel():
             mine.copy_(x)
         es = x.element_size()
         if self._flat:
-            blocks = [(start * es, c * es) for start, c in zip(offs, counts)]
+            spans = [(start * es, c * es) for start, c in zip(offs, counts)]
             self._run_body(lambda sig, deadline, what: windowed.all_gather(
-                self.window, _bytes(out), blocks, sig, deadline, what), "all_gather", out, count=sum(counts),
-                layout=tuple(counts))
+                self.window, _bytes(out), spans, sig, deadline, what), "all_gather", out, count=sum(counts),
+                layout=blocks)
             return
         plan = self._plan(("ag", tuple(counts), es), lambda: select.all_gather_plan(
             self.cfg, self.rank, self.world, counts, es, self.shape))
         if self._per_host and plan.algo == "hier":
             self._run_body(lambda sig, deadline, what: self._hier_all_gather(out, counts, sig, deadline, what),
-                             "all_gather", out, count=sum(counts), layout=tuple(counts), how="hier")
+                             "all_gather", out, count=sum(counts), layout=blocks, how="hier")
         else:
-            self._run(plan, "all_gather", {"out": out}, None, out, count=sum(counts), layout=tuple(counts))
+            self._run(plan, "all_gather", {"out": out}, None, out, count=sum(counts), layout=blocks)
 
     def _hier_all_gather(self, out: torch.Tensor, counts: list[int], sig: int, deadline: float, what: OpLabel) -> None:
         """The host's blocks to its leader on the window, whole host blocks among the leaders over the
@@ -414,14 +423,17 @@ class Communicator:
         bufs = {"in": x if x is not None else out, "out": out}
         self._run(plan, "scatter", bufs, None, out, root=root, count=sum(counts), layout=tuple(counts))
 
-    def all_to_all(self, out: torch.Tensor, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> None:
+    def all_to_all(self, out: torch.Tensor, x: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                   layout: object = None) -> None:
+        """`layout`: what the bytes are when they are only bytes (a compressed all_reduce's), for the
+        signature. The counts differ by rank, so they are not in it: each message's size is checked."""
         ss = list(zip(offsets(send_counts), send_counts))
         rs = list(zip(offsets(recv_counts), recv_counts))
         if _overlap(out, x):
             x = x.clone()
         plan = self._plan(("a2a", tuple(send_counts), tuple(recv_counts)),
                           lambda: direct.all_to_all(self.rank, self.world, ss, rs))
-        self._run(plan, "all_to_all", {"in": x, "out": out}, None, x)  # counts differ by rank: not in the sig
+        self._run(plan, "all_to_all", {"in": x, "out": out}, None, x, layout=layout)
 
     def barrier(self) -> None:
         plan = self._plan(("barrier",), lambda: direct.barrier(self.rank, self.world))

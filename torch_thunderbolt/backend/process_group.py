@@ -170,8 +170,11 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             comm = self._with_timeout(opts)
             for s in staged:
                 if self._compress(s.flat, op):
+                    # What the compressed bytes stand for goes into their signatures: a float64 tensor
+                    # beside a float32 one of as many elements puts the same bytes on the wire.
+                    what = ("compressed", str(s.flat.dtype).removeprefix("torch."), s.flat.numel(), op)
                     compressed_all_reduce(s.flat, self._cfg.compression, block_size=self._cfg.compression_block,
-                                          average=op == "avg", exchange=_CommExchange(comm))
+                                          average=op == "avg", exchange=_CommExchange(comm, what))
                 else:
                     comm.all_reduce(s.flat, op, factor)
                 s.write_back()
@@ -198,7 +201,10 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 idx, val = s.indices().contiguous(), s.values().contiguous()
                 nnz = torch.tensor([idx.shape[1]], dtype=torch.int64)
                 every = torch.empty(self._size, dtype=torch.int64)
-                comm.all_gather(every, nnz)
+                # The sparse tensor's shape and dtype in the signature: ranks whose tensors differ there would
+                # otherwise add up indices of different shapes (or values of another dtype's bytes).
+                comm.all_gather(every, nnz, layout=("sparse", tuple(s.shape), s.sparse_dim(),
+                                                    str(val.dtype).removeprefix("torch.")))
                 counts = [int(c) for c in every]
                 per_value = math.prod(val.shape[1:])  # elements per entry (dense dimensions)
                 all_idx = torch.empty(idx.shape[0] * sum(counts), dtype=idx.dtype)
@@ -233,7 +239,10 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 by_dtype.setdefault(t.dtype, []).append(t)
             for group in by_dtype.values():
                 flat = torch.cat([t.detach().reshape(-1).cpu() for t in group])
-                comm.all_reduce(flat, op, factor)
+                # Several tensors packed into one: their sizes go into the signature, so [2, 2] never pairs
+                # with another rank's [4] (or [1, 3]).
+                layout = tuple(t.numel() for t in group) if len(group) > 1 else None
+                comm.all_reduce(flat, op, factor, layout=layout)
                 split_into(flat, group)
 
         return self._submit("all_reduce_coalesced", run, tensors, opts=opts)
@@ -369,11 +378,15 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                                  f"inputs' sizes and dtypes {[(x.dtype, x.numel()) for x in inputs]}, got "
                                  f"{[(o.dtype, o.numel()) for o in outs]}")
 
+        layout = ("coalesced", tuple((str(x.dtype).removeprefix("torch."), x.numel()) for x in inputs))
+
         def run() -> None:
             mine = torch.cat([byte_view(x) for x in inputs]) if inputs else torch.empty(0, dtype=torch.uint8)
             n = mine.numel()
             flat = torch.empty(n * self._size, dtype=torch.uint8)
-            self._with_timeout(opts).all_gather(flat, mine)
+            # The bytes' dtypes and element counts go into the signature: a rank gathering float32[4] beside
+            # one gathering int32[4] (16 bytes each) must not read the other's bytes as its own dtype.
+            self._with_timeout(opts).all_gather(flat, mine, layout=layout)
             for q, outs in enumerate(outputs):
                 off = q * n
                 for o in outs:
@@ -542,8 +555,13 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
     # -- point-to-point: posted at once, driven by the thread that waits on the work --------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work:
         flat = flat_cat(tensors)
-        req = self._transport.isend_p2p(dst, tag, tensor_bytes(flat))
+        req = self._transport.isend_p2p(dst, tag, tensor_bytes(flat), self._p2p_sig(flat))
         return self._p2p_work("send to", dst, tag, req, tensors, keep=flat)
+
+    def _p2p_sig(self, flat: torch.Tensor) -> int:
+        """What a point-to-point message is (dtype and element count): the receive checks it against its own
+        before any byte lands, so a float32 send never fills an int32 receive of the same size."""
+        return self._comm.message_sig(flat)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work:
         return self._recv(tensors, src, tag)
@@ -558,7 +576,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         else:
             flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
             done = functools.partial(split_into, flat, tensors)
-        req = self._transport.irecv_p2p(src, tag, tensor_bytes(flat))
+        req = self._transport.irecv_p2p(src, tag, tensor_bytes(flat), self._p2p_sig(flat))
         return self._p2p_work("recv from", src, tag, req, tensors, keep=flat, on_done=done)
 
     def _p2p_work(self, verb: str, peer: int, tag: int, req: Any, result: Any, keep: Any,
@@ -610,16 +628,18 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
 class _CommExchange:
     """The compression layer's two byte-moving calls, served by our own Communicator (no re-entry)."""
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, layout: object = None) -> None:
         self.comm = comm
         self.world_size = comm.world
+        self.layout = layout  # what the bytes stand for (the compressed tensor's dtype and size), signed
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         c = inp.shape[1]
-        self.comm.all_to_all(out.view(-1), inp.reshape(-1), [c] * self.world_size, [c] * self.world_size)
+        self.comm.all_to_all(out.view(-1), inp.reshape(-1), [c] * self.world_size, [c] * self.world_size,
+                             layout=self.layout)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        self.comm.all_gather(out.view(-1), inp.reshape(-1))
+        self.comm.all_gather(out.view(-1), inp.reshape(-1), layout=self.layout)
 
 
 def _rows_first(idx: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,10 @@ def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
 
 
 def _thunderbolt_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any):
-    """thunderbolt://HOST:PORT — a TCPStore on HOST:PORT; rank and world size from the URL or environment."""
+    """thunderbolt://HOST:PORT — a TCPStore on HOST:PORT that rank 0 serves; rank and world size from the URL
+    or environment. Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) HOST:PORT is torchrun's own store when
+    PORT is its --master-port (MASTER_PORT), as with tcp://; any other PORT is served by rank 0, as outside
+    torchrun. (torch's tcp:// makes every rank a client there, of a store nobody serves: it hangs.)"""
     rdzv = importlib.import_module("torch.distributed.rendezvous")
     parsed = urlparse(url)
     query = dict(parse_qsl(parsed.query))
@@ -48,6 +51,8 @@ def _thunderbolt_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30)
     port = parsed.port or int(os.environ.get("MASTER_PORT", "0") or 0)
     if not host or not port:
         raise ValueError(f"thunderbolt:// rendezvous needs HOST:PORT, got {url!r}")
+    if agent_store_elsewhere(port, os.environ):
+        return _rank_0_serves(host, port, int(query["rank"]), int(query["world_size"]), timeout)
     tcp_url = f"tcp://{host}:{port}?{urlencode(query)}"
     from ..rendezvous.store_probe import probe_url
 
@@ -88,6 +93,33 @@ def _creating_a_thunderbolt_group() -> bool:
             return BACKEND in str(frame.f_locals.get("backend", "")).lower()
         frame = frame.f_back
     return False
+
+def agent_store_elsewhere(port: int, env: "dict[str, str] | os._Environ[str]") -> bool:
+    """Whether torchrun's agent serves the job's store (every rank would be a client of HOST:PORT) but PORT
+    is not that store's port: then nobody would serve HOST:PORT unless rank 0 does. Pure."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return False
+    return str(port) != env.get("MASTER_PORT", "")
+
+
+def _rank_0_serves(host: str, port: int, rank: int, world: int, timeout: timedelta):
+    """The rendezvous of a thunderbolt:// URL that names a store of our own under torchrun: rank 0 serves it
+    (binding PORT; an error there names the port), the others connect to it."""
+    import torch.distributed as dist
+
+    from ..errors import ConfigError
+
+    try:
+        store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout, multi_tenant=True)
+    except RuntimeError as exc:
+        if rank != 0:
+            raise
+        raise ConfigError(
+            f"thunderbolt://{host}:{port} under torchrun: rank 0 cannot serve the rendezvous store on port {port} "
+            f"({str(exc).splitlines()[0]}); use torchrun's own store (thunderbolt://{host}:"
+            f"{os.environ.get('MASTER_PORT', '')}, its --master-port) or a free port") from exc
+    yield (store, rank, world)
+    raise RuntimeError("Unable to perform re-rendezvous using thunderbolt:// method")
 
 
 def register() -> None:

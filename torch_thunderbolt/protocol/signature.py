@@ -21,6 +21,10 @@ DTYPES = [
     "complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
 ]
 REDUCE_OPS = ["none", "sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum"]
+# Bytes per element of each dtype above, to say how many elements a message of so many bytes holds.
+ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+            "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "uint16": 2, "uint32": 4, "uint64": 8,
+            "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 def encode_sig(op: str, dtype: str = "none", root: int = 0, count: int = 0, reduce_op: str = "none",
@@ -46,6 +50,17 @@ def describe_sig(sig: int) -> str:
     red = f", {REDUCE_OPS[r].upper()}" if 0 < r < len(REDUCE_OPS) else ""
     root_txt = f", root {root}" if op in ("broadcast", "reduce", "gather", "scatter") else ""
     return f"{op}({dt}{red}{root_txt})"
+
+
+def describe_message(sig: int, nbytes: int) -> str:
+    """A message as errors name it: "send(float32) of 2 elements (8 bytes)" where the signature names a
+    dtype, else "all_gather(uint8) of 16 bytes"."""
+    what = describe_sig(sig)
+    d = (sig >> 48) & 0xFF if sig else 0
+    size = ITEMSIZE.get(DTYPES[d]) if 0 < d < len(DTYPES) else None
+    if size and nbytes % size == 0 and DTYPES[d] != "uint8":
+        return f"{what} of {nbytes // size} elements ({nbytes} bytes)"
+    return f"{what} of {nbytes} bytes"
 
 
 def sig_compatible(a: int, b: int) -> bool:

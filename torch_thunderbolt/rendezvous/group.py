@@ -2,7 +2,9 @@
 
 `connect` is all the backend asks of the set-up: given the rendezvous store, this rank, the group size and
 the Config, it returns a connected transport and the shape. `auto` picks shared memory when the whole group
-shares one host, TCP between hosts, and both in one engine when hosts run several ranks each.
+shares one host, TCP between hosts, and both in one engine when hosts run several ranks each. Before any
+link is made the ranks compare the settings that must agree, and rank 0 (the store's host) leaves only once
+every rank has read what it needs from the store (agree.py).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ..transport import shm_ring
 from ..transport.engine import Transport
 from ..transport.base import LinkKind
 from ..transport.names import RankNames
+from .agree import agree_settings, leave_together
 from .hosts import host_map
 from .records import GroupAuth, Records
 from .shm import ShmOptions, connect_shm_links
@@ -50,22 +53,34 @@ def connect(store: Any, rank: int, world: int, cfg: Config, timeout: float,
 
 def _connect(store: Any, rank: int, world: int, cfg: Config, timeout: float, names: RankNames | None,
              records: Records, auth: GroupAuth) -> Connected:
+    # First of all: the settings that must agree (a transport that differs would make the steps below
+    # wait for records or connections that never come).
+    agreement = agree_settings(records, rank, world, cfg, names)
     hosts = None if cfg.transport != "auto" else host_map(records, rank, world)
+    agreement.check_hosts(hosts, cfg.transport)
     kind = choose_transport(cfg.transport, rank, hosts)
     if kind in ("shm", "hybrid"):
         kind = shm_or_tcp(kind, rank)
     if kind == "shm":
-        return Connected(Transport(rank, world, [connect_shm_links(store, rank, world, cfg, timeout,
-                                                                   records=records)], names=names), None)
-    if kind == "hybrid" and hosts is not None:
-        kinds, nets = connect_hybrid_links(store, rank, world, cfg, timeout, hosts, records, auth)
+        connected = Connected(Transport(rank, world, [connect_shm_links(store, rank, world, cfg, timeout,
+                                                                        records=records)], names=names), None)
     else:
-        tcp, nets = connect_tcp_links(store, rank, world, cfg, timeout, records=records, auth=auth)
-        kinds = [tcp]
-    transport = Transport(rank, world, kinds, names=names)
-    if hosts is not None and 1 < len(set(hosts)) < len(hosts):  # several hosts, some with several ranks
-        return Connected(transport, hosts_shape(nets, hosts))
-    return Connected(transport, shape_from_networks(nets) if nets else None)
+        if kind == "hybrid" and hosts is not None:
+            kinds, nets = connect_hybrid_links(store, rank, world, cfg, timeout, hosts, records, auth)
+        else:
+            tcp, nets = connect_tcp_links(store, rank, world, cfg, timeout, records=records, auth=auth)
+            kinds = [tcp]
+        transport = Transport(rank, world, kinds, names=names)
+        if hosts is not None and 1 < len(set(hosts)) < len(hosts):  # several hosts, some with several ranks
+            connected = Connected(transport, hosts_shape(nets, hosts))
+        else:
+            connected = Connected(transport, shape_from_networks(nets) if nets else None)
+    try:
+        leave_together(records, rank, world)
+    except BaseException:
+        connected.transport.close()
+        raise
+    return connected
 
 
 def connect_hybrid_links(store: Any, rank: int, world: int, cfg: Config, timeout: float,

@@ -28,6 +28,7 @@ from ..transport.engine import Transport
 from ..transport.shm import ShmLinks
 from ..transport.shm_window import area_bytes
 from . import hosts
+from .agree import leave_together
 from .hosts import recv_exact
 from .records import Records
 
@@ -131,8 +132,23 @@ def _accept(lst: socket.socket, rank: int, higher: set[int], token: bytes, deadl
 def connect_shm(store: Any, rank: int, world: int, cfg: Config, timeout: float,
                 opts: ShmOptions | None = None) -> Transport:
     """A transport over shared memory alone: every rank of the group on this host (see `hosts.host_map`).
-    `opts`: sizes overriding the Config's (benchmarks, tests)."""
-    return Transport(rank, world, [connect_shm_links(store, rank, world, cfg, timeout, opts)])
+    `opts`: sizes overriding the Config's (benchmarks, tests). Rank 0 returns only once every rank has read
+    what it needs from the store (which rank 0 may serve: agree.leave_together)."""
+    records = Records(store, rank, cfg.secret, time.monotonic() + min(timeout, cfg.connect_timeout))
+    try:
+        records.join_group()
+        links = connect_shm_links(store, rank, world, cfg, timeout, opts, records=records)
+    except BaseException as exc:
+        records.announce(exc)
+        raise
+    transport = Transport(rank, world, [links])
+    try:
+        leave_together(records, rank, world)
+    except BaseException as exc:
+        records.announce(exc)
+        transport.close()
+        raise
+    return transport
 
 
 def connect_shm_links(store: Any, rank: int, world: int, cfg: Config, timeout: float,

@@ -31,6 +31,7 @@ from ..transport.engine import Transport
 from ..transport.netif import choose_addresses, network_of
 from ..transport.tcp import TcpLinks
 from . import hosts
+from .agree import leave_together
 from .hosts import recv_exact
 from .records import SECRET_HINT, GroupAuth, Records
 
@@ -525,6 +526,8 @@ def _wait_for_higher(acceptor: "_Acceptor", records: Records, rank: int, members
                 continue
             since = refused_since.setdefault(p, now)
             if time.monotonic() - since >= REFUSED_DEAD_SECONDS:
+                if acceptor.done.is_set() or all(acceptor.conns.get((p, s)) is not None for s in range(streams)):
+                    continue  # its streams came in meanwhile, and it closed its listener (its set-up is done)
                 failed = records.failure(p)  # it may have said why just before it closed its listener
                 if failed is not None:
                     raise failed
@@ -535,9 +538,23 @@ def _wait_for_higher(acceptor: "_Acceptor", records: Records, rank: int, members
 
 
 def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) -> Transport:
-    """A transport over TCP alone, to every other rank of the group."""
-    links, _ = connect_tcp_links(store, rank, world, cfg, timeout)
-    return Transport(rank, world, [links])
+    """A transport over TCP alone, to every other rank of the group. Rank 0 returns only once every rank has
+    read what it needs from the store (which rank 0 may serve: agree.leave_together)."""
+    records = Records(store, rank, cfg.secret, time.monotonic() + min(timeout, cfg.connect_timeout))
+    try:
+        auth = records.join_group()
+        links, _ = connect_tcp_links(store, rank, world, cfg, timeout, records=records, auth=auth)
+    except BaseException as exc:
+        records.announce(exc)
+        raise
+    transport = Transport(rank, world, [links])
+    try:
+        leave_together(records, rank, world)
+    except BaseException as exc:
+        records.announce(exc)
+        transport.close()
+        raise
+    return transport
 
 
 def connect_tcp_links(store: Any, rank: int, world: int, cfg: Config, timeout: float,

@@ -280,6 +280,35 @@ def run_ranks(program: Program, world: int, workdir: Path, *, args: Sequence[str
     return results
 
 
+def run_torchrun(program: Program, nproc: int, workdir: Path, *, args: Sequence[str] = (), env: Env | None = None,
+                 torchrun_args: Sequence[str] = (), timeout: float = 60.0) -> RankResult:
+    """`nproc` ranks of `program` on this host started by torchrun (`python -m torch.distributed.run`), as a
+    user's job is, with torchrun's own store on a free --master-port (`torchrun_args` come before the
+    program). The workers' output is torchrun's: the result is torchrun's, and each worker's RESULT lines
+    are among its `results()`. torchrun starts every worker in a session of its own, so a worker must
+    register its pid first (testing.program.register_pid): whatever happens, torchrun's session and every
+    registered worker's are killed at the end, and at `timeout` (an AssertionError with the output)."""
+    for old in workdir.glob("pid_*"):  # an earlier run's workers in the same directory
+        old.unlink()
+    argv = ["--nproc-per-node", str(nproc), "--master-port", str(free_port()), *torchrun_args,
+            *program_argv(program), *args]
+    with start_ranks("torch.distributed.run", 1, workdir, args=argv, env=env) as ranks:
+        try:
+            finished = ranks.wait(time.time() + timeout)
+        finally:
+            for pid in rank_pids(workdir):
+                for kill in (os.killpg, os.kill):  # a worker leads its own session
+                    try:
+                        kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+        if not finished:
+            ranks.kill_all()
+            raise AssertionError(f"torchrun hung (killed after {timeout}s)\nstdout:\n{ranks[0].stdout()[-3000:]}\n"
+                                 f"stderr:\n{ranks[0].stderr()[-3000:]}")
+    return ranks.results()[0]
+
+
 def shm_snippet(body: str, workdir: Path) -> Path:
     """A rank program for the SHM setup made from the text of its body, for tests whose program is still a
     string: it runs after testing.program.shm_snippet_namespace() (r, w, t, store, result ...). New

@@ -258,7 +258,8 @@ def remote_error(rank: int, peer: int, text: str) -> BaseException:
         lost = re.search(r"connection to rank (\d+)", reason)
         return PeerLostError(message, rank=rank, peer=int(lost.group(1)) if lost else peer)
     if cls is CollectiveTimeout:  # the ranks the peer blamed, not the peer
-        blamed = re.search(r"(?:did not arrive|stopped sending): \[([\d, ]*)\]", reason)
+        blamed = re.search(r"(?:did not arrive|stopped sending|did not take what this rank sends): \[([\d, ]*)\]",
+                           reason)
         return CollectiveTimeout(message, ranks=[int(x) for x in blamed.group(1).split(",") if x.strip()]
                                  if blamed else [peer])
     err = cls(message)

@@ -149,7 +149,11 @@ class Transport:
             self.check_usable()
             for kind in self.kinds:
                 kind.note_post(req.key, req.sig)
-            self.matcher.post(req)  # it may match a message that arrived before the peer said BYE
+            try:
+                self.matcher.post(req)  # it may match a message that arrived before the peer said BYE
+            except MismatchError as exc:  # an early message of another type: nothing was copied into `buf`
+                self.fail(exc)  # the sender is told too, as when the message arrives after the receive
+                raise
             self._quiet = False
             for link in self._links if peer == ANY_SOURCE else (self._route[peer],):
                 link.posted_recv()
@@ -165,16 +169,19 @@ class Transport:
                 self._wake()
         return req
 
-    def isend_p2p(self, peer: int, tag: int, buf: memoryview) -> Request:
+    def isend_p2p(self, peer: int, tag: int, buf: memoryview, sig: int = 0) -> Request:
+        """Send `buf` to `peer` as its next message with `tag`. `sig`: what the bytes are (the backend's
+        dtype and element count, protocol.signature), checked against the receive's before any byte lands."""
         with self._lock:
             seq = self._p2p_send_seq[(peer, tag)]
             self._p2p_send_seq[(peer, tag)] = seq + 1
-        return self.isend(peer, (Space.P2P, tag, seq), buf)
+        return self.isend(peer, (Space.P2P, tag, seq), buf, sig)
 
-    def irecv_p2p(self, peer: int, tag: int, buf: memoryview) -> Request:
-        """Receive the next message with `tag` from `peer` (or from any peer with ANY_SOURCE)."""
+    def irecv_p2p(self, peer: int, tag: int, buf: memoryview, sig: int = 0) -> Request:
+        """Receive the next message with `tag` from `peer` (or from any peer with ANY_SOURCE); `sig` as for
+        isend_p2p (0 takes any message of the right size)."""
         # The sequence number is assigned at match time (see matching.Matcher), so -1 here.
-        return self.irecv(peer, (Space.P2P, tag, -1), buf)
+        return self.irecv(peer, (Space.P2P, tag, -1), buf, sig)
 
     def exchange(self, sends: Sequence[tuple[int, Key, memoryview]], recvs: Sequence[tuple[int, Key, memoryview]],
                  sig: int, deadline: float | None, what: object = "") -> None:
@@ -447,9 +454,14 @@ class Transport:
             self._cv.signal()
             if tell_peers:
                 body = abort_body(err)
+                # The ranks a timeout blames took nothing from us for the whole timeout: waiting ABORT_GRACE
+                # for them to read the ABORT would only add that much to every timeout (10 s became 12 s).
+                # They get one try, the others the grace.
+                stuck = set(err.ranks) if isinstance(err, CollectiveTimeout) else set()
+                once = []
                 for link in self._links:
-                    writes += link.abort_writes(body)
-                _deliver(writes)
+                    (once if link.peer in stuck else writes).extend(link.abort_writes(body))
+                _deliver(writes, once)
             for link in self._links:
                 link.close()
             self._cv.signal()
@@ -535,8 +547,11 @@ class Transport:
         heard = set(arrived) | {r.peer for r in reqs if not r.is_send and (r.done or r.received)}
         awaited = {r.peer for r in waiting if not r.is_send}
         missing = sorted(awaited - heard)
+        # A send that never finished: its peer took none of the rest for the whole timeout (frozen, or not
+        # reading): named when no receive says more (a broadcast's root, a send to a stopped rank).
+        untaken = sorted({r.peer for r in waiting if r.is_send and r.peer != ANY_SOURCE} - awaited)
         detail = "; ".join(r.describe() for r in waiting[:4])
-        named = missing or sorted(awaited)
+        named = missing or sorted(awaited) or untaken
         # A rank we wait on may only be waiting on another one itself (it said so, answering our probe):
         # blame that one, not the rank stuck behind it.
         tags = {r.key[1] for r in waiting if r.key[0] == Space.COLL}
@@ -547,20 +562,32 @@ class Transport:
             who = f" ranks that stopped sending: {culprits} ({behind});"
         elif missing:
             who = f" ranks that did not arrive: {missing};"
-        else:  # everyone arrived; some stopped part-way (frozen, or waiting on someone themselves)
-            who = f" ranks that arrived but stopped sending: {sorted(awaited)};" if awaited else ""
+        elif awaited:  # everyone arrived; some stopped part-way (frozen, or waiting on someone themselves)
+            who = f" ranks that arrived but stopped sending: {sorted(awaited)};"
+        else:
+            who = f" ranks that did not take what this rank sends: {untaken};" if untaken else ""
         err = CollectiveTimeout(
             f"rank {self.rank}: Timed out waiting in {what or 'an operation'};{who} pending: {detail}",
             ranks=culprits)
         return err if self.names is None else self.names.apply(err)
 
 
-def _deliver(writes: "list[tuple[socket.socket, list[memoryview]]]") -> None:
+def _deliver(writes: "list[tuple[socket.socket, list[memoryview]]]",
+             once: "list[tuple[socket.socket, list[memoryview]]]" = ()) -> None:
     """Write each socket's bytes (the rest of a frame in flight, then the ABORT), then FIN; close nothing
     until each peer has closed its end too (it read the ABORT) or ABORT_GRACE passed, reading and dropping
     whatever the peers send meanwhile: closing a socket with unread bytes makes the kernel send a reset and
     throw away what is still queued, the ABORT included, and the peer would then report "lost the
-    connection" to us instead of the reason."""
+    connection" to us instead of the reason. `once`: sockets of peers known not to read (a timeout's
+    culprits) get what their socket takes now, and no wait."""
+    for sock, bufs in once:
+        bufs = [b for b in bufs if len(b)]
+        try:
+            while bufs:
+                _consume(bufs, sock.send(bufs[0], socket.MSG_DONTWAIT))
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:  # full (BlockingIOError) or gone: nothing more to do for this peer
+            pass
     todo = {s.fileno(): (s, [b for b in bufs if len(b)]) for s, bufs in writes if s.fileno() >= 0}
     sink = bytearray(_SINK)
     deadline = time.monotonic() + ABORT_GRACE

@@ -13,7 +13,7 @@ from typing import Callable
 
 from ..errors import MismatchError, ProtocolError
 from ..protocol.framing import Frame, Space
-from ..protocol.signature import describe_sig, sig_compatible
+from ..protocol.signature import describe_message, sig_compatible
 from .base import ANY_SOURCE, Key, Request
 
 
@@ -147,11 +147,15 @@ class Matcher:
         return []
 
     def _check(self, req: Request, peer: int, total: int, sig: int) -> None:
+        """Before any byte of the message lands in the receive's buffer: the same size and signature."""
         if total != req.nbytes or not sig_compatible(sig, req.sig):
+            sent, expected = describe_message(sig, total), describe_message(req.sig, req.nbytes)
+            where = f"tag {req.key[1]}" if req.key[0] == Space.P2P else f"op #{req.key[1]}"
+            same = (" (the same op, called with other element counts, split sizes, dtypes or layout on the two "
+                    "ranks)" if sent == expected else "")
             raise MismatchError(
-                f"rank {self.rank}: mismatched operation with rank {peer} (op/tag {req.key[1]}): "
-                f"rank {peer} sent {describe_sig(sig)} of {total} bytes, but rank {self.rank} expected "
-                f"{describe_sig(req.sig)} of {req.nbytes} bytes"
+                f"rank {self.rank}: mismatched operation with rank {peer} ({where}): rank {peer} sent {sent}, "
+                f"but rank {self.rank} expected {expected}{same}"
             )
 
     def pending(self) -> list[Request]:

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from ..errors import PeerLostError
 from ..protocol.framing import Frame, Kind, Space
-from .base import CountedCondition, Link, LinkKind, Request
+from .base import CountedCondition, Link, LinkKind, Request, remote_error
 from .engine import Transport
 from .window import BUFFERS, WindowMemory
 
@@ -69,8 +69,8 @@ class MemoryLink(Link):
             view, target = dst.matcher.match(me.rank, frame)
             view[:] = req.buf
             dst.matcher.part_done(me.rank, frame.key, target, req.nbytes)
-        except Exception as exc:  # a mismatch breaks the receiver, as it would on the wire
-            dst.fail(exc, tell_peers=False)
+        except Exception as exc:  # a mismatch breaks the receiver (nothing was copied), which tells its peers
+            dst.fail(exc)
         self.kind.bytes_sent += req.nbytes
         dst.kinds[0].bytes_received += req.nbytes
         req.done = True
@@ -83,6 +83,13 @@ class MemoryLink(Link):
 
     def gone(self) -> bool:
         return self.hub.transports[self.peer].closed
+
+    def abort_writes(self, body: bytes) -> "list":
+        """The ABORT a wire would carry: the peer fails at once with our reason (under the world's lock)."""
+        dst = self.hub.transports[self.peer]
+        if dst.broken is None and not dst.closed:
+            dst.remote_abort(self.engine.rank, remote_error(self.peer, self.engine.rank, body.decode(errors="replace")))
+        return []
 
     def queued(self) -> list[Request]:
         return []  # sends are eager: none is ever queued

@@ -2,6 +2,7 @@
 
 - `sigstop`: all_reduce in a loop; rank 2 SIGSTOPs itself 0.3 s after the barrier (STOPPED), the others print
   their error (ERROR) with the ranks it names. Environment: TB_TIMEOUT, TB_N (elements).
+- `frozen_receiver`: rank 1 SIGSTOPs itself; rank 0 sends it 64 MB as a broadcast's root or with send.
 - `dies_in_set_up`: rank TB_DIES exits (code 3) right after publishing its endpoint; the others report
   how init_process_group failed and how long it took.
 """
@@ -41,6 +42,33 @@ def sigstop() -> Exit | None:
         return Exit(1, hard=True)
 
 
+def frozen_receiver() -> Exit | None:
+    """Rank 1 SIGSTOPs itself (STOPPED) right after a barrier; rank 0 then sends it TB_N float32 elements as a
+    broadcast's root or a point-to-point send (TB_OP) and reports its error (ERROR), with the seconds from
+    the call to the error. Environment: TB_TIMEOUT, TB_N, TB_OP."""
+    timeout = float(os.environ["TB_TIMEOUT"])
+    dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=timeout))
+    r = dist.get_rank()
+    x = torch.ones(int(os.environ["TB_N"]))
+    dist.barrier()
+    if r == 1:
+        emit("STOPPED", time.time())
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return Exit(0, hard=True)
+    time.sleep(0.5)  # rank 1 is stopped by now
+    t0 = time.monotonic()
+    try:
+        if os.environ["TB_OP"] == "broadcast":
+            dist.broadcast(x, 0)
+            dist.barrier()  # a root that only sends may finish first; its next call waits on rank 1
+        else:
+            dist.send(x, 1)
+    except Exception as exc:
+        emit("ERROR", {"type": type(exc).__name__, "msg": str(exc)[:1500], "ranks": getattr(exc, "ranks", None),
+                       "seconds": time.monotonic() - t0, "timeout": timeout})
+    return Exit(1, hard=True)
+
+
 def dies_in_set_up() -> Exit | None:
     import torch_thunderbolt.rendezvous.tcp as bootstrap
 
@@ -57,4 +85,4 @@ def dies_in_set_up() -> Exit | None:
 
 
 if __name__ == "__main__":
-    main({"sigstop": sigstop, "dies_in_set_up": dies_in_set_up})
+    main({"sigstop": sigstop, "frozen_receiver": frozen_receiver, "dies_in_set_up": dies_in_set_up})

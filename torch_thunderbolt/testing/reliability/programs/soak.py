@@ -27,7 +27,9 @@ What is drawn (all from one shared `random.Random` per op):
 TB_MIXED=random (or TB_MIXED=sum,max: the two ops; TB_MIXED_KIND=reduce: the collective) ends the run
 with one collective whose reduce op differs between ranks (SUM on some, MAX or AVG or ... on the others):
 every rank must raise MismatchError, never return its own op's result and never time out. It breaks the
-group, so it is the last op.
+group, so it is the last op. TB_MISMATCH=<case> ends it instead with a pair of calls that pair up but
+do not mean the same (another dtype, element count, split sizes or packing; `mismatched_call`), which
+must be a MismatchError on every rank.
 """
 from __future__ import annotations
 
@@ -375,6 +377,61 @@ def soak() -> Exit | None:
         others = rng.sample(range(w), rng.randint(1, w - 1))  # these ranks use b, the rest a
         return dict(kind=kind, ops=(a, b), dtype=dtype, n=n, b_ranks=sorted(others), root=rng.randrange(w),
                     factor=2.0)
+
+    # -- mismatched pairs: calls that pair up, with the same bytes or not, but do not mean the same thing --------
+    # (TB_MISMATCH=<case>; the last op, like TB_MIXED.) Every rank must raise MismatchError: at the call, or,
+    # for a rank that only sends (a send, a broadcast's root), at its next call; never return a result read
+    # in another dtype or packing.
+    def mismatched_call(case, n):
+        one = r == 0  # rank 0 calls one form, the others the other
+        if case == "send_recv_dtype":  # 8 bytes both ways: float32[2] sent, int32[2] expected
+            if r == 0:
+                dist.send(torch.ones(n), 1)
+            elif r == 1:
+                dist.recv(torch.zeros(n, dtype=torch.int32), 0)
+        elif case == "send_recv_count":
+            if r == 0:
+                dist.send(torch.ones(n), 1)
+            elif r == 1:
+                dist.recv(torch.zeros(n + 1), 0)
+        elif case == "all_gather_coalesced_dtype":
+            dtype = torch.float32 if one else torch.int32
+            dist.all_gather_coalesced([[torch.zeros(n, dtype=dtype)] for _ in range(w)], [torch.ones(n, dtype=dtype)])
+        elif case == "all_reduce_coalesced_layout":
+            dist.all_reduce_coalesced([torch.ones(n), torch.ones(n)] if one else [torch.ones(2 * n)])
+        elif case == "all_gather_uneven":  # the same total, other block sizes
+            sizes = [n + 1, n - 1] + [n] * (w - 2) if one else [n] * w
+            dist.all_gather([torch.zeros(c) for c in sizes], torch.ones(sizes[r]))
+        elif case == "all_to_all_splits":  # rank 0 sends rank 1 one element more than rank 1 expects
+            ins = [n + 1 if (one and q == 1) else n for q in range(w)]
+            outs = [n] * w
+            dist.all_to_all_single(torch.zeros(sum(outs)), torch.ones(sum(ins)), outs, ins)
+        elif case == "broadcast_dtype":
+            dist.broadcast(torch.ones(n, dtype=torch.float32 if one else torch.int32), 0)
+        elif case == "sparse_shape":
+            size = n if one else 2 * n
+            dist.all_reduce(torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([1.0, 2.0]), (size,)))
+        else:
+            raise ValueError(f"unknown TB_MISMATCH case {case!r}")
+
+    MISMATCH = os.environ.get("TB_MISMATCH", "")
+    if MISMATCH and not errors:
+        time.sleep(0.5)  # every rank has left the barrier: the abort cannot overtake its last message
+        got = outcome(lambda: mismatched_call(MISMATCH, int(os.environ.get("TB_MISMATCH_N", "4"))))
+        if got["ok"]:
+            got["next_call"] = outcome(lambda: dist.barrier())
+        got["case"] = MISMATCH
+        result(dict(summary, mismatch=got))
+        try:  # stay until every rank has its outcome (see the mixed case below)
+            store = dist.distributed_c10d._get_default_store()
+            store.add("tb_soak_mismatch_done", 1)
+            t_end = time.monotonic() + TIMEOUT + 30
+            while store.add("tb_soak_mismatch_done", 0) < w and time.monotonic() < t_end:
+                time.sleep(0.05)
+        except Exception:
+            pass
+        sys.stdout.flush()
+        return Exit(0, hard=True)
 
     if MIXED and not errors:
         m = draw_mixed()
