@@ -50,8 +50,14 @@ def workdir() -> Path:
 
 
 def emit(tag: str, obj: Any) -> None:
-    """One `TAG {json}` line, flushed at once: the test may read it while this rank still runs."""
-    print(f"{tag} {json.dumps(obj)}", flush=True)
+    """One `TAG {json}` line, written at once: the test may read it while this rank still runs. One write
+    call for the whole line (after whatever the program printed before it): ranks that share one pipe, as
+    torchrun's workers do, must not interleave their lines, and a pipe keeps a write of up to PIPE_BUF
+    bytes whole where print's separate writes of text and newline may be split by another writer."""
+    sys.stdout.flush()
+    line = f"{tag} {json.dumps(obj)}\n".encode()
+    while line:
+        line = line[os.write(sys.stdout.fileno(), line):]
 
 
 def result(obj: Any) -> None:
