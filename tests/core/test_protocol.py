@@ -5,10 +5,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_thunderbolt.errors import HandshakeError, ProtocolError
+from torch_thunderbolt.errors import (CollectiveTimeout, HandshakeError, MismatchError, PeerAbortedError,
+                                      PeerLostError, ProtocolError)
 from torch_thunderbolt.protocol import handshake as hs
-from torch_thunderbolt.protocol.framing import (FRAME_HEADER_SIZE, FrameDecoder, Kind, Space, encode_abort,
-                                                encode_frame_header)
+from torch_thunderbolt.protocol.framing import (FRAME_HEADER_SIZE, MAX_ABORT_PAYLOAD, AbortInfo, FrameDecoder, Kind,
+                                                Space, encode_abort, encode_frame_header)
+from torch_thunderbolt.transport.base import remote_error
 
 
 def frame(payload: bytes, tag: int = 5, seq: int = 1, offset: int = 0, total: int | None = None) -> bytes:
@@ -88,9 +90,45 @@ def test_fuzz_only_protocol_errors_escape(data: bytes) -> None:
 
 def test_abort_frame_carries_the_reason() -> None:
     dec = FrameDecoder()
-    dec.feed(encode_abort(ValueError("boom")))
+    dec.feed(encode_abort(ValueError("boom"), rank=2))
     (f, payload), = drain(dec)
-    assert f.kind is Kind.ABORT and payload == b"ValueError: boom"
+    assert f.kind is Kind.ABORT and AbortInfo.decode(payload) == AbortInfo("ValueError", "boom", 2, -1, ())
+
+
+def test_abort_info_carries_the_ranks_as_data() -> None:
+    lost = AbortInfo.decode(AbortInfo.of(PeerLostError("rank 1: gone", rank=1, peer=3), 1).encode())
+    assert (lost.error, lost.rank, lost.peer) == ("PeerLostError", 1, 3)
+    late = AbortInfo.decode(AbortInfo.of(CollectiveTimeout("Timed out", ranks=[2, 4]), 0).encode())
+    assert (late.error, late.ranks) == ("CollectiveTimeout", (2, 4))
+
+
+def test_the_receiver_names_the_ranks_the_abort_names_not_those_in_its_text() -> None:
+    """The ranks come from the ABORT's fields: a message that mentions other ranks does not mislead."""
+    lost = remote_error(0, 1, AbortInfo("PeerLostError", "rank 1: lost the connection to rank 5 (it was 3)", 1, 3))
+    assert isinstance(lost, PeerLostError) and lost.peer == 3 and lost.rank == 0
+    late = remote_error(0, 1, AbortInfo("CollectiveTimeout", "ranks that did not arrive: [7]", 1, -1, (2,)))
+    assert isinstance(late, CollectiveTimeout) and late.ranks == [2]
+    assert remote_error(0, 1, AbortInfo("CollectiveTimeout", "Timed out", 1)).ranks == [1]  # no blame: the sender
+    assert isinstance(remote_error(0, 1, AbortInfo("MismatchError", "x", 1)), MismatchError)
+    other = remote_error(0, 1, AbortInfo("ValueError", "boom", 1))
+    assert isinstance(other, PeerAbortedError) and other.peer == 1 and "ValueError: boom" in str(other)
+    forwarded = remote_error(0, 1, AbortInfo("PeerAbortedError", "rank 1: rank 2 aborted the group: x", 1, 2))
+    assert isinstance(forwarded, PeerAbortedError) and forwarded.peer == 2  # who failed first, not the messenger
+
+
+def test_a_long_abort_reason_is_cut_to_fit() -> None:
+    body = AbortInfo.of(MismatchError("\u00e9\n" * 5000), 0).encode()
+    assert len(body) <= MAX_ABORT_PAYLOAD
+    info = AbortInfo.decode(body)
+    assert info.error == "MismatchError" and info.reason and set(info.reason) <= {"\u00e9", "\n"}
+
+
+@pytest.mark.parametrize("body", [b"", b"ValueError: boom", b"[]", b'{"error": "X"}',
+                                  b'{"error": 1, "reason": "", "rank": 0, "peer": 0, "ranks": []}',
+                                  b'{"error": "X", "reason": "", "rank": 0, "peer": 0, "ranks": ["1"]}', b"\xff"])
+def test_a_malformed_abort_body_is_a_protocol_error(body: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        AbortInfo.decode(body)
 
 
 def _pair(secret_s: bytes = b"s" * 32, secret_c: bytes = b"s" * 32, group_s: str = "g", group_c: str = "g",

@@ -4,11 +4,17 @@ Every message part travels as one frame: a fixed 48-byte header followed by `len
 decoder is sans-IO: the I/O shell feeds it bytes and asks for events. For large payloads the shell reads
 straight into the destination buffer (zero copy); the decoder only tracks how much of the payload is left,
 and hands out whatever payload bytes it already buffered.
+
+Why a group failed travels to the peers as an ABORT whose body is an `AbortInfo` (every kind of link
+carries the same body, each on its own wire): the error's class and message, and the ranks it names as
+numbers, so a peer rebuilds the error from data instead of parsing its text.
 """
 from __future__ import annotations
 
 import enum
+import json
 import struct
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..errors import ProtocolError
@@ -26,7 +32,7 @@ MAX_ABORT_PAYLOAD = 4096
 class Kind(enum.IntEnum):
     DATA = 1
     BYE = 2  # orderly shutdown: the peer will send nothing more
-    ABORT = 3  # the peer failed (mismatch, timeout, ...): payload = "ErrorClass: reason" (utf-8)
+    ABORT = 3  # the peer failed (mismatch, timeout, ...): payload = an AbortInfo (see there)
     ACK = 4  # failover: `offset` = bytes of this stream the sender of the ACK has consumed
     RESYNC = 5  # failover: stream `tag` is lost; `offset` = bytes of it the sender of the RESYNC consumed
     PING = 6  # a waiting rank's probe (unacknowledged data, so a dead link times out; tag/sig: the op it
@@ -168,12 +174,59 @@ def encode_control(kind: Kind, offset: int, stream: int = 0) -> bytes:
     return encode_frame_header(kind, Space.COLL, 0, stream, 0, offset, 0, 0)
 
 
-def abort_body(error: BaseException) -> bytes:
-    """What an ABORT carries, on any transport: "ErrorClass: reason" (utf-8, at most MAX_ABORT_PAYLOAD)."""
-    return f"{type(error).__name__}: {error}".encode()[:MAX_ABORT_PAYLOAD]
+@dataclass(frozen=True)
+class AbortInfo:
+    """Why a rank broke its group, as its ABORT tells every peer: the error's class name and message, and the
+    ranks it names as numbers (a peer that forwards the news keeps them: the rank finally blamed is the one
+    that died or stopped, never the messenger). Encoded as UTF-8 JSON of at most MAX_ABORT_PAYLOAD bytes."""
+
+    error: str  # the class name: "PeerLostError", "CollectiveTimeout", "MismatchError", ...
+    reason: str  # its message
+    rank: int = -1  # the rank that reports it (-1: not known)
+    peer: int = -1  # the rank lost (PeerLostError) or the rank that failed first (a forwarded abort)
+    ranks: tuple[int, ...] = ()  # the ranks a CollectiveTimeout blames
+
+    @classmethod
+    def of(cls, error: BaseException, rank: int = -1) -> "AbortInfo":
+        """What `error`, raised on `rank`, tells the peers."""
+        peer = getattr(error, "peer", -1)
+        ranks = getattr(error, "ranks", ())
+        return cls(type(error).__name__, str(error), rank, peer if isinstance(peer, int) else -1,
+                   tuple(r for r in ranks if isinstance(r, int)) if isinstance(ranks, (list, tuple)) else ())
+
+    def encode(self) -> bytes:
+        """The ABORT body; a long reason is cut so that the whole body fits MAX_ABORT_PAYLOAD."""
+        error, reason, ranks = self.error, self.reason, list(self.ranks)
+        while True:
+            body = json.dumps({"error": error, "reason": reason, "rank": self.rank, "peer": self.peer,
+                               "ranks": ranks}).encode()
+            over = len(body) - MAX_ABORT_PAYLOAD
+            if over <= 0:
+                return body
+            # Each pass keeps the share of the reason that fits, had every character the same size: at
+            # least one character fewer (escaped characters take up to 6 bytes, hence the loop).
+            if reason:
+                reason = reason[: len(reason) * MAX_ABORT_PAYLOAD // len(body)]
+            elif error:
+                error = error[: max(0, len(error) - over)]
+            else:
+                ranks = ranks[: len(ranks) // 2]
+
+    @classmethod
+    def decode(cls, body: bytes | bytearray | memoryview) -> "AbortInfo":
+        """The AbortInfo of an ABORT body; ProtocolError when it is not one."""
+        try:
+            d = json.loads(bytes(body).decode())
+            info = cls(d["error"], d["reason"], d["rank"], d["peer"], tuple(d["ranks"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ProtocolError(f"malformed ABORT body ({exc})") from None
+        if not (isinstance(info.error, str) and isinstance(info.reason, str)
+                and all(type(r) is int for r in (info.rank, info.peer, *info.ranks))):
+            raise ProtocolError("malformed ABORT body (a field of the wrong type)")
+        return info
 
 
-def encode_abort(error: BaseException) -> bytes:
-    """An ABORT frame carrying the error's class name and message."""
-    body = abort_body(error)
+def encode_abort(error: BaseException, rank: int = -1) -> bytes:
+    """An ABORT frame telling a peer why `rank` failed with `error`."""
+    body = AbortInfo.of(error, rank).encode()
     return encode_frame_header(Kind.ABORT, Space.COLL, 0, 0, 0, 0, len(body), len(body)) + body

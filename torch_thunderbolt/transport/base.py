@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import abc
 import logging
-import re
 import socket
 import threading
 from typing import Any, Iterable
 
 from ..errors import CollectiveTimeout, IntegrityError, MismatchError, PeerAbortedError, PeerLostError, ProtocolError
-from ..protocol.framing import Space
+from ..protocol.framing import AbortInfo, Space
 
 Key = tuple[int, int, int]  # (space, tag, seq)
 ANY_SOURCE = -1
@@ -249,20 +248,18 @@ _REMOTE_ERRORS = {"MismatchError": MismatchError, "CollectiveTimeout": Collectiv
                   "ProtocolError": ProtocolError, "PeerLostError": PeerLostError, "IntegrityError": IntegrityError}
 
 
-def remote_error(rank: int, peer: int, text: str) -> BaseException:
-    """The error to raise on `rank` for an ABORT "ErrorClass: reason" that `peer` sent (every transport)."""
-    name, _, reason = text.partition(": ")
-    cls = _REMOTE_ERRORS.get(name, PeerAbortedError)
-    message = f"rank {rank}: rank {peer} aborted the group: {reason or name}"
-    if cls is PeerLostError:  # name the rank that was actually lost, not the messenger
-        lost = re.search(r"connection to rank (\d+)", reason)
-        return PeerLostError(message, rank=rank, peer=int(lost.group(1)) if lost else peer)
+def remote_error(rank: int, peer: int, info: AbortInfo) -> BaseException:
+    """The error to raise on `rank` for the ABORT `peer` sent: the same class for the errors every rank knows,
+    naming the ranks the ABORT names (the rank lost, the ranks a timeout blames), else PeerAbortedError."""
+    cls = _REMOTE_ERRORS.get(info.error, PeerAbortedError)
+    reason = info.reason if cls is not PeerAbortedError or info.error == "PeerAbortedError" else (
+        f"{info.error}: {info.reason}")
+    message = f"rank {rank}: rank {peer} aborted the group: {reason or info.error}"
+    if cls is PeerLostError:  # the rank that was actually lost, not the messenger
+        return PeerLostError(message, rank=rank, peer=info.peer if info.peer >= 0 else peer)
     if cls is CollectiveTimeout:  # the ranks the peer blamed, not the peer
-        blamed = re.search(r"(?:did not arrive|stopped sending|did not take what this rank sends): \[([\d, ]*)\]",
-                           reason)
-        return CollectiveTimeout(message, ranks=[int(x) for x in blamed.group(1).split(",") if x.strip()]
-                                 if blamed else [peer])
+        return CollectiveTimeout(message, ranks=list(info.ranks) or [peer])
     err = cls(message)
-    if isinstance(err, PeerAbortedError):
-        err.peer = peer
+    if isinstance(err, PeerAbortedError):  # the rank that failed first, when the news was forwarded
+        err.peer = info.peer if info.peer >= 0 else peer
     return err

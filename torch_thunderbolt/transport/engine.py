@@ -27,10 +27,10 @@ import time
 from collections import defaultdict
 from typing import Callable, Iterable, Sequence
 
-from ..errors import BackendClosedError, CollectiveTimeout, MismatchError, PeerLostError
-from ..protocol.framing import Space, abort_body
+from ..errors import BackendClosedError, CollectiveTimeout, MismatchError, PeerLostError, ProtocolError
+from ..protocol.framing import AbortInfo, Space
 from ..protocol.signature import describe_sig
-from .base import ANY_SOURCE, CountedCondition, Key, Link, LinkKind, Request, bytes_view
+from .base import ANY_SOURCE, CountedCondition, Key, Link, LinkKind, Request, bytes_view, remote_error
 from .matching import Matcher
 from .names import RankNames
 from .spin import SpinGuard
@@ -453,7 +453,7 @@ class Transport:
                     r.error = err
             self._cv.signal()
             if tell_peers:
-                body = abort_body(err)
+                body = AbortInfo.of(err, self.rank).encode()
                 # The ranks a timeout blames took nothing from us for the whole timeout: waiting ABORT_GRACE
                 # for them to read the ABORT would only add that much to every timeout (10 s became 12 s).
                 # They get one try, the others the grace.
@@ -466,9 +466,13 @@ class Transport:
                 link.close()
             self._cv.signal()
 
-    def remote_abort(self, peer: int, err: BaseException) -> None:
-        """`peer` told us why it failed: fail with its reason, and forward it (our closing sockets must not
-        reach a peer before the reason does)."""
+    def peer_aborted(self, peer: int, body: bytes) -> None:
+        """`peer` told us why it failed (an ABORT's body: an AbortInfo): fail with its reason, and forward it
+        (our closing connections must not reach a peer before the reason does)."""
+        try:
+            err = remote_error(self.rank, peer, AbortInfo.decode(body))
+        except ProtocolError as exc:
+            err = ProtocolError(f"rank {self.rank}: rank {peer} sent an ABORT: {exc}")
         self.fail(err)
 
     def peer_left(self, peer: int, where: str) -> None:

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from ..errors import PeerLostError
 from ..protocol.framing import Frame, Kind, Space
-from .base import CountedCondition, Link, LinkKind, Request, remote_error
+from .base import CountedCondition, Link, LinkKind, Request
 from .engine import Transport
 from .window import BUFFERS, WindowMemory
 
@@ -88,7 +88,7 @@ class MemoryLink(Link):
         """The ABORT a wire would carry: the peer fails at once with our reason (under the world's lock)."""
         dst = self.hub.transports[self.peer]
         if dst.broken is None and not dst.closed:
-            dst.remote_abort(self.engine.rank, remote_error(self.peer, self.engine.rank, body.decode(errors="replace")))
+            dst.peer_aborted(self.engine.rank, body)
         return []
 
     def queued(self) -> list[Request]:

@@ -31,7 +31,7 @@ from ..errors import MismatchError, PeerLostError, ProtocolError, ThunderboltErr
 from ..protocol.framing import Frame, Kind, Space
 from ..protocol.signature import describe_sig
 from . import shm_ring as ring
-from .base import Key, Link, LinkKind, Request, close_socket, remote_error
+from .base import Key, Link, LinkKind, Request, close_socket
 from .engine import Transport
 from .shm_segment import Segment
 from .shm_window import ShmWindowMemory, area_bytes
@@ -212,8 +212,7 @@ class ShmLink(Link):
                 (n,) = LEN.unpack_from(buf, i + 1)
                 if len(buf) < i + 5 + n:
                     break
-                text = bytes(buf[i + 5 : i + 5 + n]).decode(errors="replace")
-                engine.remote_abort(self.peer, remote_error(engine.rank, self.peer, text))
+                engine.peer_aborted(self.peer, bytes(buf[i + 5 : i + 5 + n]))
                 i += 5 + n
             else:
                 engine.fail(ProtocolError(f"rank {self.peer} sent an unknown control byte {c!r}"))

@@ -31,7 +31,7 @@ from ..protocol.framing import (FRAME_HEADER_SIZE, Frame, FrameDecoder, Kind, Sp
                                 encode_frame_header)
 from ..protocol.integrity import SEALED_HEADER_SIZE, Opener, SealedFrameDecoder, Sealer
 from ..protocol.signature import describe_sig
-from .base import ANY_SOURCE, Key, Link, LinkKind, QuickReceive, Request, close_socket, remote_error
+from .base import ANY_SOURCE, Key, Link, LinkKind, QuickReceive, Request, close_socket
 from .engine import Transport
 from .failover import Fields, RxCount, StreamLog, is_link_failure
 
@@ -459,7 +459,7 @@ class TcpLink(Link):
             c.opener.check(dest)  # before the bytes count as received
         engine = self.engine
         if target is ABORT_PAYLOAD:
-            engine.remote_abort(c.peer, remote_error(engine.rank, c.peer, bytes(dest).decode(errors="replace")))
+            engine.peer_aborted(c.peer, bytes(dest))
             return None
         self.kind.bytes_received += frame.length
         if engine.matcher.part_done(c.peer, frame.key, target, frame.length):
