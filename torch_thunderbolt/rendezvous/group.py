@@ -98,7 +98,7 @@ def connect_hybrid_links(store: Any, rank: int, world: int, cfg: Config, timeout
         shm = connect_shm_links(store, rank, world, cfg, timeout, opts, peers=local, records=records)
     except BaseException:
         for link in tcp.links.values():
-            link.close()
+            link.close(bye=False)
         raise
     return [shm, tcp], networks
 

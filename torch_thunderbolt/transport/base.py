@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import abc
 import logging
+import select
 import socket
 import threading
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from ..errors import CollectiveTimeout, IntegrityError, MismatchError, PeerAbortedError, PeerLostError, ProtocolError
-from ..protocol.framing import AbortInfo, Space
+from ..protocol.framing import AbortInfo, Frame, Space
 
 Key = tuple[int, int, int]  # (space, tag, seq)
 ANY_SOURCE = -1
@@ -74,27 +75,68 @@ class Request:
 class Link(abc.ABC):
     """The engine's view of one peer over one kind of link (gloo's "pair"): TCP streams to a rank on another
     host, a shared-memory ring pair to a rank on this one, or a rank of the same process. The engine calls
-    every method with its lock held, from whichever thread drives progress.
+    every method with its lock held, from whichever thread drives progress; a link never takes that lock.
 
-    A link moves the bytes of posted requests and delivers arriving parts through the engine's Matcher; it
-    reports what goes wrong to the engine (`engine.fail`), which owns BROKEN and tells the other peers."""
+    A link moves the bytes of posted requests and hands arriving parts to the engine's Matcher
+    (`engine.matcher.match` / `part_done`, then `engine.signal()` when that completed a request); it
+    reports what goes wrong to the engine (`engine.fail(engine.lost(...))`, an ABORT's body to
+    `engine.peer_aborted`), which owns BROKEN and tells the other peers.
+
+    Five calls every kind writes (`post_send`, `pump`, `gone`, `abort`, `close`); the rest have defaults
+    that suit a link which never holds data back and has nothing to poll."""
 
     peer: int
+    address: str  # where the peer is, for error messages ("10.0.0.2:41234", "shm pid 4242")
     engine: "Any"  # the Transport this link belongs to (set by Transport.__init__)
 
-    @property
+    # -- moving data ------------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def address(self) -> str:
-        """Where the peer is, for error messages ("10.0.0.2:41234", "shm pid 4242")."""
+    def post_send(self, req: Request) -> None:
+        """Start sending `req` (its bytes in the order posted, after every earlier send to this peer);
+        mark it `done` once all of it is on its way. Raise PeerLostError if the peer has left."""
+
+    @abc.abstractmethod
+    def pump(self) -> bool:
+        """Write what the peer can take and read what it sent, without blocking; True if anything moved."""
 
     def fds(self) -> "Iterable[tuple[int, int]]":
         """(file descriptor, poll events) to sleep on now; none for a link woken by its peer directly."""
         return ()
 
-    @abc.abstractmethod
-    def post_send(self, req: Request) -> None:
-        """Queue a send and start writing it; raise PeerLostError if the peer has left."""
+    def on_event(self, fd: int) -> None:
+        """`fd` of this link woke a sleeping poll (control bytes or completion events to read first)."""
 
+    def posted_recv(self) -> None:
+        """A receive was posted for this peer: read what was held back waiting for one (`parked`)."""
+
+    # -- what the link knows about the peer -------------------------------------------------------------------
+    @abc.abstractmethod
+    def gone(self) -> bool:
+        """The peer has left in order (BYE) or is known dead: no more data will come from it."""
+
+    def parked(self) -> "Frame | None":
+        """The header of a collective message of the peer held back (parked) until its receive is posted,
+        if any (the oldest): data for an op this rank has finished is a mismatch."""
+        return None
+
+    def has_unread(self) -> bool:
+        """Data from the peer waits in a buffer this rank reads directly (a ring); False where unknowable."""
+        return False
+
+    # -- the end ----------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def abort(self, err: BaseException, body: "bytes | None") -> "Farewell | None":
+        """The group broke with `err`: every send not fully written gets `err` and is dropped. With `body`
+        (an ABORT's: an encoded AbortInfo), tell the peer why, after the rest of any message part it is
+        half-way through reading: what is left of that (the engine drives it at most ABORT_GRACE seconds,
+        then closes the link), or None when it is done or there is no one to tell."""
+
+    @abc.abstractmethod
+    def close(self, bye: bool) -> None:
+        """Release the link; with `bye` (the orderly end) first tell the peer no more data comes (best
+        effort). Shared resources go with the LinkKind's `release`."""
+
+    # -- latency: optional fast paths -------------------------------------------------------------------------
     def send_now(self, key: Key, sig: int, buf: memoryview) -> "Request | None":
         """Post a send of message `key` (`buf`: bytes); None when it went at once and needs no Request (a
         link that can write a small message in one call says so), else the posted Request."""
@@ -102,51 +144,71 @@ class Link(abc.ABC):
         self.post_send(req)
         return req
 
-    def posted_recv(self) -> None:
-        """A receive was posted for this peer: read what was held back waiting for one (parked data)."""
-
     def quick_receive(self, key: Key, sig: int, dest: memoryview) -> "QuickReceive | None":
         """A receive of the peer's whole collective message `key` (signature `sig`) straight into `dest`,
         read by the engine's own looks (`QuickReceive.step`), with no Request and no matching; None when
         the link cannot do that now (something else is in flight on it): the engine posts a receive."""
         return None
 
-    @abc.abstractmethod
-    def pump(self) -> bool:
-        """Write what the peer can take and read what it sent, without blocking; True if anything moved."""
 
-    def on_event(self, fd: int) -> None:
-        """`fd` of this link woke a sleeping poll (control bytes to read before pumping)."""
+class Farewell(abc.ABC):
+    """What is left of a link's last words once its group broke (`Link.abort`). The engine drives the
+    farewells of every link at once, for at most ABORT_GRACE seconds, and only then closes the links: a
+    peer must read why before it sees the connection go."""
 
-    @abc.abstractmethod
-    def gone(self) -> bool:
-        """The peer has left in order (BYE) or is known dead: no more data will come from it."""
-
-    def retire(self, tag: int) -> None:
-        """Collective op `tag` finished on this rank: data still held for it (or older ops) is an error."""
-
-    def parked_sig(self) -> int | None:
-        """The op signature of collective data from the peer held back for a receive not posted yet."""
-        return None
-
-    def has_unread(self) -> bool:
-        """Data from the peer waits in a buffer this rank reads directly (a ring); False where unknowable."""
-        return False
+    def fds(self) -> "Iterable[tuple[int, int]]":
+        """(file descriptor, poll events) to wait on now; none: `step` is called again after a short sleep."""
+        return ()
 
     @abc.abstractmethod
-    def queued(self) -> "list[Request]":
-        """Sends not fully written, in order (they get the error when the engine breaks)."""
+    def step(self, fd: int, events: int) -> bool:
+        """Move on (`events` happened on `fd`; fd -1: some time passed); True once over (the peer has it, or
+        is gone)."""
 
-    def abort_writes(self, body: bytes) -> "list[tuple[socket.socket, list[memoryview]]]":
-        """What to write on which socket to tell the peer why the group failed (`body`: "Class: reason"),
-        after the rest of any frame in flight; drops the send queue. Empty when the link has no wire."""
-        return []
 
-    def say_bye(self) -> None:
-        """The orderly end: tell the peer no more data comes (best effort)."""
+class SocketFarewell(Farewell):
+    """Last words over sockets: write each socket's bytes (the rest of a frame in flight, then the ABORT),
+    then FIN; over once each peer has closed its end too (it read everything), reading and dropping what
+    the peers send meanwhile: closing a socket with unread bytes makes the kernel send a reset and throw
+    away what is still queued, the ABORT included, and the peer would then report "lost the connection"
+    to us instead of the reason."""
 
-    def close(self) -> None:
-        """Close this link's sockets (the engine releases shared resources through the LinkKind)."""
+    def __init__(self, writes: "Iterable[tuple[socket.socket, Sequence[memoryview]]]") -> None:
+        self.todo = {s.fileno(): (s, [b for b in bufs if len(b)]) for s, bufs in writes if s.fileno() >= 0}
+        self.sink = bytearray(1 << 16)
+
+    def fds(self) -> "list[tuple[int, int]]":
+        return [(fd, select.POLLIN | (select.POLLOUT if bufs else 0)) for fd, (_, bufs) in self.todo.items()]
+
+    def step(self, fd: int, events: int) -> bool:
+        entry = self.todo.get(fd)
+        if entry is None:
+            return not self.todo
+        sock, bufs = entry
+        try:
+            if bufs and events & select.POLLOUT:
+                while bufs:  # as much as the socket takes now (BlockingIOError when full)
+                    _consume(bufs, sock.send(bufs[0], socket.MSG_DONTWAIT))
+                sock.shutdown(socket.SHUT_WR)
+            if events & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                while sock.recv_into(self.sink):
+                    pass
+                del self.todo[fd]  # the peer closed its end: it has read all we sent
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self.todo.pop(fd, None)  # gone (the dead rank, or a peer that reset): nothing more to do
+        return not self.todo
+
+
+def _consume(bufs: "list[memoryview]", k: int) -> None:
+    """Drop the first `k` bytes of the buffer list `bufs` (after a partial write)."""
+    while k and bufs:
+        if k >= len(bufs[0]):
+            k -= len(bufs.pop(0))
+        else:
+            bufs[0] = bufs[0][k:]
+            k = 0
 
 
 class QuickReceive(abc.ABC):
@@ -181,6 +243,7 @@ class LinkKind:
     bytes_received = 0
     links: "dict[int, Link]"
     engine: "Any"
+    threads: "Sequence[threading.Thread]" = ()  # the kind's own threads: the engine joins them after release
 
     def attach(self, engine: "Any") -> None:
         """Called once by the engine that owns these links."""
@@ -200,31 +263,21 @@ class LinkKind:
         cannot tell without polling its file descriptors."""
         return None
 
-    def sleep_cap(self, quiet: bool) -> float | None:
-        """Longest single sleep this kind allows (it may miss a wake-up), or None."""
+    def before_sleep(self, quiet: bool) -> float | None:
+        """About to sleep in poll() (`quiet`: the last sleep passed with nothing to do): ask peers to wake
+        us (e.g. raise a 'sleeping' flag they check). Returns the longest single sleep this kind allows
+        (it may miss a wake-up), or None."""
         return None
-
-    def before_sleep(self) -> None:
-        """About to sleep in poll(): ask peers to wake us (e.g. raise a 'sleeping' flag they check)."""
 
     def after_sleep(self) -> None:
         """Back from poll()."""
 
-    def idle(self) -> None:
-        """Nothing moved and a wait goes on (before the engine sleeps): probe peers that went quiet."""
-
-    def quiet(self) -> None:
-        """A whole sleep passed with nothing to do: look for a peer visibly stuck in another op."""
-
-    def waits_on(self, peer: int, tags: "set[int]") -> int | None:
-        """The rank `peer` said it waits on in one of the ops `tags`, if it said so."""
-        return None
+    def idle(self, slept: bool) -> None:
+        """Nothing moved and a wait goes on (`slept`: a whole sleep passed with nothing to do either):
+        probe peers that went quiet, look for a peer visibly stuck in another op."""
 
     def release(self) -> None:
         """The engine closed: release what the kind holds (memory maps, segments). Called under the lock."""
-
-    def join(self) -> None:
-        """After release, without the lock: wait for the kind's own threads."""
 
 
 def close_socket(sock: socket.socket) -> None:

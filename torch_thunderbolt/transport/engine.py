@@ -30,17 +30,17 @@ from typing import Callable, Iterable, Sequence
 from ..errors import BackendClosedError, CollectiveTimeout, MismatchError, PeerLostError, ProtocolError
 from ..protocol.framing import AbortInfo, Space
 from ..protocol.signature import describe_sig
-from .base import ANY_SOURCE, CountedCondition, Key, Link, LinkKind, Request, bytes_view, remote_error
+from .base import ANY_SOURCE, CountedCondition, Farewell, Key, Link, LinkKind, Request, bytes_view, remote_error
 from .matching import Matcher
 from .names import RankNames
 from .spin import SpinGuard
 from .window import WindowMemory
 
-# How long a failing rank spends getting its ABORT to the peers before it closes its sockets. Normally a few
+# How long a failing rank spends getting its ABORT to the peers before it closes its links. Normally a few
 # milliseconds (finish the frame in flight, write the ABORT, wait for each peer to close); only a peer that
 # reads nothing (frozen, or itself stuck) uses it all.
 ABORT_GRACE = 2.0
-_SINK = 1 << 16  # bytes read (and dropped) per call while waiting for the peers to close
+_FAREWELL_LOOK = 0.01  # seconds between steps of a farewell with nothing to poll
 
 
 def _never() -> bool:
@@ -65,6 +65,12 @@ class Transport:
         # One lock for the engine; the in-memory kind passes one shared by its whole world.
         self._cv = cv or CountedCondition()
         self._lock = self._cv.mutex  # the same lock, taken without the Condition's wrappers
+        # What a link calls (lock held) when it completed a request: wakes the threads asleep waiting for
+        # one (a single test when nobody sleeps). Links never take or hold the engine's lock themselves.
+        self.signal = self._cv.signal
+        # What peers said about whom they wait on (peer -> (op tag, rank)), told by a kind that can ask
+        # (TCP's probe answers); a timeout then blames the end of the chain.
+        self.peer_waits: dict[int, tuple[int, int]] = {}
         self._p2p_send_seq: dict[tuple[int, int], int] = defaultdict(int)
         # Memory this host's ranks of the group read directly, for the collectives designed for it; a kind
         # that has some (shm, memory) sets it when it attaches.
@@ -311,22 +317,20 @@ class Transport:
                 self._quiet = False
                 return
             for kind in self.kinds:
-                kind.idle()
+                kind.idle(False)
             spin_poll = self._poll_set() if self._polled and not self._quiet and self.spin > 0 else None
         # Spin only when traffic is flowing; a rank that already slept through a whole poll is waiting for
         # something slow (a late peer, the user's compute) and spinning would just burn CPU.
         if not self._quiet and self._spinner.spin(min(self.spin, timeout), lambda: self._look(done, spin_poll)):
             return
         with self._lock:
-            for kind in self.kinds:
-                kind.before_sleep()
+            caps = [c for kind in self.kinds if (c := kind.before_sleep(self._quiet)) is not None]
             if self._pump() or self.broken is not None or done():
                 for kind in self.kinds:
                     kind.after_sleep()
                 return
             poller = self._poll_set()
             self._polling = True
-        caps = [c for k in self.kinds if (c := k.sleep_cap(self._quiet)) is not None]
         try:
             events = poller.poll(min([timeout, *caps]) * 1000.0)
         finally:
@@ -342,9 +346,12 @@ class Transport:
             moved = self._pump()
             self._quiet = not moved and not events
             if self._quiet and self.broken is None:
-                for check in [*self.watchers.values(), *(k.quiet for k in self.kinds)]:
+                for check in self.watchers.values():
                     if self.broken is None:
                         check()
+                for kind in self.kinds:
+                    if self.broken is None:
+                        kind.idle(True)
 
     def _look(self, done: Callable[[], bool], poller: "select.poll | None") -> bool:
         """One look while spinning: cheap checks first (no lock, no system call), then pump if worth it."""
@@ -404,8 +411,9 @@ class Transport:
         with self._lock:
             self.retired = max(self.retired, tag)
             for link in self._links:
-                if self.broken is None:
-                    link.retire(tag)
+                held = link.parked()
+                if held is not None and held.tag <= tag and self.broken is None:
+                    self.fail(self.stray(link.peer, held.sig, held.tag))
             if self.matcher.unexpected and self.broken is None:
                 for (peer, key), u in self.matcher.unexpected.items():
                     if key[0] == Space.COLL and key[1] <= tag and u.claimed_by is None:
@@ -447,23 +455,21 @@ class Transport:
             self.broken = err
             for r in self.matcher.pending():
                 r.error = err
-            writes = []
+            body = AbortInfo.of(err, self.rank).encode() if tell_peers else None
+            # The ranks a timeout blames took nothing from us for the whole timeout: waiting ABORT_GRACE for
+            # them to read the ABORT would only add that much to every timeout (10 s became 12 s). They get
+            # one try, the others the grace.
+            stuck = set(err.ranks) if isinstance(err, CollectiveTimeout) else set()
+            farewells: list[Farewell] = []
+            once: list[Farewell] = []
             for link in self._links:
-                for r in link.queued():
-                    r.error = err
+                farewell = link.abort(err, body)
+                if farewell is not None:
+                    (once if link.peer in stuck else farewells).append(farewell)
             self._cv.signal()
-            if tell_peers:
-                body = AbortInfo.of(err, self.rank).encode()
-                # The ranks a timeout blames took nothing from us for the whole timeout: waiting ABORT_GRACE
-                # for them to read the ABORT would only add that much to every timeout (10 s became 12 s).
-                # They get one try, the others the grace.
-                stuck = set(err.ranks) if isinstance(err, CollectiveTimeout) else set()
-                once = []
-                for link in self._links:
-                    (once if link.peer in stuck else writes).extend(link.abort_writes(body))
-                _deliver(writes, once)
+            _see_off(farewells, once)
             for link in self._links:
-                link.close()
+                link.close(bye=False)
             self._cv.signal()
 
     def peer_aborted(self, peer: int, body: bytes) -> None:
@@ -489,17 +495,17 @@ class Transport:
         with self._lock:
             if self.broken is None:
                 for link in self._links:
-                    link.say_bye()
-                for link in self._links:
-                    link.close()
+                    link.close(bye=True)
                 self.broken = BackendClosedError(f"rank {self.rank}: the process group was shut down")
             for s in (self._wake_r, self._wake_w):
                 s.close()
             for kind in self.kinds:
                 kind.release()
             self._cv.signal()
-        for kind in self.kinds:
-            kind.join()
+        for kind in self.kinds:  # without the lock: a kind's thread may need it to finish
+            for thread in kind.threads:
+                if thread is not threading.current_thread():
+                    thread.join(1.0)
 
     # -- checks and errors ----------------------------------------------------------------------------------
     def parked_collective(self, peers: Iterable[int]) -> tuple[int, int] | None:
@@ -508,9 +514,9 @@ class Transport:
         with self._lock:
             for p in peers:
                 link = self._route.get(p)
-                sig = link.parked_sig() if link is not None else None
-                if sig is not None:
-                    return p, sig
+                held = link.parked() if link is not None else None
+                if held is not None:
+                    return p, held.sig
         return None
 
     def has_unread(self, peer: int) -> bool:
@@ -539,11 +545,9 @@ class Transport:
             raise ValueError(f"rank {self.rank}: invalid peer rank {peer} (group size {self.world})")
 
     def _waits_on(self, peer: int, tags: "set[int]") -> int | None:
-        for kind in self.kinds:
-            found = kind.waits_on(peer, tags)
-            if found is not None:
-                return found
-        return None
+        """The rank `peer` said it waits on in one of the ops `tags`, if it said so."""
+        known = self.peer_waits.get(peer)
+        return known[1] if known is not None and known[0] in tags else None
 
     def _timeout_error(self, reqs: Sequence[Request], what: object, arrived: Iterable[int] = ()) -> CollectiveTimeout:
         waiting = [r for r in reqs if not r.done]
@@ -576,54 +580,26 @@ class Transport:
         return err if self.names is None else self.names.apply(err)
 
 
-def _deliver(writes: "list[tuple[socket.socket, list[memoryview]]]",
-             once: "list[tuple[socket.socket, list[memoryview]]]" = ()) -> None:
-    """Write each socket's bytes (the rest of a frame in flight, then the ABORT), then FIN; close nothing
-    until each peer has closed its end too (it read the ABORT) or ABORT_GRACE passed, reading and dropping
-    whatever the peers send meanwhile: closing a socket with unread bytes makes the kernel send a reset and
-    throw away what is still queued, the ABORT included, and the peer would then report "lost the
-    connection" to us instead of the reason. `once`: sockets of peers known not to read (a timeout's
-    culprits) get what their socket takes now, and no wait."""
-    for sock, bufs in once:
-        bufs = [b for b in bufs if len(b)]
-        try:
-            while bufs:
-                _consume(bufs, sock.send(bufs[0], socket.MSG_DONTWAIT))
-            sock.shutdown(socket.SHUT_WR)
-        except OSError:  # full (BlockingIOError) or gone: nothing more to do for this peer
-            pass
-    todo = {s.fileno(): (s, [b for b in bufs if len(b)]) for s, bufs in writes if s.fileno() >= 0}
-    sink = bytearray(_SINK)
+def _see_off(farewells: "list[Farewell]", once: "Sequence[Farewell]" = ()) -> None:
+    """Drive every link's farewell until each is over or ABORT_GRACE has passed (see Link.abort); those in
+    `once` (peers known not to read) get one step, what their wire takes now, and no wait."""
+    for f in once:
+        for fd, events in list(f.fds()) or [(-1, 0)]:
+            f.step(fd, events & select.POLLOUT)
     deadline = time.monotonic() + ABORT_GRACE
+    todo = list(farewells)
     while todo:
         left = deadline - time.monotonic()
         if left <= 0:
-            break
+            return
         poller = select.poll()
-        for fd, (_, bufs) in todo.items():
-            poller.register(fd, select.POLLIN | (select.POLLOUT if bufs else 0))
-        for fd, ev in poller.poll(left * 1000.0):
-            sock, bufs = todo[fd]
-            try:
-                if bufs and ev & select.POLLOUT:
-                    _consume(bufs, sock.send(bufs[0]))
-                    if not bufs:
-                        sock.shutdown(socket.SHUT_WR)
-                if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
-                    while sock.recv_into(sink):
-                        pass
-                    del todo[fd]  # the peer closed its end: it has read all we sent
-            except (BlockingIOError, InterruptedError):
-                pass
-            except OSError:
-                todo.pop(fd, None)  # gone (the dead rank, or a peer that reset): nothing more to do
-
-
-def _consume(bufs: list[memoryview], k: int) -> None:
-    """Drop the first `k` bytes of the buffer list `bufs` (after a partial write)."""
-    while k and bufs:
-        if k >= len(bufs[0]):
-            k -= len(bufs.pop(0))
-        else:
-            bufs[0] = bufs[0][k:]
-            k = 0
+        owner: dict[int, Farewell] = {}
+        for f in todo:
+            for fd, events in f.fds():
+                poller.register(fd, events)
+                owner[fd] = f
+        blind = [f for f in todo if f not in owner.values()]  # nothing to poll: looked at every few ms
+        over = {id(f) for fd, ev in poller.poll(min(left, _FAREWELL_LOOK if blind else left) * 1000.0)
+                if (f := owner[fd]).step(fd, ev)}
+        over |= {id(f) for f in blind if f.step(-1, 0)}
+        todo = [f for f in todo if id(f) not in over]

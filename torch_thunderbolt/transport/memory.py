@@ -2,7 +2,8 @@
 example of a link kind (base.Link) in the one engine.
 
 Sends are eager: copied into the receiver's posted buffer (or an unexpected buffer) under the one lock the
-whole world shares, so a send never blocks; the receiver's engine is woken if it sleeps.
+whole world shares, so a send never blocks; the receiver's engine is woken if it sleeps. An ABORT is
+delivered the same way: the receiver fails at once with the sender's reason, and tells its own peers.
 `MemoryHub.kill(rank)` emulates a dead peer: every other rank's transport breaks with PeerLostError, as a
 TCP transport would.
 """
@@ -53,10 +54,7 @@ class MemoryLink(Link):
 
     def __init__(self, kind: "MemoryLinks", hub: MemoryHub, peer: int) -> None:
         self.kind, self.hub, self.peer = kind, hub, peer
-
-    @property
-    def address(self) -> str:
-        return f"thread of rank {self.peer}"
+        self.address = f"thread of rank {peer}"
 
     def post_send(self, req: Request) -> None:
         me = self.engine
@@ -84,15 +82,15 @@ class MemoryLink(Link):
     def gone(self) -> bool:
         return self.hub.transports[self.peer].closed
 
-    def abort_writes(self, body: bytes) -> "list":
-        """The ABORT a wire would carry: the peer fails at once with our reason (under the world's lock)."""
+    def abort(self, err: BaseException, body: bytes | None) -> None:
+        """Sends are eager (none is ever queued); the ABORT is delivered at once, like a send."""
         dst = self.hub.transports[self.peer]
-        if dst.broken is None and not dst.closed:
+        if body is not None and not dst.closed:
             dst.peer_aborted(self.engine.rank, body)
-        return []
+        return None
 
-    def queued(self) -> list[Request]:
-        return []  # sends are eager: none is ever queued
+    def close(self, bye: bool) -> None:
+        """Nothing to release: the peer sees this rank gone through its transport's `closed` (see gone)."""
 
 
 class MemoryLinks(LinkKind):

@@ -31,7 +31,7 @@ from ..errors import MismatchError, PeerLostError, ProtocolError, ThunderboltErr
 from ..protocol.framing import Frame, Kind, Space
 from ..protocol.signature import describe_sig
 from . import shm_ring as ring
-from .base import Key, Link, LinkKind, Request, close_socket
+from .base import Key, Link, LinkKind, Request, SocketFarewell, close_socket
 from .engine import Transport
 from .shm_segment import Segment
 from .shm_window import ShmWindowMemory, area_bytes
@@ -64,14 +64,11 @@ class ShmLink(Link):
         self.kind, self.peer, self.sock, self.pid, self.seg = kind, peer, sock, pid, seg
         self.writer, self.reader, self.flag = writer, reader, flag
         self.sendq: deque[list] = deque()  # [request, next offset]
-        self.parked = False  # head slot waits for its receive to be posted
+        self.held = False  # the head slot waits for its receive to be posted (parked)
         self.ctl = bytearray()  # partial control message from the socket
         self.bye = False
         self.eof = False
-
-    @property
-    def address(self) -> str:
-        return f"shm pid {self.pid}"
+        self.address = f"shm pid {pid}"
 
     def fds(self) -> "list[tuple[int, int]]":
         return [] if self.eof else [(self.sock.fileno(), select.POLLIN)]
@@ -85,30 +82,27 @@ class ShmLink(Link):
             self._flush()
 
     def posted_recv(self) -> None:
-        self.parked = False
+        self.held = False
         self._read()
 
     def pump(self) -> bool:
         moved = self._flush() if self.sendq else False
-        if not self.parked:
+        if not self.held:
             moved |= self._read()
         return moved
 
     def ready(self) -> bool:
         """Lock-free: is there anything to read or room for what we want to write?"""
-        return bool((not self.parked and self.reader.pending()) or (self.sendq and self.writer.free() > 0))
+        return bool((not self.held and self.reader.pending()) or (self.sendq and self.writer.free() > 0))
 
     def gone(self) -> bool:
         return self.bye or self.eof
 
-    def queued(self) -> list[Request]:
-        return [item[0] for item in self.sendq]
-
-    def parked_sig(self) -> int | None:
-        if self.parked and self.reader.pending():
-            space, _, sig, *_ = self.reader.peek()
+    def parked(self) -> Frame | None:
+        if self.held and self.reader.pending():
+            space, kind, sig, tag, seq, off, length, total = self.reader.peek()
             if space == Space.COLL:
-                return sig
+                return Frame(Kind.DATA, Space.COLL, sig, tag, seq, off, length, total)
         return None
 
     def has_unread(self) -> bool:
@@ -132,7 +126,7 @@ class ShmLink(Link):
                 self.sendq.popleft()
                 self.kind.bytes_sent += req.nbytes
                 req.done = True
-                engine._cv.signal()
+                engine.signal()
         if moved:
             self.kind.to_ring.add(self)
         return moved
@@ -150,7 +144,7 @@ class ShmLink(Link):
                 frame = Frame(Kind.DATA, Space(space), sig, tag, seq, off, length, total)
                 target = engine.matcher.match(self.peer, frame, park=_always)
                 if target is None:
-                    self.parked = True
+                    self.held = True
                     break
                 dest, obj = target
                 if length:
@@ -159,7 +153,7 @@ class ShmLink(Link):
                 moved = True
                 self.kind.bytes_received += length
                 if engine.matcher.part_done(self.peer, frame.key, obj, length):
-                    engine._cv.signal()
+                    engine.signal()
         except ThunderboltError as exc:  # mismatch or corrupt slot: this group can't continue
             engine.fail(exc)
             return True
@@ -232,22 +226,25 @@ class ShmLink(Link):
         except OSError:
             pass  # full buffer: it has bells to read anyway; a dead peer shows up as EOF
 
-    def abort_writes(self, body: bytes) -> "list[tuple[socket.socket, list[memoryview]]]":
+    def abort(self, err: BaseException, body: bytes | None) -> SocketFarewell | None:
+        """The ABORT goes on the control wire (the rings may be full, and a peer reads them only for data it
+        expects); slots already published stay valid for the peer to read or drop."""
+        for req, _ in self.sendq:
+            req.error = err
         self.sendq.clear()
-        return [] if self.eof else [(self.sock, [memoryview(ABORT + LEN.pack(len(body)) + body)])]
+        if body is None or self.eof:
+            return None
+        return SocketFarewell([(self.sock, [memoryview(ABORT + LEN.pack(len(body)) + body)])])
 
-    def say_bye(self) -> None:
-        if self.eof:
-            return
-        try:
-            self.sock.setblocking(True)
-            self.sock.settimeout(0.5)
-            self.sock.sendall(BYE)
-        except OSError:
-            pass
-
-    def close(self) -> None:
+    def close(self, bye: bool) -> None:
         self.sendq.clear()
+        if bye and not self.eof:
+            try:
+                self.sock.setblocking(True)
+                self.sock.settimeout(0.5)
+                self.sock.sendall(BYE)
+            except OSError:
+                pass
         close_socket(self.sock)
         self.eof = True
 
@@ -321,18 +318,17 @@ class ShmLinks(LinkKind):
                 return True
         return False
 
-    def sleep_cap(self, quiet: bool) -> float:
-        return QUIET_CAP if quiet else BLOCK_CAP
-
-    def before_sleep(self) -> None:
+    def before_sleep(self, quiet: bool) -> float:
         self._my_flag[0] = 1
         ring.fence()  # the flag store must be visible before the engine looks at the rings one last time
+        return QUIET_CAP if quiet else BLOCK_CAP
 
     def after_sleep(self) -> None:
         self._my_flag[0] = 0
 
-    def quiet(self) -> None:
-        self._check_peer_ops()
+    def idle(self, slept: bool) -> None:
+        if slept:
+            self._check_peer_ops()
 
     def wake_sleepers(self) -> None:
         """After a window post: ring the bell of every peer asleep in poll() (it may wait for that post)."""

@@ -31,7 +31,7 @@ from ..protocol.framing import (FRAME_HEADER_SIZE, Frame, FrameDecoder, Kind, Sp
                                 encode_frame_header)
 from ..protocol.integrity import SEALED_HEADER_SIZE, Opener, SealedFrameDecoder, Sealer
 from ..protocol.signature import describe_sig
-from .base import ANY_SOURCE, Key, Link, LinkKind, QuickReceive, Request, close_socket
+from .base import ANY_SOURCE, Key, Link, LinkKind, QuickReceive, Request, SocketFarewell, close_socket
 from .engine import Transport
 from .failover import Fields, RxCount, StreamLog, is_link_failure
 
@@ -140,10 +140,7 @@ class TcpLink(Link):
         # stream carries its frames in message order (what lets a receiver park a frame without deadlock).
         self.unsent: deque[list] = deque()
         self._turn = 0  # the stream the next piece is offered to first
-
-    @property
-    def address(self) -> str:
-        return self.streams[0].addr if self.streams else "?"
+        self.address = self.streams[0].addr if self.streams else "?"
 
     def fds(self) -> "list[tuple[int, int]]":
         out = []
@@ -216,7 +213,7 @@ class TcpLink(Link):
         req.pending -= 1
         if req.pending == 0:
             req.done = True
-            self.engine._cv.signal()
+            self.engine.signal()
 
     def _put(self, c: Stream, req: Request, off: int, ln: int, sent: int = 0) -> None:
         """Queue the frame of `req`'s bytes [off, off + ln) on `c`, of which `sent` bytes (header first)
@@ -297,11 +294,6 @@ class TcpLink(Link):
     def gone(self) -> bool:
         return all(c.bye or c.dead for c in self.streams)
 
-    def retire(self, tag: int) -> None:
-        for c in self.streams:
-            if c.parked is not None and c.parked.tag <= tag and self.engine.broken is None:
-                self.engine.fail(self.engine.stray(c.peer, c.parked.sig, c.parked.tag))
-
     def _park(self, frame: Frame) -> bool:
         """Whether a collective frame whose receive is not posted yet is parked rather than read and kept
         (in the matcher): parked unless it is small and this peer's data kept that way stays within its
@@ -315,15 +307,9 @@ class TcpLink(Link):
                    if p == self.peer and key[0] == Space.COLL)
         return kept + frame.total > EARLY_BUDGET * self.kind.early_bytes
 
-    def queued(self) -> list[Request]:
-        return ([out.req for c in self.streams for out in c.sendq if out.req is not None]
-                + [entry[0] for entry in self.unsent])
-
-    def parked_sig(self) -> int | None:
-        for c in self.streams:
-            if c.parked is not None and c.parked.space == Space.COLL:
-                return c.parked.sig
-        return None
+    def parked(self) -> Frame | None:
+        held = [c.parked for c in self.streams if c.parked is not None and c.parked.space == Space.COLL]
+        return min(held, key=lambda f: f.tag) if held else None
 
     # -- writing --------------------------------------------------------------------------------------------
     def _flush(self, c: Stream) -> bool:
@@ -463,7 +449,7 @@ class TcpLink(Link):
             return None
         self.kind.bytes_received += frame.length
         if engine.matcher.part_done(c.peer, frame.key, target, frame.length):
-            engine._cv.signal()
+            engine.signal()
         return True
 
     def _eof(self, c: Stream) -> None:
@@ -504,7 +490,7 @@ class TcpLink(Link):
         elif c.inbound is not None:  # payload bytes already in place count: the resend starts after them
             dest, target, frame, got = c.inbound
             if target is not ABORT_PAYLOAD and got and self.engine.matcher.part_done(c.peer, frame.key, target, got):
-                self.engine._cv.signal()
+                self.engine.signal()
         c.inbound, c.parked = None, None
         unstarted = [o for o in c.sendq if o.entry is None and o.fields is not None]
         if c.sealer is not None:
@@ -547,36 +533,41 @@ class TcpLink(Link):
             self.enqueue(survivors[i % len(survivors)], out, front=True)
 
     # -- ending ---------------------------------------------------------------------------------------------
-    def abort_writes(self, body: bytes) -> "list[tuple[socket.socket, list[memoryview]]]":
-        hdr = encode_frame_header(Kind.ABORT, Space.COLL, 0, 0, 0, 0, len(body), len(body))
-        frame = memoryview(hdr + body)
+    def abort(self, err: BaseException, body: bytes | None) -> SocketFarewell | None:
+        """The ABORT on every live stream, after the rest of the frame being written there (the peer would
+        read an ABORT written in the middle of a frame as payload)."""
+        for c in self.streams:
+            for out in c.sendq:
+                if out.req is not None:
+                    out.req.error = err
+        for entry in self.unsent:
+            entry[0].error = err
         self.unsent.clear()
+        hdr = None if body is None else encode_frame_header(Kind.ABORT, Space.COLL, 0, 0, 0, 0, len(body), len(body))
         writes = []
         for c in self.streams:
-            if c.dead:
-                continue
             bufs: list[memoryview] = []
-            if c.sendq and c.sendq[0].sent:  # the peer would read an ABORT written now as payload
+            if c.sendq and c.sendq[0].sent:
                 out, hl = c.sendq[0], len(c.sendq[0].hdr)
                 bufs = ([memoryview(out.hdr)[out.sent:], out.payload] if out.sent < hl
                         else [out.payload[out.sent - hl:]])
             elif c.sendq and c.sealer is not None and len(c.sendq[0].hdr) != FRAME_HEADER_SIZE:
                 c.sealer.unseal(c.sendq[0].hdr)  # sealed, never written: the ABORT takes its number
             c.sendq.clear()
-            abort = frame if c.sealer is None else memoryview(c.sealer.seal(hdr, body) + body)
-            writes.append((c.sock, bufs + [abort]))
-        return writes
+            if hdr is not None and not c.dead:
+                abort = memoryview(hdr + body if c.sealer is None else c.sealer.seal(hdr, body) + body)
+                writes.append((c.sock, bufs + [abort]))
+        return SocketFarewell(writes) if writes else None
 
-    def say_bye(self) -> None:
-        bye = encode_frame_header(Kind.BYE, Space.COLL, 0, 0, 0, 0, 0, 0)
-        for c in self.streams:
-            if not c.sendq and not c.dead:
-                try:
-                    c.sock.send(bye if c.sealer is None else c.sealer.seal(bye, b""))
-                except OSError:
-                    pass
-
-    def close(self) -> None:
+    def close(self, bye: bool) -> None:
+        if bye:
+            msg = encode_frame_header(Kind.BYE, Space.COLL, 0, 0, 0, 0, 0, 0)
+            for c in self.streams:
+                if not c.sendq and not c.dead:
+                    try:
+                        c.sock.send(msg if c.sealer is None else c.sealer.seal(msg, b""))
+                    except OSError:
+                        pass
         self.unsent.clear()
         for c in self.streams:
             c.sendq.clear()
@@ -696,16 +687,14 @@ class TcpLinks(LinkKind):
         # The signature of each recent collective op this rank posted messages for (tag -> sig), to answer
         # the op a peer's PING says it waits for.
         self.op_sigs: dict[int, int] = {}
-        # peer -> (op tag, rank it waits on), from the peers' answers to our probes.
-        self.peer_waits: dict[int, tuple[int, int]] = {}
-        self._keeper: threading.Thread | None = None
+        self.threads: list[threading.Thread] = []  # the failover keeper, if any
 
     def attach(self, engine: Transport) -> None:
         super().attach(engine)
         if any(link.failover for link in self.links.values()):
-            self._keeper = threading.Thread(target=self._keep_going, name=f"tb-failover-r{engine.rank}",
-                                            daemon=True)
-            self._keeper.start()
+            keeper = threading.Thread(target=self._keep_going, name=f"tb-failover-r{engine.rank}", daemon=True)
+            self.threads.append(keeper)
+            keeper.start()
 
     def blocked(self, c: Stream) -> None:
         """A send on `c` found no room. If the peer's receive window is closed, the peer is alive (its kernel
@@ -743,10 +732,6 @@ class TcpLinks(LinkKind):
             time.sleep(0.05)
             self.engine.pump_if_idle()
 
-    def join(self) -> None:
-        if self._keeper is not None and self._keeper is not threading.current_thread():
-            self._keeper.join(1.0)
-
     def note_post(self, key: Key, sig: int) -> None:
         if key[0] == Space.COLL and sig:
             tag = key[1]
@@ -754,7 +739,7 @@ class TcpLinks(LinkKind):
                 self.op_sigs[tag] = sig
                 self.op_sigs.pop(tag - OPS_REMEMBERED, None)
 
-    def idle(self) -> None:
+    def idle(self, slept: bool) -> None:
         """Probe the peers we wait on once nothing moved for `probe_after` seconds."""
         now = time.monotonic()
         if now - max(self.engine.last_traffic, self._last_probe) < self.probe_after:
@@ -787,7 +772,7 @@ class TcpLinks(LinkKind):
                 f"for rank {rank}'s part of {describe_sig(frame.sig)}, but rank {rank} ran "
                 f"{describe_sig(mine)} (different roots, collectives or order)")
         if frame.seq:  # an answer to our probe: the peer waits on rank seq - 1 in that op itself
-            self.peer_waits[c.peer] = (frame.tag, frame.seq - 1)
+            self.engine.peer_waits[c.peer] = (frame.tag, frame.seq - 1)
         elif frame.sig:  # a probe: if we wait on another rank in that op ourselves, say on whom
             behind = self._waiting_on(frame.tag, c.peer)
             if behind is not None:
@@ -802,14 +787,11 @@ class TcpLinks(LinkKind):
         if not peers:  # still stuck in an earlier op, so not in the asker's yet: whoever holds us up there
             peers = sorted({r.peer for r in waiting if r.key[1] < tag})
         for p in peers:
-            far = self.waits_on(p, {tag})
+            known = self.engine.peer_waits.get(p)
+            far = known[1] if known is not None and known[0] == tag else None
             if far is not None and far not in (self.engine.rank, asker, p):
                 return far
         return peers[0] if peers else None
-
-    def waits_on(self, peer: int, tags: "set[int]") -> int | None:
-        known = self.peer_waits.get(peer)
-        return known[1] if known is not None and known[0] in tags else None
 
 
 def _header(f: Fields) -> bytes:
