@@ -12,7 +12,7 @@ FORBIDDEN = {
     "protocol": {"transport", "rendezvous", "algorithms", "backend", "bench", "cli", "testing"},
     "transport": {"rendezvous", "algorithms", "backend", "bench", "cli", "testing", "compression"},
     "algorithms": {"backend", "bench", "cli", "testing", "rendezvous"},
-    "rendezvous": {"backend", "bench", "cli", "testing"},
+    "rendezvous": {"algorithms", "backend", "bench", "cli", "testing", "compression"},
 }
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from torch_thunderbolt.algorithms.shape import shape_from_networks
-from torch_thunderbolt.rendezvous.group import choose_transport as _choose_transport, hosts_shape
+from torch_thunderbolt.algorithms.shape import hosts_shape, shape_from_networks
+from torch_thunderbolt.rendezvous.group import choose_transport as _choose_transport
 from torch_thunderbolt.testing.ranks import HYBRID, run_ranks
 
 from .programs import hybrid

@@ -42,3 +42,29 @@ def shape_from_networks(nets: list[list[str]]) -> Shape:
     if kind in ("ring", "mesh", "pair"):
         return Shape(kind, ring_order_adjacency(adj, names) or names, adj)
     return Shape(kind, names, adj)
+
+
+def hosts_shape(nets: list[list[str]] | None, hosts: list[str]) -> Shape | None:
+    """The cluster shape when hosts run several ranks: derived from the hosts' networks (a 3-Mac chain
+    stays a chain, however many ranks each Mac runs), each host's ranks next to each other in the
+    ring/line order, so a ring crosses each cable once rather than once per rank."""
+    if not nets:
+        return None
+    names = list(dict.fromkeys(hosts))  # hosts in the order of their lowest rank
+    members = {h: [r for r, x in enumerate(hosts) if x == h] for h in names}
+    host_nets = [sorted({n for r in members[h] for n in nets[r]}) for h in names]
+    by_host = shape_from_networks(host_nets)
+    order = [r for i in by_host.order for r in members[names[i]]]
+    kind = "mesh" if by_host.kind in ("single", "pair") else by_host.kind  # 2 hosts: everyone reaches everyone
+    groups = [members[names[i]] for i in by_host.order]
+    return Shape(kind, order, shape_from_networks(nets).neighbours, groups)
+
+
+def cluster_shape(nets: list[list[str]] | None, hosts: list[str] | None) -> Shape | None:
+    """What the algorithms plan for, from every rank's networks (`nets`, None when the set-up had no reason to
+    look: one host) and host identity (`hosts`, None when links were not chosen by host): hosts in
+    hierarchy where some run several ranks, else the ranks' own networks. None: derive it from the group
+    size alone (`Shape.full`)."""
+    if hosts is not None and 1 < len(set(hosts)) < len(hosts):  # several hosts, some with several ranks
+        return hosts_shape(nets, hosts)
+    return shape_from_networks(nets) if nets else None

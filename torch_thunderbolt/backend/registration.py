@@ -17,6 +17,7 @@ DEVICES = ["cpu", "cuda", "mps"]
 
 def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
     """The creator torch calls for every group using our backend (extended API)."""
+    from ..algorithms.shape import cluster_shape
     from ..config import Config
     from ..rendezvous.group import connect
     from ..transport.names import RankNames
@@ -31,7 +32,7 @@ def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
                                 str(getattr(dist_opts, "group_id", "") or "?"))
     group = connect(dist_opts.store, rank, size, cfg, timeout, names=names)
     return ThunderboltProcessGroup(group.transport, cfg, timeout, description=str(getattr(dist_opts, "group_id", "")),
-                                   shape=group.shape)
+                                   shape=cluster_shape(group.nets, group.hosts))
 
 
 def _thunderbolt_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any):

@@ -1,7 +1,8 @@
-"""Connecting one group: which links each rank gets, and the cluster shape the algorithms plan for.
+"""Connecting one group: which links each rank gets, and what the algorithms need to know of the cluster.
 
 `connect` is all the backend asks of the set-up: given the rendezvous store, this rank, the group size and
-the Config, it returns a connected transport and the shape. `auto` picks shared memory when the whole group
+the Config, it returns a connected transport and every rank's networks and host (the backend derives the
+cluster shape from them: algorithms/shape.py). `auto` picks shared memory when the whole group
 shares one host, TCP between hosts, and both in one engine when hosts run several ranks each. Before any
 link is made the ranks compare the settings that must agree, and rank 0 (the store's host) leaves only once
 every rank has read what it needs from the store (agree.py).
@@ -13,7 +14,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..algorithms.shape import Shape, shape_from_networks
 from ..config import Config
 from ..transport import shm_ring
 from ..transport.engine import Transport
@@ -31,7 +31,8 @@ log = logging.getLogger("torch_thunderbolt")
 @dataclass
 class Connected:
     transport: Transport
-    shape: Shape | None  # None: derive it from the group size alone (one host, or nothing known)
+    nets: "list[list[str]] | None"  # every rank's networks (CIDR), None where no link runs over IP networks
+    hosts: "list[str] | None"  # every rank's host identity, where links were chosen by host (auto)
 
 
 def connect(store: Any, rank: int, world: int, cfg: Config, timeout: float,
@@ -41,7 +42,7 @@ def connect(store: Any, rank: int, world: int, cfg: Config, timeout: float,
     read from the store is checked (records.py); a rank that gives up says why there, and every rank
     waiting for it raises that reason."""
     if world == 1:
-        return Connected(Transport(rank, 1, [], names=names), None)
+        return Connected(Transport(rank, 1, [], names=names), None, None)
     records = Records(store, rank, cfg.secret, time.monotonic() + min(timeout, cfg.connect_timeout))
     try:
         auth = records.join_group()
@@ -63,18 +64,14 @@ def _connect(store: Any, rank: int, world: int, cfg: Config, timeout: float, nam
         kind = shm_or_tcp(kind, rank)
     if kind == "shm":
         connected = Connected(Transport(rank, world, [connect_shm_links(store, rank, world, cfg, timeout,
-                                                                        records=records)], names=names), None)
+                                                                        records=records)], names=names), None, hosts)
     else:
         if kind == "hybrid" and hosts is not None:
             kinds, nets = connect_hybrid_links(store, rank, world, cfg, timeout, hosts, records, auth)
         else:
             tcp, nets = connect_tcp_links(store, rank, world, cfg, timeout, records=records, auth=auth)
             kinds = [tcp]
-        transport = Transport(rank, world, kinds, names=names)
-        if hosts is not None and 1 < len(set(hosts)) < len(hosts):  # several hosts, some with several ranks
-            connected = Connected(transport, hosts_shape(nets, hosts))
-        else:
-            connected = Connected(transport, shape_from_networks(nets) if nets else None)
+        connected = Connected(Transport(rank, world, kinds, names=names), nets, hosts)
     try:
         leave_together(records, rank, world)
     except BaseException:
@@ -122,19 +119,3 @@ def shm_or_tcp(kind: str, rank: int, plat: Any = None, lookup: Any = None) -> st
         return kind
     log.warning("rank %d: not using shared memory (%s): TCP over loopback instead, which is slower", rank, why)
     return "tcp"
-
-
-def hosts_shape(nets: list[list[str]] | None, hosts: list[str]) -> Shape | None:
-    """The cluster shape when hosts run several ranks: derived from the hosts' networks (a 3-Mac chain
-    stays a chain, however many ranks each Mac runs), each host's ranks next to each other in the
-    ring/line order, so a ring crosses each cable once rather than once per rank. Pure."""
-    if not nets:
-        return None
-    names = list(dict.fromkeys(hosts))  # hosts in the order of their lowest rank
-    members = {h: [r for r, x in enumerate(hosts) if x == h] for h in names}
-    host_nets = [sorted({n for r in members[h] for n in nets[r]}) for h in names]
-    by_host = shape_from_networks(host_nets)
-    order = [r for i in by_host.order for r in members[names[i]]]
-    kind = "mesh" if by_host.kind in ("single", "pair") else by_host.kind  # 2 hosts: everyone reaches everyone
-    groups = [members[names[i]] for i in by_host.order]
-    return Shape(kind, order, shape_from_networks(nets).neighbours, groups)
