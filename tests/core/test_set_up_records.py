@@ -107,7 +107,7 @@ def make_world():
 
 
 # (record, THUNDERBOLT_TRANSPORT): every record a rank reads from another during set-up but the last.
-RECORDS = [("tb/group", "tcp"), ("tb/ep/0", "tcp"), ("tbshm/host/0", "auto"), ("tbshm/token", "shm"),
+RECORDS = [("tb/group", "tcp"), ("tb/ep/0", "tcp"), ("tb/rank/0", "auto"), ("tbshm/token/0", "shm"),
            ("tbshm/0", "shm")]
 
 
@@ -179,10 +179,13 @@ def test_the_secret_hint_only_for_a_hello_that_failed_its_mac(make_world, hello)
     world = make_world(2)
     cfg = Config(streams=1, secret=SECRET, transport="tcp", connect_timeout=4)
     world.start(0, cfg)
-    # Rank 1 gets as far as publishing its settings (which every rank does first) and no further.
+    # Rank 1 gets as far as publishing its settings and who it is (which every rank does first), no further.
+    from torch_thunderbolt.rendezvous.hosts import host_identity
+
     rank_1 = Records(world.view, 1, SECRET, time.monotonic() + 10)
     rank_1.join_group()
     rank_1.publish(agree.SETTINGS.format(rank=1), agree.my_settings(cfg))
+    rank_1.publish("tb/rank/1", {"host": host_identity(), "offers": {"shm": None, "tcp": None}})
     _stranger_hello(world.view, None if hello == "garbage" else b"x" * 32)
     world.join()
     exc = world.errors[0]

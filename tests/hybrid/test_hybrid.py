@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from torch_thunderbolt.algorithms.shape import hosts_shape, shape_from_networks
-from torch_thunderbolt.rendezvous.group import choose_transport as _choose_transport
+from torch_thunderbolt.errors import ConfigError
+from torch_thunderbolt.rendezvous.kinds import KINDS, choose
 from torch_thunderbolt.testing.ranks import HYBRID, run_ranks
 
 from .programs import hybrid
@@ -15,14 +16,33 @@ from .programs import hybrid
 pytestmark = [pytest.mark.multiprocess]
 
 
-def test_choose_transport() -> None:
-    two_two = ["a", "a", "b", "b"]
-    assert [_choose_transport("auto", r, two_two) for r in range(4)] == ["hybrid"] * 4
-    assert [_choose_transport("auto", r, ["a", "a", "b"]) for r in range(3)] == ["hybrid", "hybrid", "tcp"]
-    assert _choose_transport("auto", 0, ["a", "a"]) == "shm"
-    assert _choose_transport("auto", 0, ["a", "b"]) == "tcp"
-    assert _choose_transport("tcp", 0, None) == "tcp"
-    assert _choose_transport("shm", 0, None) == "shm"
+OK = {"shm": None, "tcp": None}
+
+
+def _kinds(setting: str, hosts: list[str], offers: "list[dict] | None" = None) -> list[list[str]]:
+    return choose(KINDS, setting, hosts, offers or [OK] * len(hosts))
+
+
+def test_the_table_gives_every_pair_its_kind() -> None:
+    assert _kinds("auto", ["a", "a", "b", "b"]) == [["", "shm", "tcp", "tcp"], ["shm", "", "tcp", "tcp"],
+                                                    ["tcp", "tcp", "", "shm"], ["tcp", "tcp", "shm", ""]]
+    assert _kinds("auto", ["a", "a", "b"])[2] == ["tcp", "tcp", ""]
+    assert _kinds("auto", ["a", "a"]) == [["", "shm"], ["shm", ""]]
+    assert _kinds("auto", ["a", "b"])[0][1] == "tcp"
+    assert _kinds("tcp", ["a", "a"])[0][1] == "tcp"
+    assert _kinds("shm", ["a", "a", "a"])[1] == ["shm", "", "shm"]
+    with pytest.raises(ConfigError, match="THUNDERBOLT_TRANSPORT=shm: rank 1 runs on another host"):
+        _kinds("shm", ["a", "b"])
+
+
+def test_a_rank_that_cannot_offer_a_kind_gets_the_next_one() -> None:
+    refusing = {"shm": "no full memory barrier", "tcp": None}
+    assert _kinds("auto", ["a", "a", "a"], [OK, OK, refusing]) == [["", "shm", "tcp"], ["shm", "", "tcp"],
+                                                                  ["tcp", "tcp", ""]]
+    assert _kinds("shm", ["a", "a"], [refusing, OK])[0][1] == "tcp"  # forced, with a fallback
+    old = {"shm": None}  # a peer that does not know a kind cannot use it
+    with pytest.raises(ConfigError, match="tcp: rank 1 runs a version of torch-thunderbolt without 'tcp' links"):
+        _kinds("tcp", ["a", "b"], [OK, old])
 
 
 A, B, C = ["10.0.0.0/30"], ["10.0.0.0/30", "10.0.0.4/30"], ["10.0.0.4/30"]

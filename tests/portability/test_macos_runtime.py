@@ -111,10 +111,8 @@ def test_ring_head_and_tail_sit_on_separate_128_byte_cache_lines() -> None:
         x.release()
 
 
-def test_shared_memory_is_refused_where_no_full_memory_barrier_is_known(caplog) -> None:
-    import logging
-
-    from torch_thunderbolt.rendezvous.group import shm_or_tcp as _shm_or_tcp
+def test_shared_memory_is_refused_where_no_full_memory_barrier_is_known() -> None:
+    from torch_thunderbolt.rendezvous.kinds import KINDS, choose, refused
     from torch_thunderbolt.transport import shm_ring as ring
 
     barrier = lambda: None  # noqa: E731 - stands in for libSystem's OSMemoryBarrier
@@ -124,12 +122,13 @@ def test_shared_memory_is_refused_where_no_full_memory_barrier_is_known(caplog) 
     assert "OSMemoryBarrier" in ring.shm_refusal(DARWIN, missing)  # before: a lock, no full barrier on arm64
     assert "riscv64" in ring.shm_refusal(Platform.for_system("linux", "riscv64"))
     assert ring.shm_refusal(Platform.for_system("linux", "x86_64")) is None
-    with caplog.at_level(logging.WARNING, logger="torch_thunderbolt"):
-        assert _shm_or_tcp("shm", 2, DARWIN, missing) == "tcp"
-        assert _shm_or_tcp("hybrid", 2, DARWIN, missing) == "tcp"
-        assert _shm_or_tcp("shm", 2, DARWIN, lambda name: barrier) == "shm"
-    warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 2 and all("rank 2: not using shared memory" in w for w in warnings)
+    # Such a rank offers no shared memory: the table gives its pairs TCP, and it says why (group.connect logs it).
+    ok, mac = {"shm": None, "tcp": None}, {"shm": ring.shm_refusal(DARWIN, missing), "tcp": None}
+    for setting in ("shm", "auto"):
+        kinds = choose(KINDS, setting, ["h"] * 3, [ok, ok, mac])
+        assert kinds[2] == ["tcp", "tcp", ""] and kinds[0][1] == "shm"
+        (row, peers, why), = refused(KINDS, 2, ["h"] * 3, [ok, ok, mac], kinds)
+        assert (row.name, peers) == ("shm", [0, 1]) and "OSMemoryBarrier" in why
 
 
 def _doctor_facts(**kw):

@@ -2,28 +2,32 @@
 
 `connect` is all the backend asks of the set-up: given the rendezvous store, this rank, the group size and
 the Config, it returns a connected transport and every rank's networks and host (the backend derives the
-cluster shape from them: algorithms/shape.py). `auto` picks shared memory when the whole group
-shares one host, TCP between hosts, and both in one engine when hosts run several ranks each. Before any
-link is made the ranks compare the settings that must agree, and rank 0 (the store's host) leaves only once
-every rank has read what it needs from the store (agree.py).
+cluster shape from them: algorithms/shape.py). Every rank publishes who it is (host identity) and which
+kinds of link it can offer; the table in kinds.py gives every pair of ranks its kind (`auto`: shared memory
+within a host, TCP between hosts); each kind is then set up among the ranks that use it, in the table's
+order on every rank, and one engine holds them all. Before any link is made the ranks compare the
+settings that must agree, and rank 0 (the store's host) leaves only once every rank has read what it needs
+from the store (agree.py). Every record read from the store is checked (records.py); a rank that gives up
+says why there, and every rank waiting for it raises that reason.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from ..config import Config
-from ..transport import shm_ring
-from ..transport.engine import Transport
+from ..errors import HandshakeError
 from ..transport.base import LinkKind
+from ..transport.engine import Transport
 from ..transport.names import RankNames
+from . import hosts as host_ids
 from .agree import agree_settings, leave_together
-from .hosts import host_map
+from .kinds import KINDS, choose, refused
 from .records import GroupAuth, Records
-from .shm import ShmOptions, connect_shm_links
-from .tcp import connect_tcp_links
+from .setup import KindRow, SetUp
+from .tcp import local_networks
 
 log = logging.getLogger("torch_thunderbolt")
 
@@ -35,87 +39,66 @@ class Connected:
     hosts: "list[str] | None"  # every rank's host identity, where links were chosen by host (auto)
 
 
-def connect(store: Any, rank: int, world: int, cfg: Config, timeout: float,
-            names: RankNames | None = None) -> Connected:
+def connect(store: Any, rank: int, world: int, cfg: Config, timeout: float, names: RankNames | None = None,
+            table: Sequence[KindRow] = KINDS) -> Connected:
     """Connect this rank to every other rank of the group (all ranks call this together). `names`: how the
-    transport's errors name the ranks of a subgroup (None when its ranks are the global ones). Every record
-    read from the store is checked (records.py); a rank that gives up says why there, and every rank
-    waiting for it raises that reason."""
+    transport's errors name the ranks of a subgroup (None when its ranks are the global ones). `table`: the
+    kinds of link to choose from (tests add kinds of their own)."""
     if world == 1:
         return Connected(Transport(rank, 1, [], names=names), None, None)
     records = Records(store, rank, cfg.secret, time.monotonic() + min(timeout, cfg.connect_timeout))
     try:
         auth = records.join_group()
-        return _connect(store, rank, world, cfg, timeout, names, records, auth)
+        return _connect(store, rank, world, cfg, timeout, names, table, records, auth)
     except BaseException as exc:
         records.announce(exc)
         raise
 
 
 def _connect(store: Any, rank: int, world: int, cfg: Config, timeout: float, names: RankNames | None,
-             records: Records, auth: GroupAuth) -> Connected:
+             table: Sequence[KindRow], records: Records, auth: GroupAuth) -> Connected:
     # First of all: the settings that must agree (a transport that differs would make the steps below
     # wait for records or connections that never come).
     agreement = agree_settings(records, rank, world, cfg, names)
-    hosts = None if cfg.transport != "auto" else host_map(records, rank, world)
-    agreement.check_hosts(hosts, cfg.transport)
-    kind = choose_transport(cfg.transport, rank, hosts)
-    if kind in ("shm", "hybrid"):
-        kind = shm_or_tcp(kind, rank)
-    if kind == "shm":
-        connected = Connected(Transport(rank, world, [connect_shm_links(store, rank, world, cfg, timeout,
-                                                                        records=records)], names=names), None, hosts)
-    else:
-        if kind == "hybrid" and hosts is not None:
-            kinds, nets = connect_hybrid_links(store, rank, world, cfg, timeout, hosts, records, auth)
-        else:
-            tcp, nets = connect_tcp_links(store, rank, world, cfg, timeout, records=records, auth=auth)
-            kinds = [tcp]
-        connected = Connected(Transport(rank, world, kinds, names=names), nets, hosts)
+    offers = {row.name: row.offer(cfg) for row in table}
+    # Looked up at call time (not imported by name): tests emulate hosts by patching it.
+    records.publish(f"tb/rank/{rank}", {"host": host_ids.host_identity(), "offers": offers})
+    everyone = [records.read(f"tb/rank/{p}", p, "its host and kinds of link") for p in range(world)]
+    try:
+        hosts = [str(r["host"]) for r in everyone]
+        every_offer = [dict(r["offers"]) for r in everyone]
+    except (TypeError, KeyError, ValueError):
+        raise HandshakeError(f"rank {rank}: a record tb/rank/<rank> in the rendezvous store holds no host and "
+                             f"kinds of link", why="store") from None
+    # (the per-host settings where ranks share memory: every host's under auto, the one host under shm)
+    agreement.check_hosts(hosts if cfg.transport == "auto" else None, cfg.transport)
+    kinds = choose(table, cfg.transport, hosts, every_offer)
+    for row, peers, why in refused(table, rank, hosts, every_offer, kinds):
+        log.warning("rank %d: not using %s with rank(s) %s (%s): %s instead, which is slower", rank, row.title,
+                    peers, why, " and ".join(sorted({kinds[rank][p] for p in peers})))
+    made: list[LinkKind] = []
+    try:
+        for row in table:
+            users = tuple(r for r in range(world) if row.name in kinds[r])
+            if rank in users:
+                peers = tuple(p for p in range(world) if kinds[rank][p] == row.name)
+                made.append(row.connect(SetUp(store, rank, world, cfg, timeout, peers, users, records, auth,
+                                              tuple(hosts))))
+        used = {name for line in kinds for name in line if name}
+        nets = None
+        if any(row.networks for row in table if row.name in used):  # the cabling the algorithms plan for
+            records.publish(f"tb/nets/{rank}", local_networks(store, cfg))
+            nets = [list(records.read(f"tb/nets/{p}", p, "its networks")) for p in range(world)]
+    except BaseException:
+        for kind in made:  # what was set up before the failing kind
+            for link in kind.links.values():
+                link.close(bye=False)
+            kind.release()
+        raise
+    connected = Connected(Transport(rank, world, made, names=names), nets, hosts if cfg.transport == "auto" else None)
     try:
         leave_together(records, rank, world)
     except BaseException:
         connected.transport.close()
         raise
     return connected
-
-
-def connect_hybrid_links(store: Any, rank: int, world: int, cfg: Config, timeout: float,
-                         hosts: list[str], records: Records | None = None,
-                         auth: GroupAuth | None = None) -> "tuple[list[LinkKind], list[list[str]]]":
-    """Shared memory among the ranks whose host identity (`hosts[r]`) equals ours, TCP for the rest: the
-    two kinds of links of one engine, and every rank's networks. Every rank of the group must call this
-    together."""
-    local = [p for p in range(world) if p != rank and hosts[p] == hosts[rank]]
-    opts = ShmOptions.from_config(cfg)
-    # TCP first: every rank takes part in it, so the shm set-up below cannot wait on a rank stuck in TCP's.
-    remote = [p for p in range(world) if p != rank and p not in local]
-    tcp, networks = connect_tcp_links(store, rank, world, cfg, timeout, peers=remote, records=records, auth=auth)
-    try:
-        shm = connect_shm_links(store, rank, world, cfg, timeout, opts, peers=local, records=records)
-    except BaseException:
-        for link in tcp.links.values():
-            link.close(bye=False)
-        raise
-    return [shm, tcp], networks
-
-
-def choose_transport(setting: str, rank: int, hosts: list[str] | None) -> str:
-    """tcp, shm or hybrid for this rank. `auto`: shm when the whole group shares one host; shm to this
-    host's peers plus TCP to the others when both exist; TCP for a rank alone on its host (its peers
-    reach it over TCP whatever they chose)."""
-    if setting != "auto" or hosts is None:
-        return setting if setting in ("tcp", "shm") else "tcp"
-    if len(set(hosts)) == 1:
-        return "shm"
-    return "hybrid" if hosts.count(hosts[rank]) > 1 else "tcp"
-
-
-def shm_or_tcp(kind: str, rank: int, plat: Any = None, lookup: Any = None) -> str:
-    """`kind`, or "tcp" with a warning where shared memory is unsafe (no full memory barrier is known; see
-    shm_ring.shm_refusal). Every rank of a host decides alike, and other hosts reach it over TCP anyway."""
-    why = shm_ring.shm_refusal(plat) if lookup is None else shm_ring.shm_refusal(plat, lookup)
-    if why is None:
-        return kind
-    log.warning("rank %d: not using shared memory (%s): TCP over loopback instead, which is slower", rank, why)
-    return "tcp"

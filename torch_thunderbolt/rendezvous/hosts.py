@@ -7,12 +7,9 @@ import re
 import socket
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from ..platform import IOREG, SYSCTL, Platform, current
-
-if TYPE_CHECKING:
-    from .records import Records
 
 
 def _run_tool(argv: list[str]) -> str:
@@ -50,13 +47,6 @@ def host_identity(plat: Platform | None = None, run: Callable[[list[str]], str] 
         parts.append(found.group(1) if found else "")
         parts.append(run([SYSCTL, "-n", "kern.bootsessionuuid"]).strip())
     return "|".join(parts)
-
-
-def host_map(records: "Records", rank: int, world: int) -> list[str]:
-    """Every rank's host identity (publishes ours), from the group's checked set-up records; for choosing
-    shm, tcp or a mix."""
-    records.publish(f"tbshm/host/{rank}", host_identity())  # looked up at call time: tests emulate hosts by patching it
-    return [str(records.read(f"tbshm/host/{p}", p, "its host identity")) for p in range(world)]
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -18,7 +18,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from ..config import Config
 from ..errors import ConfigError, HandshakeError, PeerLostError
@@ -31,6 +31,7 @@ from . import hosts
 from .agree import leave_together
 from .hosts import recv_exact
 from .records import Records
+from .setup import SetUp
 
 _HELLO = struct.Struct("<I16s")
 
@@ -129,15 +130,22 @@ def _accept(lst: socket.socket, rank: int, higher: set[int], token: bytes, deadl
     return got
 
 
+def offer(cfg: Config) -> str | None:
+    """None where shared memory is safe on this machine, else why not (no full memory barrier is known:
+    see shm_ring.shm_refusal). Every rank of a host decides alike."""
+    return ring.shm_refusal()
+
+
 def connect_shm(store: Any, rank: int, world: int, cfg: Config, timeout: float,
                 opts: ShmOptions | None = None) -> Transport:
-    """A transport over shared memory alone: every rank of the group on this host (see `hosts.host_map`).
-    `opts`: sizes overriding the Config's (benchmarks, tests). Rank 0 returns only once every rank has read
-    what it needs from the store (which rank 0 may serve: agree.leave_together)."""
-    records = Records(store, rank, cfg.secret, time.monotonic() + min(timeout, cfg.connect_timeout))
+    """A transport over shared memory alone: every rank of the group on this host, joining the group itself
+    (every rank calls this instead of group.connect). `opts`: sizes overriding the Config's (benchmarks,
+    tests). Rank 0 returns only once every rank has read what it needs from the store (which rank 0 may
+    serve: agree.leave_together)."""
+    setup = SetUp.everyone(store, rank, world, cfg, timeout)
+    records = setup.records
     try:
-        records.join_group()
-        links = connect_shm_links(store, rank, world, cfg, timeout, opts, records=records)
+        links = connect_shm_links(setup, opts)
     except BaseException as exc:
         records.announce(exc)
         raise
@@ -151,26 +159,17 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Config, timeout: float,
     return transport
 
 
-def connect_shm_links(store: Any, rank: int, world: int, cfg: Config, timeout: float,
-                      opts: ShmOptions | None = None, peers: "Sequence[int] | None" = None,
-                      records: Records | None = None) -> ShmLinks:
-    """This group's shared-memory links. `peers`: only these ranks (all on this host; default every other
-    rank), e.g. a host's share of a multi-host job. `records`: the group's set-up records when the caller
-    (group.connect) has joined the group already; by default this joins it itself."""
+def connect_shm_links(setup: SetUp, opts: ShmOptions | None = None) -> ShmLinks:
+    """This rank's shared-memory links to `setup.peers` (all on this host), e.g. every other rank, or a
+    host's share of a multi-host job. `opts`: sizes overriding the Config's."""
+    rank, world, cfg, timeout, records = setup.rank, setup.world, setup.cfg, setup.timeout, setup.records
     why = ring.shm_refusal()
     if why is not None:
         raise ConfigError(f"rank {rank}: shared memory is not safe on this machine ({why}); set "
                           f"THUNDERBOLT_TRANSPORT=tcp (auto chooses TCP here by itself)")
     opts = opts or ShmOptions.from_config(cfg)
-    members = sorted(set(range(world) if peers is None else peers) - {rank})
+    members = sorted(set(setup.peers) - {rank})
     deadline = time.monotonic() + min(timeout, cfg.connect_timeout)
-    if records is None:
-        records = Records(store, rank, cfg.secret, deadline)
-        try:
-            records.join_group()
-        except BaseException as exc:
-            records.announce(exc)
-            raise
     try:
         segs.cleanup_stale_segments()  # a janitor pass: leftovers of crashed jobs on this host
     except OSError:
@@ -180,7 +179,7 @@ def connect_shm_links(store: Any, rank: int, world: int, cfg: Config, timeout: f
     # opens the doorbell, a Unix socket on this host, and the segments are this host's memory. (A local
     # attacker is out of scope, as for gloo; no THUNDERBOLT_SECRET is needed here, so shm-only groups don't warn.)
     first = min(members + [rank])
-    token_key = "tbshm/token" if peers is None else f"tbshm/token/{first}"
+    token_key = f"tbshm/token/{first}"
     if rank == first:
         token_hex = secrets.token_hex(16)
         records.publish(token_key, token_hex)

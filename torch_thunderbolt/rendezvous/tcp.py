@@ -33,7 +33,8 @@ from ..transport.tcp import TcpLinks
 from . import hosts
 from .agree import leave_together
 from .hosts import recv_exact
-from .records import SECRET_HINT, GroupAuth, Records
+from .records import SECRET_HINT, Records
+from .setup import SetUp
 
 log = logging.getLogger("torch_thunderbolt.bootstrap")
 # The no-secret warning goes on the package's top logger: it is about the whole job, not a set-up detail.
@@ -45,6 +46,17 @@ NO_SECRET_WARNING = (
     "MASTER_PORT can read it, join the job in a rank's place and receive its tensors. Set the same random "
     "THUNDERBOLT_SECRET on every rank (python -c 'import secrets; print(secrets.token_hex(32))'), or start "
     "the job with `torch-thunderbolt launch`, which does this for you.")
+
+
+def offer(cfg: Config) -> str | None:
+    """Every rank can offer TCP links (the kind every pair falls back to)."""
+    return None
+
+
+def local_networks(store: Any, cfg: Config) -> list[str]:
+    """The networks (CIDR) of the addresses this rank's TCP links use: THUNDERBOLT_IFNAME's, else the one
+    towards the store's host. The cluster's cabling, as the algorithms see it."""
+    return [network_of(a) for a in choose_addresses(cfg.ifnames, store_host(store))]
 
 
 def store_host(store: Any) -> str | None:
@@ -538,12 +550,13 @@ def _wait_for_higher(acceptor: "_Acceptor", records: Records, rank: int, members
 
 
 def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) -> Transport:
-    """A transport over TCP alone, to every other rank of the group. Rank 0 returns only once every rank has
-    read what it needs from the store (which rank 0 may serve: agree.leave_together)."""
-    records = Records(store, rank, cfg.secret, time.monotonic() + min(timeout, cfg.connect_timeout))
+    """A transport over TCP alone, to every other rank of the group, joining the group itself (every rank
+    calls this instead of group.connect; tests and tools). Rank 0 returns only once every rank has read
+    what it needs from the store (which rank 0 may serve: agree.leave_together)."""
+    setup = SetUp.everyone(store, rank, world, cfg, timeout)
+    records = setup.records
     try:
-        auth = records.join_group()
-        links, _ = connect_tcp_links(store, rank, world, cfg, timeout, records=records, auth=auth)
+        links = connect_tcp_links(setup)
     except BaseException as exc:
         records.announce(exc)
         raise
@@ -557,27 +570,22 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) 
     return transport
 
 
-def connect_tcp_links(store: Any, rank: int, world: int, cfg: Config, timeout: float,
-                      peers: "list[int] | None" = None, records: Records | None = None,
-                      auth: GroupAuth | None = None) -> "tuple[TcpLinks, list[list[str]]]":
-    """This group's TCP links, and every rank's networks (the backend derives the cluster shape from
-    them). `peers`: connect only to these ranks (default every other one), e.g. the other hosts' ranks of
-    a multi-host job with several ranks per host; rank numbers stay the group's. `records`, `auth`: the
-    group's set-up records and handshake key when the caller (group.connect) has them already; by default
-    this joins the group itself (every rank must then call this, not group.connect)."""
-    members = sorted(set(range(world) if peers is None else peers) - {rank})
-    deadline = time.monotonic() + min(timeout, cfg.connect_timeout)
+def connect_tcp_links(setup: SetUp) -> TcpLinks:
+    """This rank's TCP links to `setup.peers` (rank numbers stay the group's), e.g. every other rank, or the
+    other hosts' ranks of a multi-host job with several ranks per host."""
+    store, rank, cfg, records, auth = setup.store, setup.rank, setup.cfg, setup.records, setup.auth
+    world = setup.world
+    members = sorted(set(setup.peers) - {rank})
+    deadline = time.monotonic() + min(setup.timeout, cfg.connect_timeout)
     tuner = SocketTuner(cfg, rank=rank)
     # Every peer's streams, twice while the listeners and handshakes overlap.
     ensure_open_files(len(members) * cfg.streams * 2 + OPEN_FILES_MARGIN, rank)
-    records = records or Records(store, rank, cfg.secret, deadline)
     addrs = choose_addresses(cfg.ifnames, store_host(store))
     listeners = [_listen(a, cfg, rank, tuner) for a in (addrs[:1] if cfg.listen_all else addrs)]
     acceptor: _Acceptor | None = None
     conns: dict[int, list[socket.socket]] = {}
     sessions: dict[int, list[bytes]] = {}
     try:
-        auth = auth or records.join_group()
         if not cfg.secret and members:
             security_log.warning(NO_SECRET_WARNING, rank)
         endpoints = [[a, lst.getsockname()[1]] for a, lst in zip(addrs, listeners)]
@@ -624,22 +632,15 @@ def connect_tcp_links(store: Any, rank: int, world: int, cfg: Config, timeout: f
         for (p, s), sock in sorted(acceptor.conns.items()):
             conns.setdefault(p, []).append(sock)
             sessions.setdefault(p, []).append(acceptor.sessions[(p, s)])
-        every = [None if p == rank else infos.get(p) or records.read(f"tb/ep/{p}", p, "its endpoints")
-                 for p in range(world)]
-        for p, e in enumerate(every):
-            if e is not None and p in members:
-                same_integrity(rank, cfg, p, e)
-        all_nets = [nets if e is None else e.get("nets", []) for e in every]
-        here = hosts.host_identity()
-        local_ranks = sum(1 for e in every if e is None or e.get("host") == here)
+        for p in members:
+            same_integrity(rank, cfg, p, infos.get(p) or records.read(f"tb/ep/{p}", p, "its endpoints"))
         # Spinning only pays while every local rank has a core of its own.
-        spin = cfg.spin_us if local_ranks <= (os.cpu_count() or 1) else 0
+        spin = cfg.spin_us if setup.local_ranks() <= (os.cpu_count() or 1) else 0
         seal = None if cfg.integrity == "none" else (
             rank, {p: [stream_keys(key, rank, p) for key in keys] for p, keys in sessions.items()})
-        links = TcpLinks(conns, stripe_bytes=cfg.stripe_bytes, early_bytes=cfg.small_bytes, spin_us=spin,
-                         probe_after=cfg.link_timeout_ms / 3000, seal=seal,
-                         plat=tuner.plat, link_timeout=link_timeout_options(tuner.plat, cfg.link_timeout_ms))
-        return links, all_nets
+        return TcpLinks(conns, stripe_bytes=cfg.stripe_bytes, early_bytes=cfg.small_bytes, spin_us=spin,
+                        probe_after=cfg.link_timeout_ms / 3000, seal=seal,
+                        plat=tuner.plat, link_timeout=link_timeout_options(tuner.plat, cfg.link_timeout_ms))
     except BaseException as exc:
         records.announce(exc)  # before the listeners close: a peer that finds them closed reads why
         for sock in [x for socks in conns.values() for x in socks] + [

@@ -1,0 +1,66 @@
+"""What every kind of link's set-up is given, and what the table of kinds says about a kind.
+
+A kind of link has one set-up function, `connect(setup: SetUp) -> LinkKind`, that connects this rank to
+`setup.peers` through the rendezvous store (all of `setup.users` run it together) and returns the kind's
+links, ready for the engine; and one row in the table (`kinds.KINDS`), a `KindRow`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..config import Config
+from ..transport.base import LinkKind
+from .records import GroupAuth, Records
+
+
+@dataclass(frozen=True)
+class SetUp:
+    """One rank's part in setting up one kind of link for a group."""
+
+    store: Any  # the group's rendezvous store (keys are the group's own: torch prefixes them)
+    rank: int
+    world: int
+    cfg: Config
+    timeout: float  # seconds for the whole set-up (capped by THUNDERBOLT_CONNECT_TIMEOUT)
+    peers: tuple[int, ...]  # the ranks this rank connects to with this kind (group ranks)
+    users: tuple[int, ...]  # every rank of the group that sets this kind up (this one included)
+    records: Records  # the group's set-up records: publish and read through them (checked with the job's key)
+    auth: GroupAuth  # the group's handshake key and id, for authenticating what the kind connects
+    hosts: tuple[str, ...] = ()  # every rank's host identity (hosts.host_identity); () when not known
+
+    @classmethod
+    def everyone(cls, store: Any, rank: int, world: int, cfg: Config, timeout: float) -> "SetUp":
+        """One kind to every other rank, this rank joining the group itself (a transport of one kind, for
+        tests and tools: every rank of the group must call this instead of group.connect)."""
+        records = Records(store, rank, cfg.secret, time.monotonic() + min(timeout, cfg.connect_timeout))
+        try:
+            auth = records.join_group()
+        except BaseException as exc:
+            records.announce(exc)
+            raise
+        everyone = tuple(range(world))
+        return cls(store, rank, world, cfg, timeout, tuple(p for p in everyone if p != rank), everyone, records, auth)
+
+    @property
+    def leader(self) -> int:
+        """The lowest rank setting this kind up: the one that publishes what its users share."""
+        return min(self.users)
+
+    def local_ranks(self) -> int:
+        """Ranks of the group on this host (the whole group when hosts are not known)."""
+        return self.hosts.count(self.hosts[self.rank]) if self.hosts else self.world
+
+
+@dataclass(frozen=True)
+class KindRow:
+    """One kind of link in the table that picks the kind for every pair of ranks (`kinds.choose`)."""
+
+    name: str  # as THUNDERBOLT_TRANSPORT names it, and Transport.kind reports it
+    title: str  # as log lines name it ("shared memory")
+    same_host: bool  # reaches only ranks on this host
+    networks: bool  # reaches its peers over IP networks: the group exchanges every rank's networks
+    offer: Callable[[Config], "str | None"]  # None when this rank can use the kind, else why not
+    connect: Callable[[SetUp], LinkKind]  # the set-up
+    fallback: str = ""  # where forcing this kind finds it unusable: the kind used instead ("" = an error)
