@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch.distributed as dist
 
-from torch_thunderbolt.config import Config
+from torch_thunderbolt.config import TRANSPORTS, Config
 from torch_thunderbolt.errors import ConfigError
 from torch_thunderbolt.rendezvous import group
 from torch_thunderbolt.rendezvous import hosts as host_ids
@@ -143,3 +143,4 @@ def test_a_forced_kind_that_cannot_reach_a_peer_is_a_config_error() -> None:
 def test_the_runtime_table_prefers_shared_memory_then_tcp() -> None:
     assert [(row.name, row.same_host, row.networks, row.fallback) for row in KINDS] == [
         ("shm", True, False, "tcp"), ("tcp", False, True, "")]
+    assert {"auto", *(row.name for row in KINDS)} == set(TRANSPORTS)  # every kind can be forced, nothing else

@@ -90,7 +90,12 @@ class MemoryLink(Link):
         return None
 
     def close(self, bye: bool) -> None:
-        """Nothing to release: the peer sees this rank gone through its transport's `closed` (see gone)."""
+        """Nothing to release; with `bye`, the peer learns at once that this rank left (a wait for its data
+        fails then, as one over a wire does on BYE); `gone` looks at this rank's transport being closed."""
+        dst = self.hub.transports[self.peer]
+        if bye and not dst.closed and dst.broken is None:
+            dst.peer_left(self.engine.rank, "(a thread of this process)")
+            dst.wake_sleeper()
 
 
 class MemoryLinks(LinkKind):

@@ -1,0 +1,76 @@
+"""Every kind of link passes the conformance checks of torch_thunderbolt.testing.conformance, and the checks
+catch a kind broken on purpose (a dropped message, two sent out of order, a swallowed ABORT).
+
+The in-memory kind runs on thread ranks; tcp and shm on real rank processes set up as a job sets them up
+(every pair forced onto the kind). Each kind runs the whole suite once (a module fixture); each check is
+its own test."""
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+
+from torch_thunderbolt.testing import conformance
+from torch_thunderbolt.testing.conformance import CHECKS, Outcome, run_in_processes, run_on_threads
+from torch_thunderbolt.testing.ranks import SHM
+
+pytestmark = pytest.mark.timeout(600)
+
+WORLD = 3
+
+
+def _memory(world: int):
+    from torch_thunderbolt.transport.memory import MemoryHub
+
+    hub = MemoryHub(world)
+    return hub.transports, hub.kill
+
+
+KINDS = {
+    "memory": lambda tmp: run_on_threads(_memory, WORLD),
+    "tcp": lambda tmp: run_in_processes("tcp", WORLD, tmp),
+    # small rings (4K slots, two per pair): every large message laps them many times
+    "shm": lambda tmp: run_in_processes("shm", WORLD, tmp, setup=SHM),
+}
+MULTIPROCESS = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Outcome]]:
+    """The outcomes of the whole suite over a kind, run once per kind when a test first asks."""
+    done: dict[str, dict[str, Outcome]] = {}
+
+    def outcomes(kind: str) -> dict[str, Outcome]:
+        if kind not in done:
+            done[kind] = KINDS[kind](tmp_path_factory.mktemp(f"conformance-{kind}"))
+        return done[kind]
+    return outcomes
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+@pytest.mark.parametrize("kind", ["memory", pytest.param("tcp", marks=MULTIPROCESS),
+                                  pytest.param("shm", marks=MULTIPROCESS)])
+def test_every_kind_passes_every_check(kind: str, check: str, suite) -> None:
+    outcome = suite(kind)[check]
+    assert outcome.ok, str(outcome)
+
+
+# Which checks each mutant must fail (a short wait: a lost message is found when a wait runs out).
+CAUGHT_BY = {"drop": ["order", "sizes", "counters"], "reorder": ["order"],
+             "swallow_abort": ["abort_lost", "abort_timeout", "abort_in_flight", "mismatch"]}
+
+
+@pytest.mark.parametrize("mutant", sorted(conformance.MUTANTS))
+def test_the_checks_catch_a_broken_kind(mutant: str) -> None:
+    outcomes = run_on_threads(_memory, WORLD, checks=CAUGHT_BY[mutant], mutant=mutant, wait=2.0)
+    passed = [name for name, o in outcomes.items() if o.ok]
+    assert not passed, f"the {mutant} mutant passed {passed}"
+
+
+@pytest.mark.multiprocess
+def test_a_kind_that_parks_and_reorders_deadlocks_one_by_one(tmp_path) -> None:
+    """Over TCP, which holds back a large message whose receive is not posted, two messages sent out of order
+    leave the receiver waiting forever for the one behind: the check fails (at its wait), where the in-memory
+    kind, which never holds a message back, would not notice."""
+    outcome = run_in_processes("tcp", 2, tmp_path, checks=["one_by_one"], mutant="reorder", wait=5.0)["one_by_one"]
+    assert not outcome.ok and "Timed out" in str(outcome), str(outcome)
