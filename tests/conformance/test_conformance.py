@@ -1,9 +1,9 @@
 """Every kind of link passes the conformance checks of torch_thunderbolt.testing.conformance, and the checks
 catch a kind broken on purpose (a dropped message, two sent out of order, a swallowed ABORT).
 
-The in-memory kind runs on thread ranks; tcp and shm on real rank processes set up as a job sets them up
-(every pair forced onto the kind). Each kind runs the whole suite once (a module fixture); each check is
-its own test."""
+The in-memory kind runs on thread ranks; tcp, shm and sock (the example kind of testing/kinds, added to the
+table as any kind is) on real rank processes set up as a job sets them up (every pair forced onto the
+kind). Each kind runs the whole suite once (a module fixture); each check is its own test."""
 from __future__ import annotations
 
 from typing import Callable
@@ -31,6 +31,7 @@ KINDS = {
     "tcp": lambda tmp: run_in_processes("tcp", WORLD, tmp),
     # small rings (4K slots, two per pair): every large message laps them many times
     "shm": lambda tmp: run_in_processes("shm", WORLD, tmp, setup=SHM),
+    "sock": lambda tmp: run_in_processes("sock", WORLD, tmp),
 }
 MULTIPROCESS = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -49,7 +50,7 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str,
 
 @pytest.mark.parametrize("check", list(CHECKS))
 @pytest.mark.parametrize("kind", ["memory", pytest.param("tcp", marks=MULTIPROCESS),
-                                  pytest.param("shm", marks=MULTIPROCESS)])
+                                  pytest.param("shm", marks=MULTIPROCESS), pytest.param("sock", marks=MULTIPROCESS)])
 def test_every_kind_passes_every_check(kind: str, check: str, suite) -> None:
     outcome = suite(kind)[check]
     assert outcome.ok, str(outcome)

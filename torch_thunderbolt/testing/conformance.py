@@ -10,8 +10,8 @@ Two ways to run them:
 
 - `run_in_processes(kind, world, workdir, ...)`: real rank processes (testing.ranks), each connecting
   through the set-up a job uses (`rendezvous.group.connect`) with every pair on `kind`; a dying rank really
-  dies (os._exit: the kernel closes what it had open). For any kind a job can use, and for kinds a test
-  adds to the table (`TEST_KINDS`). Settings for the kind come from `env` (THUNDERBOLT_SHM_SLOT, a fake
+  dies (os._exit: the kernel closes what it had open). For any kind a job can use, and for the kinds only
+  tests use (testing/kinds, added to the table). Settings for the kind come from `env` (THUNDERBOLT_SHM_SLOT, a fake
   fabric's THUNDERBOLT_VERBS ...).
 - `run_on_threads(make, world, ...)`: ranks as threads of this process over transports `make` builds,
   for the in-memory kind.
@@ -616,7 +616,7 @@ def run_in_processes(kind: str, world: int, workdir: Path, *, checks: "Sequence[
                      env: "Mapping[str, str] | None" = None, setup: Any = None, mutant: str | None = None,
                      wait: float = WAIT, timeout: float = 300.0) -> dict[str, Outcome]:
     """Every check on `world` rank processes whose every pair uses `kind` (set up as a job does, through
-    rendezvous.group.connect; `TEST_KINDS` are added to the table). `env`: the kind's settings; `setup`: a
+    rendezvous.group.connect; the kinds of testing/kinds are added to the table). `env`: the kind's settings; `setup`: a
     testing.ranks.Setup; `wait`: seconds any one wait may take; `timeout`: for the whole run."""
     from . import ranks as rank_runs
 
@@ -652,7 +652,9 @@ def _process_rank(kind: str, names: Sequence[str]) -> None:
     r, w = rank(), world()
     store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), w, r == 0,
                           timeout=datetime.timedelta(seconds=WAIT * 4))
-    table = [*KINDS, *TEST_KINDS.values()]
+    from .kinds import ROWS
+
+    table = [*KINDS, *ROWS]
     cfg = dataclasses.replace(Config.from_env(), transport=kind)  # every pair on `kind`
     mutant = os.environ.get("TB_CONFORMANCE_MUTANT")
     wait = float(os.environ.get("TB_CONFORMANCE_WAIT", WAIT))
@@ -673,7 +675,7 @@ def _process_rank(kind: str, names: Sequence[str]) -> None:
         if mutant:
             mutate(t, mutant)
         ctx = Ctx(r, w, t, sub, die, name, alive=list(alive), wait=wait)
-        error = run_check(name, ctx)
+        error = run_check(name, ctx) if t.kind == kind else f"the group runs over {t.kind!r} links, not {kind!r}"
         t.close()
         alive = ctx.alive
         emit("CHECK", {"check": name, "rank": r, "error": error})
@@ -724,10 +726,6 @@ def mutate(t: "Transport", name: str) -> None:
     for kind in t.kinds:
         for link in kind.links.values():
             MUTANTS[name](link)
-
-
-#: Kinds of link only tests use, added to the table by `run_in_processes` (name -> KindRow).
-TEST_KINDS: dict[str, Any] = {}
 
 
 if __name__ == "__main__":
