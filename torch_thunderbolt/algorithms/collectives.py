@@ -3,11 +3,12 @@
 `Communicator` knows nothing about torch.distributed: the backend layer flattens torch's arguments into
 contiguous 1-D tensors and calls these methods, one at a time, in the same order on every rank.
 
-An op runs one of three ways: on the shared window when the whole group shares one host's memory; as a
-plan of sends and receives over the engine (`select`); or, where that plan is hierarchical (a multi-host
-job whose hosts run several ranks each) and this host's ranks share a window, with the per-host phases
-on the window and only the plan's cable phase over the engine (`hierarchy.cable_*`: the same messages
-as the full plan, so hosts may differ in how they run their own phases).
+Which way an op runs (its path) is chosen in one place, `paths.choose`: on the shared window when the whole
+group shares one host's memory (all_reduce one-shot when small); as a plan of sends and receives over the
+engine (`select`), a small all_reduce's direct plan as straight code; or, where that plan is hierarchical
+(a multi-host job whose hosts run several ranks each) and this host's ranks share a window, with the
+per-host phases on the window and only the plan's cable phase over the engine (`hierarchy.cable_*`: the
+same messages as the full plan, so hosts may differ in how they run their own phases).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 from ..config import Config
 from ..protocol.signature import describe_sig, encode_sig
 from ..transport.engine import Transport
-from . import direct, hierarchy, select, windowed
+from . import direct, hierarchy, paths, select, windowed
 from .small import DirectAllReduce
 from .segments import offsets
 from .plan import Plan, run_plan
@@ -88,6 +89,7 @@ class Communicator:
         self._leader = self.window.members.index(host[0]) if self._per_host else 0
         # All_reduces up to this size run one-shot on the window (when the group runs on it at all).
         self._one_shot_bytes = min(cfg.small_bytes, self.window.nbytes) if self._flat else -1
+        self.group = paths.Group(self.world, self._flat, self._per_host, self._one_shot_bytes)
 
     # -- machinery -----------------------------------------------------------------------------------------
     def _plan(self, key: tuple, build: Callable[[], Plan]) -> Plan:
@@ -205,22 +207,22 @@ class Communicator:
         if op == "premul_sum" and premul is not None:
             x.mul_(premul)
         n, es = x.numel(), x.element_size()
-        if self._flat and n * es <= self._one_shot_bytes and layout is None:
+        plan = None if self._flat else self._plan(("ar", n, es), lambda: select.allreduce_plan(
+            self.cfg, self.rank, self.world, n, es, self.shape))
+        path = paths.choose("all_reduce", n * es, self.group, plan.algo if plan else "", layout is not None)
+        if path == "one_shot":
             self._one_shot_all_reduce(x, op)
-        elif self._flat:
+        elif path == "window":
             combine = self._combiner(op, x.dtype)
             self._run_body(lambda sig, deadline, what: windowed.all_reduce(
                 self.window, x, combine, sig, deadline, what), "all_reduce", x, count=n, op=op, layout=layout)
+        elif path == "hier":
+            self._run_body(lambda sig, deadline, what: self._hier_all_reduce(x, op, sig, deadline, what),
+                           "all_reduce", x, count=n, op=op, how="hier", layout=layout)
+        elif path == "direct":
+            self._direct_all_reduce(x, op)
         else:
-            plan = self._plan(("ar", n, es), lambda: select.allreduce_plan(
-                self.cfg, self.rank, self.world, n, es, self.shape))
-            if self._per_host and plan.algo == "hier":
-                self._run_body(lambda sig, deadline, what: self._hier_all_reduce(x, op, sig, deadline, what),
-                                 "all_reduce", x, count=n, op=op, how="hier", layout=layout)
-            elif plan.algo == "direct" and self.world > 1 and layout is None:
-                self._direct_all_reduce(x, op)
-            else:
-                self._run(plan, "all_reduce", {"in": x, "out": x}, op, x, count=n, layout=layout)
+            self._run(plan, "all_reduce", {"in": x, "out": x}, op, x, count=n, layout=layout)
         if op == "avg":
             x.div_(self.world)
 
@@ -281,15 +283,15 @@ class Communicator:
 
     def broadcast(self, x: torch.Tensor, root: int) -> None:
         n, es = x.numel(), x.element_size()
-        if self._flat:
+        plan = None if self._flat else self._plan(("bc", n, es, root), lambda: select.broadcast_plan(
+            self.cfg, self.rank, self.world, root, n, es, self.shape))
+        path = paths.choose("broadcast", n * es, self.group, plan.algo if plan else "")
+        if path == "window":
             self._run_body(lambda sig, deadline, what: windowed.broadcast(
                 self.window, _bytes(x), root, sig, deadline, what), "broadcast", x, root=root, count=n)
-            return
-        plan = self._plan(("bc", n, es, root), lambda: select.broadcast_plan(
-            self.cfg, self.rank, self.world, root, n, es, self.shape))
-        if self._per_host and plan.algo == "hier":
+        elif path == "hier":
             self._run_body(lambda sig, deadline, what: self._hier_broadcast(x, root, sig, deadline, what),
-                             "broadcast", x, root=root, count=n, how="hier")
+                           "broadcast", x, root=root, count=n, how="hier")
         else:
             self._run(plan, "broadcast", {"out": x}, None, x, root=root, count=n)
 
@@ -323,17 +325,17 @@ class Communicator:
         if mine.data_ptr() != x.data_ptr() or mine.numel() != x.numel():
             mine.copy_(x)
         es = x.element_size()
-        if self._flat:
+        plan = None if self._flat else self._plan(("ag", tuple(counts), es), lambda: select.all_gather_plan(
+            self.cfg, self.rank, self.world, counts, es, self.shape))
+        path = paths.choose("all_gather", sum(counts) * es, self.group, plan.algo if plan else "")
+        if path == "window":
             spans = [(start * es, c * es) for start, c in zip(offs, counts)]
             self._run_body(lambda sig, deadline, what: windowed.all_gather(
                 self.window, _bytes(out), spans, sig, deadline, what), "all_gather", out, count=sum(counts),
                 layout=blocks)
-            return
-        plan = self._plan(("ag", tuple(counts), es), lambda: select.all_gather_plan(
-            self.cfg, self.rank, self.world, counts, es, self.shape))
-        if self._per_host and plan.algo == "hier":
+        elif path == "hier":
             self._run_body(lambda sig, deadline, what: self._hier_all_gather(out, counts, sig, deadline, what),
-                             "all_gather", out, count=sum(counts), layout=blocks, how="hier")
+                           "all_gather", out, count=sum(counts), layout=blocks, how="hier")
         else:
             self._run(plan, "all_gather", {"out": out}, None, out, count=sum(counts), layout=blocks)
 
@@ -355,13 +357,21 @@ class Communicator:
         self.check_op("reduce_scatter", op, x.dtype)
         if _overlap(out, x):  # the in-place form: out is this rank's slice of x, which peers still need
             x = x.clone()
-        if self._flat:
+        es = x.element_size()
+        plan = None if self._flat else self._plan(("rs", tuple(counts), es), lambda: select.reduce_scatter_plan(
+            self.cfg, self.rank, self.world, counts, es, self.shape))
+        path = paths.choose("reduce_scatter", sum(counts) * es, self.group, plan[0].algo if plan else "")
+        if path == "window":
             combine = self._combiner(op, x.dtype)
             self._run_body(lambda sig, deadline, what: windowed.reduce_scatter(
                 self.window, out, x, counts, combine, sig, deadline, what), "reduce_scatter", x, count=sum(counts),
                 op=op, layout=tuple(counts))
+        elif path == "hier":
+            self._run_body(lambda sig, deadline, what: self._hier_reduce_scatter(
+                out, x, counts, op, sig, deadline, what), "reduce_scatter", x, count=sum(counts), op=op,
+                layout=tuple(counts), how="hier")
         else:
-            self._reduce_scatter_plan(out, x, counts, op)
+            self._reduce_scatter_plan(out, x, counts, op, *plan)
         if op == "avg":
             out.div_(self.world)
 
@@ -380,15 +390,9 @@ class Communicator:
         windowed.broadcast(win, _bytes(work[lo:hi]), self._leader, sig, deadline, what)
         out.copy_(work[starts[self.rank] : starts[self.rank] + counts[self.rank]])
 
-    def _reduce_scatter_plan(self, out: torch.Tensor, x: torch.Tensor, counts: list[int], op: str) -> None:
-        es = x.element_size()
-        plan, in_place = self._plan(("rs", tuple(counts), es), lambda: select.reduce_scatter_plan(
-            self.cfg, self.rank, self.world, counts, es, self.shape))
-        if self._per_host and plan.algo == "hier":
-            self._run_body(lambda sig, deadline, what: self._hier_reduce_scatter(
-                out, x, counts, op, sig, deadline, what), "reduce_scatter", x, count=sum(counts), op=op,
-                layout=tuple(counts), how="hier")
-        elif in_place:  # the hierarchy: reduce a full working copy ("in" and "out"), then keep our block
+    def _reduce_scatter_plan(self, out: torch.Tensor, x: torch.Tensor, counts: list[int], op: str, plan: Plan,
+                             in_place: bool) -> None:
+        if in_place:  # the hierarchy: reduce a full working copy ("in" and "out"), then keep our block
             work = self._tmp_full(x)
             self._run(plan, "reduce_scatter", {"in": work, "out": work}, op, x, count=sum(counts),
                       layout=tuple(counts))
