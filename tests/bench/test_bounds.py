@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from torch_thunderbolt.bench import bounds, config, metrics, report, runner, spawn, spec, table
+from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -419,7 +420,8 @@ def _session(cabling, *argv):
     n = len(cabling[0])
     env = config.RankEnv(0, n, 0, "127.0.0.1", 1)
     out = io.StringIO()
-    session = app._Session(cfg, env, 4, [None] * len(config.measured_backends(cfg)), out, io.StringIO(), None)
+    session = app._Session(cfg, env, Config(streams=4), [None] * len(config.measured_backends(cfg)), out,
+                           io.StringIO(), None)
     session.nets, session.host_ids = cabling
     return session, out
 

@@ -97,14 +97,18 @@ def test_rank_env_errors(environ, message):
         c.rank_env(environ)
 
 
-def test_backend_streams():
+def test_the_backend_config_is_parsed_by_config_py_with_the_transport_flag_on_top():
     from torch_thunderbolt.config import Config
 
-    assert c.backend_streams({}) == Config().streams  # the backend's own default
-    assert c.backend_streams({"THUNDERBOLT_STREAMS": " 8 "}) == 8
-    for bad in ("0", "four"):
+    assert c.backend_config(parse(), {}) == Config()  # the backend's own defaults
+    assert c.backend_config(parse(), {"THUNDERBOLT_STREAMS": " 8 "}).streams == 8
+    ours = c.backend_config(parse("--transport", "shm"), {"THUNDERBOLT_TRANSPORT": "tcp", "THUNDERBOLT_SPIN_US": "5"})
+    assert (ours.transport, ours.spin_us) == ("shm", 5)
+    for bad in ("0", "four", "65"):  # the backend's own limits (1-64), not bench's
         with pytest.raises(ConfigError, match="THUNDERBOLT_STREAMS"):
-            c.backend_streams({"THUNDERBOLT_STREAMS": bad})
+            c.backend_config(parse(), {"THUNDERBOLT_STREAMS": bad})
+    with pytest.raises(ConfigError, match="THUNDERBOLT_SHM_SLOT"):
+        c.backend_config(parse(), {"THUNDERBOLT_SHM_SLOT": "3K"})
 
 
 def test_validate_for_world():

@@ -13,8 +13,8 @@ from torch_thunderbolt.cli.main import main
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def bench(*argv, timeout=100):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def bench(*argv, timeout=100, **extra_env):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **extra_env)
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(key, None)  # we are the spawner here, not a rank of someone else's job
     return subprocess.run([sys.executable, "-m", "torch_thunderbolt", "bench", *argv, "--timeout", "80"],
@@ -92,3 +92,23 @@ def test_thunderbolt_side_by_side_with_gloo(tmp_path):
     results = json.loads(out.read_text())["results"]
     ours = [r for r in results if r["backend"] == "thunderbolt"]
     assert len(ours) == 12 and all(r["wrong"] == 0 and r["ratio"] is not None for r in ours)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_backend_runs_with_the_settings_bench_hands_it(tmp_path):
+    """--transport reaches the measured groups as their options (a Config), not through the environment: it
+    wins over THUNDERBOLT_TRANSPORT, which the rest of the run's settings still come from."""
+    import torch_thunderbolt  # noqa: F401 - registers the backend
+
+    out = tmp_path / "bench.json"
+    run = bench("--nproc", "2", "--backends", "thunderbolt", "--ops", "all_reduce", "--sizes", "4K", "--iters", "1",
+                "--warmup", "0", "--transport", "tcp", "--json", str(out), THUNDERBOLT_TRANSPORT="shm",
+                THUNDERBOLT_STREAMS="3")
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(out.read_text())
+    assert {r["transport"] for r in doc["results"]} == {"tcp"}  # what the group's engine holds
+    assert doc["meta"]["transport"] == "tcp" and doc["meta"]["thunderbolt_streams"] == 3
+    bad = bench("--nproc", "2", "--backends", "thunderbolt", "--ops", "all_reduce", "--sizes", "4K",
+                THUNDERBOLT_STREAMS="0")
+    assert bad.returncode != 0 and bad.stderr.count("THUNDERBOLT_STREAMS") == 1  # once, before any rank starts

@@ -11,12 +11,12 @@ from torch_thunderbolt.errors import ThunderboltError
 
 
 def test_child_env_is_torchrun_shaped():
-    env = spawn.child_env({"PATH": "/bin", "PYTHONPATH": "/x"}, 1, 3, 29555, "shm")
+    env = spawn.child_env({"PATH": "/bin", "PYTHONPATH": "/x"}, 1, 3, 29555)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("1", "3", "1", "3")
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29555")
-    assert env["THUNDERBOLT_TRANSPORT"] == "shm" and env["OMP_NUM_THREADS"] == "1"
+    assert "THUNDERBOLT_TRANSPORT" not in env and env["OMP_NUM_THREADS"] == "1"  # (--transport rides in argv)
     assert env["PYTHONPATH"].split(os.pathsep) == [spawn.PACKAGE_PARENT, "/x"]
-    kept = spawn.child_env({"OMP_NUM_THREADS": "2", "THUNDERBOLT_TRANSPORT": "tcp"}, 0, 2, 1, None)
+    kept = spawn.child_env({"OMP_NUM_THREADS": "2", "THUNDERBOLT_TRANSPORT": "tcp"}, 0, 2, 1)
     assert kept["OMP_NUM_THREADS"] == "2" and kept["THUNDERBOLT_TRANSPORT"] == "tcp"
 
 

@@ -16,14 +16,16 @@ DEVICES = ["cpu", "cuda", "mps"]
 
 
 def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
-    """The creator torch calls for every group using our backend (extended API)."""
+    """The creator torch calls for every group using our backend (extended API). `backend_opts`: the group's
+    `pg_options`; a `Config` there replaces the one parsed from the environment (bench measures with the
+    settings it was given that way)."""
     from ..algorithms.shape import cluster_shape
     from ..config import Config
     from ..rendezvous.group import connect
     from ..transport.names import RankNames
     from .process_group import ThunderboltProcessGroup
 
-    cfg = Config.from_env()
+    cfg = backend_opts if isinstance(backend_opts, Config) else Config.from_env()
     rank, size = dist_opts.group_rank, dist_opts.group_size
     timeout = dist_opts.timeout.total_seconds() if isinstance(dist_opts.timeout, timedelta) else 1800.0
     # In a subgroup, "rank 0" in an error is a group rank: name the global one too. torch gives an extended

@@ -15,7 +15,8 @@ from typing import Any, Mapping, Sequence, TextIO
 
 from ..errors import ConfigError, ThunderboltError
 from . import bounds, link, memcpy, metrics, report, spawn, spec, table
-from .config import (BackendSpec, BenchConfig, RankEnv, backend_streams, measured_backends, rank_env, to_argv,
+from ..config import Config
+from .config import (BackendSpec, BenchConfig, RankEnv, backend_config, measured_backends, rank_env, to_argv,
                      validate_for_world)
 from .sizes import format_size
 from .spec import FLOOR_LABEL, NULL_BACKEND
@@ -32,7 +33,8 @@ def main(cfg: BenchConfig, environ: Mapping[str, str] | None = None) -> int:
     if env is None:
         validate_for_world(cfg, cfg.nproc)
         _check_backends(measured_backends(cfg))  # one clear error here rather than one per spawned rank
-        return spawn.run_local(cfg.nproc, to_argv(cfg), cfg.timeout, cfg.transport)
+        backend_config(cfg, environ)  # a bad THUNDERBOLT_* is one clear error here, not one per rank
+        return spawn.run_local(cfg.nproc, to_argv(cfg), cfg.timeout)
     return run_rank(cfg, env)
 
 
@@ -79,7 +81,7 @@ def _check_backends(backends: Sequence[BackendSpec]) -> None:
                               f"measure others with e.g. --backends gloo")
 
 
-def _transport_of(kind: str, group: Any) -> str:
+def _transport_of(kind: str, group: Any, backend: Config) -> str:
     """What carries a group's bytes; for our backend, what "auto" actually chose when it says so."""
     if kind == "gloo":
         return "tcp"
@@ -90,7 +92,7 @@ def _transport_of(kind: str, group: Any) -> str:
         return described
     if described is not None:  # a transport object: what its engine holds ("tcp", "shm", "shm+tcp")
         return str(getattr(described, "kind", "?"))
-    return os.environ.get("THUNDERBOLT_TRANSPORT", "auto") if kind == "thunderbolt" else "?"
+    return backend.transport if kind == "thunderbolt" else "?"
 
 
 def _link_streams_of(kind: str, streams: int) -> int | None:
@@ -98,14 +100,13 @@ def _link_streams_of(kind: str, streams: int) -> int | None:
     return {"thunderbolt": streams, "gloo": 1}.get(kind)
 
 
-def local_networks(master_addr: str) -> tuple[list[str], str | None]:
-    """This rank's networks as the backend would choose its addresses (THUNDERBOLT_IFNAME, else the
-    interface towards the store host), and why they are unknown when they are ([] then)."""
+def local_networks(master_addr: str, ifnames: tuple[str, ...] = ()) -> tuple[list[str], str | None]:
+    """This rank's networks as the backend would choose its addresses (`ifnames`: THUNDERBOLT_IFNAME, else
+    the interface towards the store host), and why they are unknown when they are ([] then)."""
     try:
-        from ..config import Config
         from ..transport.netif import choose_addresses, network_of
 
-        return [network_of(a) for a in choose_addresses(Config.from_env().ifnames, master_addr)], None
+        return [network_of(a) for a in choose_addresses(ifnames, master_addr)], None
     except (ThunderboltError, ImportError, OSError, ValueError) as exc:
         return [], str(exc)
 
@@ -114,11 +115,9 @@ def run_rank(cfg: BenchConfig, env: RankEnv, out: TextIO = sys.stdout, err: Text
              op_table: Mapping[str, Any] | None = None) -> int:
     """Everything one rank does; rank 0 prints and writes files. Returns the exit code."""
     validate_for_world(cfg, env.world_size)
-    if cfg.transport is not None:
-        os.environ["THUNDERBOLT_TRANSPORT"] = cfg.transport  # read by the backend when its group is made
-    os.environ.setdefault("MASTER_ADDR", env.master_addr)
+    backend = backend_config(cfg, os.environ)
+    os.environ.setdefault("MASTER_ADDR", env.master_addr)  # for torch's env:// rendezvous of the control group
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
-    streams = backend_streams(os.environ)
     import torch.distributed as dist
 
     backends = measured_backends(cfg)
@@ -127,20 +126,22 @@ def run_rank(cfg: BenchConfig, env: RankEnv, out: TextIO = sys.stdout, err: Text
     dist.init_process_group("gloo", init_method="env://", rank=env.rank, world_size=env.world_size,
                             timeout=timeout)
     try:
-        groups = [dist.new_group(backend=b.kind, timeout=timeout) for b in backends]
-        return _Session(cfg, env, streams, groups, out, err, op_table).run()
+        groups = [dist.new_group(backend=b.kind, timeout=timeout,
+                                 pg_options=backend if b.kind == "thunderbolt" else None) for b in backends]
+        return _Session(cfg, env, backend, groups, out, err, op_table).run()
     finally:
         dist.destroy_process_group()
 
 
 class _Session:
-    def __init__(self, cfg: BenchConfig, env: RankEnv, streams: int, groups: list[Any], out: TextIO,
+    def __init__(self, cfg: BenchConfig, env: RankEnv, backend: Config, groups: list[Any], out: TextIO,
                  err: TextIO, op_table: Mapping[str, Any] | None) -> None:
-        self.cfg, self.env, self.streams, self.groups = cfg, env, streams, groups
+        self.cfg, self.env, self.backend, self.groups = cfg, env, backend, groups
+        self.streams = backend.streams  # TCP streams per peer of the thunderbolt backend
         self.out, self.err, self.op_table = out, err, op_table
         self.lead = env.rank == 0
         self.backends = measured_backends(cfg)  # the --backends, and the floor last
-        self.transports = {b.label: _transport_of(b.kind, g) for b, g in zip(self.backends, groups)}
+        self.transports = {b.label: _transport_of(b.kind, g, backend) for b, g in zip(self.backends, groups)}
         self.records: list[dict] = []
         self.nets: list[list[str]] = []  # every rank's networks and host identity (_discover_cabling)
         self.host_ids: list[str] = []
@@ -159,11 +160,11 @@ class _Session:
         hosts: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(hosts, socket.gethostname())
         congestion = report.system_congestion_control()
-        transport = self.cfg.transport or os.environ.get("THUNDERBOLT_TRANSPORT", "auto")
+        transport = self.backend.transport
         backends = [{"label": b.label, "kind": b.kind, "transport": self.transports[b.label],
                      "link_streams": _link_streams_of(b.kind, self.streams)} for b in self.backends]
         meta = report.build_meta(self.cfg, self.env.world_size, hosts, backends, transport, self.streams, congestion)
-        meta["thunderbolt_cc"] = os.environ.get("THUNDERBOLT_CC") or None
+        meta["thunderbolt_cc"] = self.backend.congestion_control or None
         meta["cabling"] = self._discover_cabling()
         self._warn_unfair_cc(meta["thunderbolt_cc"], congestion)
         measured = [b.label for b in self.cfg.backends]
@@ -209,7 +210,7 @@ class _Session:
 
         from ..rendezvous import hosts
 
-        nets, problem = local_networks(self.env.master_addr)
+        nets, problem = local_networks(self.env.master_addr, self.backend.ifnames)
         mine = {"nets": nets, "host": hosts.host_identity(), "problem": problem}
         every: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(every, mine)

@@ -1,4 +1,7 @@
-"""Benchmark configuration: command-line flags <-> BenchConfig <-> argv, and the launcher environment.
+"""Benchmark configuration: command-line flags <-> BenchConfig <-> argv, the launcher environment, and the
+thunderbolt backend's settings for a run (`backend_config`: the job's THUNDERBOLT_* as config.py parses
+them, with --transport in place of THUNDERBOLT_TRANSPORT; handed to the backend's groups, never written
+into the environment).
 
 `to_argv` is the inverse of parsing, so locally spawned ranks are re-invoked with exactly the
 configuration the user asked for.
@@ -6,18 +9,18 @@ configuration the user asked for.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from ..config import TRANSPORTS, Config
 from ..errors import ConfigError
 from . import sizes as sz
 from .bounds import parse_cable_rate
 from .spec import DTYPES, FLOOR_LABEL, NULL_BACKEND, OP_ALIASES, OPS, check_world_size, dtype
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
-DEFAULT_STREAMS = 4  # used only when the core's Config cannot be imported
-TRANSPORTS = ("tcp", "shm", "auto")
 _LABEL_RE = re.compile(r"^[A-Za-z0-9_.#:-]+$")
 
 
@@ -122,7 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--cable-rate", default=None, metavar="RATE",
       help="rate of one cable per direction (e.g. 1gbit, 10gbit, 40gbit): adds a 'bound' column = busbw / "
            "(rate x the cables each rank has, as the job discovers them from its networks), between hosts")
-    a("--transport", choices=TRANSPORTS, default=None, help="sets THUNDERBOLT_TRANSPORT for the ranks")
+    a("--transport", choices=TRANSPORTS, default=None,
+      help="the thunderbolt backend's kind of link (THUNDERBOLT_TRANSPORT's values; default: that variable)")
     a("--json", dest="json_path", metavar="FILE", default=None, help="write one record per result")
     a("--plot", dest="plot_path", metavar="FILE.png", default=None, help="plot busbw and latency (matplotlib)")
     a("--timeout", type=float, default=1800.0, help="seconds for the whole run (default 1800)")
@@ -210,27 +214,12 @@ def rank_env(environ: Mapping[str, str]) -> RankEnv | None:
     return RankEnv(rank, world, local, environ["MASTER_ADDR"], _int_env(environ, "MASTER_PORT"))
 
 
-def _core_default_streams() -> int:
-    """The backend's own default, so bench and backend never disagree; 4 if the core is absent."""
-    try:
-        from ..config import Config
-    except ImportError:
-        return DEFAULT_STREAMS
-    return int(getattr(Config(), "streams", DEFAULT_STREAMS))
-
-
-def backend_streams(environ: Mapping[str, str]) -> int:
-    """THUNDERBOLT_STREAMS: TCP streams per peer the thunderbolt backend opens (default: the backend's)."""
-    text = environ.get("THUNDERBOLT_STREAMS", "").strip()
-    if not text:
-        return _core_default_streams()
-    try:
-        streams = int(text)
-    except ValueError:
-        raise ConfigError(f"bad THUNDERBOLT_STREAMS={text!r}: expected a whole number >= 1") from None
-    if streams < 1:
-        raise ConfigError(f"bad THUNDERBOLT_STREAMS={text!r}: expected a whole number >= 1")
-    return streams
+def backend_config(cfg: BenchConfig, environ: Mapping[str, str]) -> Config:
+    """The thunderbolt backend's settings for this run: `environ`'s THUNDERBOLT_* parsed as a job parses them
+    (a bad value is the same ConfigError), with --transport in place of THUNDERBOLT_TRANSPORT. The groups
+    measured get it as their options (dist.new_group(pg_options=...))."""
+    backend = Config.from_env(environ)
+    return backend if cfg.transport is None else dataclasses.replace(backend, transport=cfg.transport)
 
 
 def validate_for_world(cfg: BenchConfig, world_size: int) -> None:

@@ -28,15 +28,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def child_env(base: Mapping[str, str], rank: int, world_size: int, port: int, transport: str | None) -> dict[str, str]:
-    """The environment torchrun would give local rank `rank`, plus our transport choice."""
+def child_env(base: Mapping[str, str], rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment torchrun would give local rank `rank` (the backend's settings come with the flags)."""
     env = dict(base)
     env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several ranks on one host
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, base.get("PYTHONPATH", "")) if p)
-    if transport is not None:
-        env["THUNDERBOLT_TRANSPORT"] = transport
     return env
 
 
@@ -91,8 +89,7 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated("stopped by SIGTERM; ranks stopped")
 
 
-def run_local(nproc: int, argv: Sequence[str], timeout: float, transport: str | None,
-              environ: Mapping[str, str] | None = None) -> int:
+def run_local(nproc: int, argv: Sequence[str], timeout: float, environ: Mapping[str, str] | None = None) -> int:
     """Spawn `nproc` ranks of this benchmark on 127.0.0.1 and wait for them."""
     port = free_port()
     base = dict(os.environ if environ is None else environ)
@@ -102,7 +99,7 @@ def run_local(nproc: int, argv: Sequence[str], timeout: float, transport: str | 
     try:
         try:
             for rank in range(nproc):
-                procs.append(subprocess.Popen(child_command(argv), env=child_env(base, rank, nproc, port, transport),
+                procs.append(subprocess.Popen(child_command(argv), env=child_env(base, rank, nproc, port),
                                               start_new_session=True))
         except OSError as exc:
             _stop(procs)
