@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 from torch_thunderbolt.transport import verbs as v
+from torch_thunderbolt.transport.providers import load_verbs
 
 BUFFER = 1 << 20
 
@@ -60,7 +61,7 @@ class End:
 
 def make_end(spec: str, fabric: str, device: str, channel: bool = False, cq_entries: int = 64,
              max_wr: int = 16, sge: int = 2) -> End:
-    verbs = v.Verbs.load(spec, fabric)
+    verbs = load_verbs(spec, fabric)
     dev = verbs.open(device)
     found = dev.ipv4_gid_index()
     assert found is not None, f"{device} has no IPv4-mapped GID"

@@ -15,6 +15,7 @@ from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import ConfigError, RdmaError
 from torch_thunderbolt.testing.fake_verbs import fabric_env, fake_fabric
 from torch_thunderbolt.transport import verbs as v
+from torch_thunderbolt.transport.providers import load_verbs, verbs_from_config
 from torch_thunderbolt.transport.fakeverbs import Fabric
 
 from .fabric_ends import End, make_end, pair, raw_send
@@ -43,7 +44,7 @@ def ends(fabric: Fabric) -> Iterator[tuple[End, End]]:
 def test_thunderbolt_verbs_selects_the_fake_fabric(fabric: Fabric, tmp_path) -> None:
     cfg = Config.from_env(fabric_env(fabric))
     assert (cfg.verbs, cfg.verbs_fabric) == ("fake", str(fabric.path))
-    verbs = v.Verbs.from_config(cfg)
+    verbs = verbs_from_config(cfg)
     assert verbs.devices() == ["rdma_fake0", "rdma_fake1"]
     verbs.close()
     assert (Config.from_env({}).verbs, Config.from_env({"THUNDERBOLT_VERBS": "system"}).verbs) == ("system",) * 2
@@ -96,7 +97,7 @@ def test_device_port_and_gids(fabric: Fabric) -> None:
 
 def test_the_ipv4_mapped_gid_exists_only_while_the_interface_has_an_address(fabric: Fabric) -> None:
     fabric.set_ipv4("rdma_fake0", None)
-    verbs = v.Verbs.load("fake", str(fabric.path))
+    verbs = load_verbs("fake", str(fabric.path))
     dev = verbs.open("rdma_fake0")
     try:
         assert dev.query_gid(1) == bytes(16) and dev.ipv4_gid_index() is None
@@ -299,7 +300,7 @@ def test_a_queue_pair_takes_only_its_connected_peer(fabric: Fabric) -> None:
 
 def test_about_ten_queue_pairs_per_device_across_processes(tmp_path) -> None:
     with fake_fabric(tmp_path / "f", max_qp=3) as fab:
-        one, two = (v.Verbs.load("fake", str(fab.path)) for _ in range(2))
+        one, two = (load_verbs("fake", str(fab.path)) for _ in range(2))
         d1, d2 = one.open("rdma_fake0"), two.open("rdma_fake0")
         try:
             pd1, pd2 = d1.alloc_pd(), d2.alloc_pd()
@@ -309,7 +310,7 @@ def test_about_ten_queue_pairs_per_device_across_processes(tmp_path) -> None:
                                                 "about 10 per device") as exc:
                 pd1.create_qp(cq1, cq1, 4, 4)
             assert exc.value.errno == errno.EBUSY
-            other = v.Verbs.load("fake", str(fab.path))
+            other = load_verbs("fake", str(fab.path))
             d3 = other.open("rdma_fake1")  # another device has its own
             d3.alloc_pd().create_qp(d3.create_cq(8), d3.create_cq(8), 4, 4)
             d3.close()
@@ -325,7 +326,7 @@ def test_about_ten_queue_pairs_per_device_across_processes(tmp_path) -> None:
 
 def test_about_a_hundred_memory_regions_per_device(tmp_path) -> None:
     with fake_fabric(tmp_path / "f", max_mr=3) as fab:
-        verbs = v.Verbs.load("fake", str(fab.path))
+        verbs = load_verbs("fake", str(fab.path))
         dev = verbs.open("rdma_fake0")
         try:
             pd = dev.alloc_pd()
@@ -504,7 +505,7 @@ def test_completion_channel_wakes_a_sleeper(fabric: Fabric) -> None:
 
 def test_completion_channels_can_be_unsupported(tmp_path) -> None:
     with fake_fabric(tmp_path / "f", comp_channel=False) as fab:
-        verbs = v.Verbs.load("fake", str(fab.path))
+        verbs = load_verbs("fake", str(fab.path))
         dev = verbs.open("rdma_fake0")
         try:
             with pytest.raises(RdmaError, match="ibv_create_comp_channel.*no completion channels: poll instead"):
@@ -532,7 +533,7 @@ def test_the_system_library_is_bound_where_installed() -> None:
     """On Linux with rdma-core the real library's symbols bind; without an RDMA kernel the device list
     fails with a clear reason instead of a crash."""
     try:
-        verbs = v.Verbs.load("system")
+        verbs = load_verbs("system")
     except RdmaError as exc:
         pytest.skip(f"no system verbs library: {exc}")
     assert all(verbs.has(n) for n in v.REQUIRED_SYMBOLS)

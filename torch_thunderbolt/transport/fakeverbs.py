@@ -1,7 +1,7 @@
 """A fake verbs provider: RDMA devices made of files, for tests and for running whole jobs without the
 hardware. Never a measure of RDMA speed: its delivery is two memory copies and Python on both ends.
 
-Chosen with THUNDERBOLT_VERBS=fake:/path/to/fabric (config.py); `verbs.open_provider` imports this module
+Chosen with THUNDERBOLT_VERBS=fake:/path/to/fabric (config.py); `providers.open_provider` imports this module
 only then. It lives in the transport layer, beside the binding, so that the runtime can use it without
 importing testing/ (which holds the helpers that create fabrics and inject faults: testing/fake_verbs.py).
 

@@ -34,13 +34,10 @@ import struct
 from ctypes import (CFUNCTYPE, POINTER, Structure, Union, c_char, c_int, c_size_t, c_uint, c_uint8, c_uint16,
                     c_uint32, c_uint64, c_void_p, sizeof)
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from ..errors import RdmaError
 from ..platform import Platform, current
-
-if TYPE_CHECKING:
-    from ..config import Config
 
 # --- constants (verbs.h enums) -------------------------------------------------------------------------
 
@@ -524,20 +521,6 @@ class NativeProvider:
         pass  # a dlopened library stays loaded: other users in this process may hold its handles
 
 
-def open_provider(spec: str = "system", fabric: str = "", plat: Platform | None = None) -> Provider:
-    """The provider a job uses: "system" (the verbs library) or "fake" (the fake fabric in `fabric`).
-    config.py parses THUNDERBOLT_VERBS into these two values."""
-    if spec == "fake":
-        # Imported here, not at the top: a job on real hardware never loads the fake (ctypes callbacks,
-        # mapped fabric files). It lives in this layer, so the runtime needs nothing from testing/.
-        from .fakeverbs import FakeProvider
-
-        return FakeProvider(fabric)
-    if spec == "system":
-        return NativeProvider(plat)
-    raise ValueError(f"unknown verbs provider {spec!r}")
-
-
 # --- GIDs ---------------------------------------------------------------------------------------------
 
 def ipv4_gid(address: str) -> bytes:
@@ -606,15 +589,6 @@ class Verbs:
             address = provider.symbol(name)
             if address:
                 self._fn[name] = proto(address)
-
-    @classmethod
-    def load(cls, spec: str = "system", fabric: str = "", plat: Platform | None = None) -> "Verbs":
-        return cls(open_provider(spec, fabric, plat))
-
-    @classmethod
-    def from_config(cls, cfg: "Config", plat: Platform | None = None) -> "Verbs":
-        """The provider THUNDERBOLT_VERBS names (as config.py parsed it)."""
-        return cls.load(cfg.verbs, cfg.verbs_fabric, plat)
 
     def has(self, name: str) -> bool:
         """Whether the provider exports `name` (optional calls: ibv_query_device, completion channels)."""

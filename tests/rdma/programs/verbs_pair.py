@@ -14,6 +14,7 @@ from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import RdmaError
 from torch_thunderbolt.testing.program import Exit, main, rank, result, workdir
 from torch_thunderbolt.transport import verbs as v
+from torch_thunderbolt.transport.providers import verbs_from_config
 from torch_thunderbolt.transport.fakeverbs import Fabric
 
 from ..fabric_ends import End, make_end
@@ -205,7 +206,7 @@ def qp_limit() -> Exit | None:
     anything; rank 0 is refused (EBUSY) while it lives and gets a QP once it is dead."""
     me = rank()
     cfg = Config.from_env()
-    verbs = v.Verbs.from_config(cfg)
+    verbs = verbs_from_config(cfg)
     dev = verbs.open(os.environ["TEST_DEVICE"])
     pd = dev.alloc_pd()
     cq = dev.create_cq(8)
