@@ -5,9 +5,9 @@
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from .version import __version__
 
-from .errors import (  # noqa: E402
+from .errors import (
     BackendClosedError,
     CollectiveTimeout,
     ConfigError,

@@ -32,7 +32,7 @@ VERSION_KEY = "torch-thunderbolt version"
 
 def my_settings(cfg: Config) -> dict[str, dict[str, str]]:
     """What this rank publishes: the job-wide and per-host settings, and the version of what it speaks."""
-    from .. import __version__
+    from ..version import __version__
 
     job = dict(job_settings(cfg))
     job[VERSION_KEY] = f"{__version__} (protocol {PROTOCOL_VERSION})"

@@ -81,7 +81,7 @@ def _parse(build) -> dict[str, Any]:
 
 
 def _version() -> str:
-    from .. import __version__
+    from ..version import __version__
 
     return __version__
 
