@@ -2,9 +2,10 @@
 
 A kind of link is done when a group whose pairs all use it passes every check in CHECKS: ordering and
 matching per peer and tag, zero-length and very large messages, partial writes and reads, many messages
-in flight, a peer that stops reading, ABORT delivery with its structured details, BYE and close, byte
-counters, a signature mismatch, and a peer that dies. Each check is one function run by every rank of a
-fresh group, `check(ctx)`, that raises AssertionError (or the group's error) when the kind misbehaves.
+in flight, a peer that stops reading, ABORT delivery with its structured details, a signature mismatch,
+data left over from a finished op, BYE and close, byte counters, and a peer that dies. Each check is one
+function run by every rank of a fresh group, `check(ctx)`, that raises AssertionError (or the group's
+error) when the kind misbehaves.
 
 Two ways to run them:
 
@@ -425,6 +426,32 @@ def check_mismatch(ctx: Ctx) -> None:
     ctx.sync("done")
 
 
+def check_stray(ctx: Ctx) -> None:
+    """Data of an op this rank has finished is a MismatchError when it finishes the op (`Transport.retire`),
+    whether the link read it ahead or holds it back unread: rank 0 sends rank 1 a message for op 1 that
+    rank 1's op 1 never takes."""
+    from torch_thunderbolt.errors import MismatchError
+
+    t = ctx.t
+    if ctx.rank == 0:
+        t.wait([t.isend(1, _coll(1), _mv(pattern(_seed(11), 200)), SIG)], ctx.deadline(), "the stray")
+        ctx.flag("sent")
+    elif ctx.rank == 1:
+        ctx.wait_flag("sent")
+        deadline = ctx.deadline()
+        # until the engine holds it: read ahead (the Matcher keeps it) or held back by the link (parked)
+        while t.parked_collective([0]) is None and not any(p == 0 for p, _ in t.matcher.unexpected):
+            assert time.monotonic() < deadline, "the message never reached rank 1"
+            t.progress(0.01)
+        try:
+            t.retire(1)
+        except MismatchError:
+            pass
+        else:
+            raise AssertionError("op 1 finished with rank 0's data for it unread, and no error")
+    ctx.sync("done")
+
+
 def check_bye(ctx: Ctx) -> None:
     """Rank 0 sends, and closes its group in order (twice: harmless) as soon as its sends are done: nothing
     it sent is lost or overtaken by its goodbye, and a receive posted after it left fails with
@@ -536,7 +563,7 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
     "order": check_order, "matching": check_matching, "one_by_one": check_one_by_one, "sizes": check_sizes,
     "partial": check_partial, "many": check_many, "stops_reading": check_stops_reading,
     "abort_lost": check_abort_lost, "abort_timeout": check_abort_timeout, "abort_in_flight": check_abort_in_flight,
-    "mismatch": check_mismatch, "bye": check_bye, "bye_while_waiting": check_bye_while_waiting,
+    "mismatch": check_mismatch, "stray": check_stray, "bye": check_bye, "bye_while_waiting": check_bye_while_waiting,
     "counters": check_counters, "peer_dies": check_peer_dies,
 }
 
