@@ -2,13 +2,13 @@
 
 The paths, from the most specialised:
 
-| path       | what runs                                                                     | ops                |
-|------------|-------------------------------------------------------------------------------|--------------------|
-| `one_shot` | one copy in, one wait, the reduction in rank order, on the shared window       | all_reduce         |
-| `window`   | the op's windowed protocol (windowed.py) on the memory the whole group shares  | WINDOW_OPS         |
-| `hier`     | a hierarchical plan: its per-host phases on this host's window, only its cable phase over the links | WINDOW_OPS |
-| `direct`   | the direct plan's messages as straight code, without a plan walk (small.py)   | all_reduce         |
-| `plan`     | the plan `select` chose, walked over the links (plan.run_plan)                  | every op           |
+| path       | what runs                                                                          | ops        |
+|------------|------------------------------------------------------------------------------------|------------|
+| `one_shot` | one copy in, one wait, the reduction in rank order, on the shared window            | all_reduce |
+| `window`   | the op's windowed protocol (windowed.py) on the memory the whole group shares       | WINDOW_OPS |
+| `hier`     | a hierarchical plan: per-host phases on this host's window, the cable phase on links | WINDOW_OPS |
+| `direct`   | the direct plan's messages as straight code, without a plan walk (small.py)        | all_reduce |
+| `plan`     | the plan `select` chose, walked over the links (plan.run_plan)                     | every op   |
 
 The window paths are taken only where the group (`window`, `one_shot`) or this host's share of it
 (`hier`) has window memory and no algorithm is forced (THUNDERBOLT_ALGO); the others follow the plan
