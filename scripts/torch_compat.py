@@ -2,6 +2,7 @@
 real gloo and with thunderbolt standing in for gloo, and compare.
 
     nice -n 10 .venv/bin/python scripts/torch_compat.py -k all_reduce --world 2 --transport auto,tcp
+    nice -n 10 .venv/bin/python scripts/torch_compat.py --world 2,3 --transport rdma   # over a fake fabric
 
 Every test runs with BACKEND=gloo, so the suite's "does this apply to gloo?" checks choose the same tests for
 both columns; in the thunderbolt column scripts/torch_compat_shim.py renames a requested backend "gloo" to
@@ -92,6 +93,7 @@ class RunSpec:
     timeout: float = 120.0
     start_method: str = "spawn"
     pythonpath: str = str(REPO)
+    verbs: str = ""  # THUNDERBOLT_VERBS for the rdma column (a fake fabric on a machine without RDMA)
 
 
 def key_line(text: str) -> str:
@@ -125,6 +127,8 @@ def _child_env(cfg: Config, spec: RunSpec, tmp: str) -> dict[str, str]:
     })
     if cfg.backend == "thunderbolt":
         env["THUNDERBOLT_TRANSPORT"] = cfg.transport
+        if cfg.transport == "rdma" and spec.verbs:
+            env["THUNDERBOLT_VERBS"] = spec.verbs
     return env
 
 
@@ -252,10 +256,11 @@ def select(names: Iterable[str], patterns: list[str]) -> list[str]:
 
 def compare(tests: list[str], world: int, transports: list[str], timeout: float = 120.0, jobs: int = 1,
             batch: int = 1, start_method: str = "spawn", pythonpath: str = str(REPO),
-            gloo: dict[str, Outcome] | None = None, progress: bool = False) -> dict[str, dict[str, Outcome]]:
+            gloo: dict[str, Outcome] | None = None, progress: bool = False,
+            verbs: str = "") -> dict[str, dict[str, Outcome]]:
     """{test: {column label: Outcome}} for gloo and thunderbolt on each transport at `world` ranks.
-    `gloo`: earlier gloo outcomes to reuse instead of running gloo again."""
-    spec = RunSpec(world, timeout, start_method, pythonpath)
+    `gloo`: earlier gloo outcomes to reuse instead of running gloo again; `verbs`: THUNDERBOLT_VERBS for rdma."""
+    spec = RunSpec(world, timeout, start_method, pythonpath, verbs)
     configs = ([] if gloo is not None else [Config("gloo")]) + [Config("thunderbolt", t) for t in transports]
     chunks = [tests[i:i + max(1, batch)] for i in range(0, len(tests), max(1, batch))]
     work = [(cfg, chunk) for chunk in chunks for cfg in configs]
@@ -358,8 +363,20 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--world takes integers, e.g. 2,3")
     if any(w < 2 for w in worlds):
         ap.error("--world: the suite needs at least 2 ranks")
-    if any(t not in ("auto", "tcp", "shm") for t in transports):
-        ap.error("--transport takes auto, tcp, shm")
+    if any(t not in ("auto", "tcp", "shm", "rdma") for t in transports):
+        ap.error("--transport takes auto, tcp, shm, rdma")
+    verbs = os.environ.get("THUNDERBOLT_VERBS", "")
+    fabric_dir = None
+    if "rdma" in transports and not verbs:
+        # No RDMA here: the rdma column runs over a fake verbs fabric, two devices per rank (a test's groups
+        # each take a device's queue pairs, about 10 per device), removed at the end.
+        sys.path.insert(0, args.pythonpath)
+        from torch_thunderbolt.transport.fakeverbs import Fabric
+
+        fabric_dir = tempfile.mkdtemp(prefix="torch-compat-fabric-")
+        count = 2 * max(worlds)
+        Fabric.create(fabric_dir, {f"rdma_fake{i}": f"10.201.0.{i + 1}" for i in range(count)}).close()
+        verbs = f"fake:{fabric_dir}"
 
     names = args.tests or list_tests(RunSpec(worlds[0], args.timeout, args.start_method, args.pythonpath))
     tests = select(names, args.k)
@@ -376,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     for world in worlds:
         gloo = _load_gloo(args.reuse_gloo, world) if args.reuse_gloo else None
         table = compare(tests, world, transports, args.timeout, args.jobs, args.batch, args.start_method,
-                        args.pythonpath, gloo, progress=True)
+                        args.pythonpath, gloo, progress=True, verbs=verbs)
         print(format_table(world, table, labels))
         report["worlds"][str(world)] = {t: {lb: asdict(o) for lb, o in row.items()} for t, row in table.items()}
         regs = regressions(table)
@@ -390,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({sum(1 for t, _, o in regs if excuse(t, o) is None)} not excused by KNOWN_DIFFERENCES)")
         for test, label, o in regs:
             print(f"  {label:>8} {o.status:<7} {test}: {o.key}" + (" [known]" if excuse(test, o) else ""))
+    if fabric_dir is not None:
+        shutil.rmtree(fabric_dir, ignore_errors=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"summary: {failed_unexcused} gloo passes, we fail (unexcused), {len(tests)} tests x "
           f"{len(worlds)} world(s) x {len(labels)} columns in {time.monotonic() - t0:.0f} s; details in {args.json}")

@@ -16,7 +16,7 @@ from typing import Callable, Mapping
 from .errors import ConfigError
 
 ALGOS = ("auto", "ring", "biring", "direct", "chain")
-TRANSPORTS = ("auto", "tcp", "shm")
+TRANSPORTS = ("auto", "tcp", "shm", "rdma")
 COMPRESSIONS = ("none", "int8", "fp16", "bf16")
 INTEGRITY_MODES = ("none", "mac")
 DEFAULT_COMPRESSION_BLOCK = 256

@@ -5,16 +5,19 @@ problem, so every check is unit-testable with made-up facts.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
 import os
 import platform
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .config import Config
 from .errors import ConfigError
-from .platform import LOCAL_NETWORK_SETTING, SYSCTL, Platform, current
+from .platform import LOCAL_NETWORK_SETTING, RDMA_CTL, SYSCTL, Platform, current, macos_version
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -51,6 +54,20 @@ class Facts:
     choice_error: str = ""
     # A connection to MASTER_ADDR:MASTER_PORT: "accepted", "refused" or the error's name ("" = not probed).
     store_probe: str = ""
+    rdma: "RdmaFacts | None" = None  # gathered on a Mac, or where a job would use RDMA (forced, a fake fabric)
+
+
+@dataclass
+class RdmaFacts:
+    """What RDMA over Thunderbolt needs, as found here."""
+
+    macos: str = ""  # the macOS version ("26.3"); "" elsewhere
+    rdma_ctl: str | None = None  # what `rdma_ctl status` printed; None when it did not run
+    provider: str = ""  # the verbs library (or fake fabric) the probe loaded
+    error: str = ""  # why the probe found no library or no device list
+    hung: bool = False  # the probe did not return (a wedged port hangs every verbs call)
+    devices: list[dict[str, Any]] = field(default_factory=list)  # transport.rdma.DeviceState fields
+    port_speeds: dict[str, float] = field(default_factory=dict)  # Thunderbolt interface -> link Gb/s
 
 
 # What this version was tested on (also in the README's "Tested versions"). Nothing has run on a Mac.
@@ -76,6 +93,8 @@ def run_checks(f: Facts) -> list[Finding]:
     out.append(_check_buffers(f, cfg))
     if f.local_network_privacy:
         out.append(_check_local_network(f))
+    if f.rdma is not None:
+        out.extend(check_rdma(f.rdma, cfg))
     if f.congestion_control:
         status = OK if f.congestion_control in ("cubic", "reno") else WARN
         out.append(Finding(status, "TCP congestion control", f.congestion_control,
@@ -208,6 +227,117 @@ def _check_buffers(f: Facts, cfg: Config) -> Finding:
     return Finding(OK, "socket buffers", f"up to {f.max_socket_buffer} bytes allowed")
 
 
+RECOVERY = ("start the Mac in Recovery (hold the power button), open Terminal from Utilities, run "
+            "`rdma_ctl enable` and restart; it cannot be done remotely or from the running system")
+
+
+def check_rdma(r: RdmaFacts, cfg: Config) -> list[Finding]:
+    """RDMA over Thunderbolt 5: macOS version, `rdma_ctl status`, the verbs library, each device's port and
+    GID, as a job's set-up would find them (transport/rdma.probe_device). A problem fails the check where
+    THUNDERBOLT_TRANSPORT=rdma forces RDMA; otherwise jobs fall back to TCP and it is a warning."""
+    bad = FAIL if cfg.transport == "rdma" else WARN
+    out = []
+    if r.macos:
+        version = macos_version(r.macos)
+        if version is None or version < (26, 2):
+            out.append(Finding(bad, "RDMA: macOS", f"macOS {r.macos}: RDMA over Thunderbolt needs 26.2 or later",
+                               "update macOS (jobs use TCP until then)"))
+        elif version < (26, 3):
+            out.append(Finding(WARN, "RDMA: macOS", f"macOS {r.macos} takes 4 KiB receives only: large messages "
+                               "move in 4 KiB frames", "update to macOS 26.3 or later (64 KiB frames)"))
+        else:
+            out.append(Finding(OK, "RDMA: macOS", f"macOS {r.macos}"))
+        if r.rdma_ctl is None:
+            out.append(Finding(bad, "RDMA: rdma_ctl", f"`{RDMA_CTL} status` did not run", "macOS 26.2+ has it"))
+        else:
+            from .topology.macos import parse_rdma_ctl
+
+            enabled = parse_rdma_ctl(r.rdma_ctl)
+            if enabled:
+                out.append(Finding(OK, "RDMA: rdma_ctl", "enabled"))
+            else:
+                said = r.rdma_ctl.strip() or "nothing"
+                out.append(Finding(bad, "RDMA: rdma_ctl", f"RDMA is not enabled (`rdma_ctl status`: {said})",
+                                   RECOVERY))
+    if r.hung:
+        out.append(Finding(FAIL, "RDMA: devices", "the verbs probe did not return: a port wedged after a failed "
+                           "set-up hangs every verbs call (`ibv_devinfo` too)", "restart this Mac"))
+        return out
+    if r.error:
+        out.append(Finding(bad, "RDMA: library", r.error, "" if r.provider else
+                           "RDMA over Thunderbolt needs macOS 26.2+ (librdma.dylib)"))
+        return out
+    out.append(Finding(OK, "RDMA: library", r.provider))
+    if not r.devices:
+        out.append(Finding(bad, "RDMA: devices", "none listed", "RDMA needs Thunderbolt 5 at both ends and "
+                           "`rdma_ctl enable`; a device rdma_enX appears for each Thunderbolt interface enX"))
+    usable = []
+    for d in r.devices:
+        name, ifname = d["name"], d["name"].removeprefix("rdma_")
+        speed = r.port_speeds.get(ifname, 0.0)
+        if 0 < speed <= 40:
+            out.append(Finding(WARN, f"RDMA: {name}", f"on a {speed:g} Gb/s port: Thunderbolt 4 or slower, where "
+                               "the device appears but does not work", "RDMA needs Thunderbolt 5 ports and a "
+                               "Thunderbolt 5 cable at both ends"))
+        elif d.get("problem"):
+            what, _, fix = d["problem"].partition(": ")
+            out.append(Finding(bad, f"RDMA: {name}", what if fix else d["problem"], fix))
+        else:
+            usable.append(name)
+            kib = int(d.get("frame_limit", 4096)) >> 10
+            out.append(Finding(OK, f"RDMA: {name}", f"port {d.get('port')}, GID ::ffff:{d.get('ipv4')} (index "
+                               f"{d.get('gid_index')}), receives up to {kib} KiB"))
+    if usable and cfg.transport == "tcp":
+        out.append(Finding(WARN, "RDMA: transport", f"THUNDERBOLT_TRANSPORT=tcp, though {', '.join(usable)} "
+                           "work here", "unset it (auto uses RDMA between Macs where both ends have it)"))
+    return out
+
+
+def rdma_probe(env: "dict[str, str] | None" = None) -> dict[str, Any]:
+    """What a job's set-up finds about RDMA here (the library, every device probed), as JSON-able data."""
+    from .errors import RdmaError
+    from .transport.providers import verbs_from_config
+    from .transport.rdma import probe_devices
+
+    try:
+        verbs = verbs_from_config(Config.from_env(env))
+    except (RdmaError, ConfigError) as exc:
+        return {"provider": "", "error": str(exc), "devices": []}
+    try:
+        return {"provider": verbs.provider.name, "error": "",
+                "devices": [dataclasses.asdict(s) for s in probe_devices(verbs)]}
+    except RdmaError as exc:
+        return {"provider": verbs.provider.name, "error": str(exc), "devices": []}
+    finally:
+        verbs.close()
+
+
+PROBE_SECONDS = 20.0  # a wedged port hangs verbs calls: the probe runs in a child process with this timeout
+
+
+def gather_rdma(run: Callable[..., Any], plat: Platform, env: dict[str, str],
+                port_speeds: dict[str, float]) -> RdmaFacts:
+    """The RDMA facts: on a Mac `sw_vers` and `rdma_ctl status`, and everywhere the probe, in a child
+    process (`python -c ... rdma_probe`) that `run` may time out."""
+    facts = RdmaFacts(port_speeds=dict(port_speeds))
+    if plat.name == "darwin":
+        facts.macos = platform.mac_ver()[0]
+        res = run([RDMA_CTL, "status"])
+        facts.rdma_ctl = res.stdout if res.returncode == 0 else None
+    res = run([sys.executable, "-c", "import json; from torch_thunderbolt.doctor import rdma_probe; "
+               "print(json.dumps(rdma_probe()))"], timeout=PROBE_SECONDS)
+    if res.returncode == 124:  # the runner's timeout
+        facts.hung = True
+        return facts
+    try:
+        found = json.loads(res.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        facts.error = f"the verbs probe failed (exit {res.returncode}): {(res.stderr or '').strip()[-300:]}"
+        return facts
+    facts.provider, facts.error, facts.devices = found["provider"], found["error"], found["devices"]
+    return facts
+
+
 LOCAL_NETWORK_DENIED = (errno.EPERM, errno.EHOSTUNREACH)
 
 
@@ -299,9 +429,10 @@ def gather_facts(run: Callable[[list[str]], Any] | None = None, plat: Platform |
         host = discover_local(run)
         tb = [p.ifname for p in host.ports if p.ifname]
         mtus = {p.ifname: p.mtu for p in host.ports if p.ifname and p.mtu}
+        speeds = {p.ifname: p.speed_gbps for p in host.ports if p.ifname}
         bridge = list(host.bridge.members) if host.bridge else []
     except Exception:  # noqa: BLE001 - discovery problems are reported by `topo`, not here
-        tb, mtus, bridge = [], {}, []
+        tb, mtus, speeds, bridge = [], {}, {}, []
     plat = plat or current()
     env = dict(os.environ)
     try:
@@ -315,6 +446,12 @@ def gather_facts(run: Callable[[list[str]], Any] | None = None, plat: Platform |
     interfaces = local_interfaces()
     store_host = env.get("MASTER_ADDR", "").strip()
     chosen, choice_error = choose(env, store_host, interfaces)
+    try:
+        cfg = Config.from_env(env)
+        wants_rdma = plat.name == "darwin" or cfg.transport == "rdma" or cfg.verbs == "fake"
+    except ConfigError:
+        wants_rdma = False  # reported by the configuration check
+    rdma = gather_rdma(run, plat, env, speeds) if wants_rdma else None
     return Facts(system=platform.system(), python=platform.python_version(), torch=torch_version,
                  backend_registered=registered, env=env, interfaces=interfaces,
                  store_host=store_host, chosen_addresses=chosen, choice_error=choice_error,
@@ -324,7 +461,7 @@ def gather_facts(run: Callable[[list[str]], Any] | None = None, plat: Platform |
                  max_socket_buffer=(int(_read_first("/proc/sys/net/core/rmem_max") or 0) if plat.has_proc else 0)
                  or _macos_maxsockbuf(run, plat),
                  bridge_members=bridge, effective_socket_buffer=effective,
-                 local_network_privacy=plat.local_network_privacy, local_network_probes=probes)
+                 local_network_privacy=plat.local_network_privacy, local_network_probes=probes, rdma=rdma)
 
 
 def _read_first(path: str) -> str:

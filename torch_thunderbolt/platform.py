@@ -30,6 +30,7 @@ TCP_INFO_SND_WND = 228  # linux/tcp.h: offset of tcpi_snd_wnd in struct tcp_info
 # shadow them.
 IOREG = "/usr/sbin/ioreg"
 SYSCTL = "/usr/sbin/sysctl"
+RDMA_CTL = "/usr/bin/rdma_ctl"  # RDMA over Thunderbolt on/off (macOS 26.2+; enabling it needs Recovery)
 
 # Documented in the message of every Local Network failure and in `doctor`.
 LOCAL_NETWORK_SETTING = "System Settings › Privacy & Security › Local Network"
@@ -66,6 +67,9 @@ class Platform:
     # macOS 15+ "Local Network" privacy: connections to directly attached subnets fail with EHOSTUNREACH or
     # EPERM when the app the process runs under lacks the permission. Retrying cannot help.
     local_network_privacy: bool = False
+    # Where the kernel lists RDMA devices (Linux sysfs): absent, there is none and the verbs library need not
+    # be loaded to say so. None: no such place (macOS: ask librdma.dylib).
+    rdma_sysfs: str | None = None
 
     @classmethod
     def for_system(cls, name: str, machine: str | None = None) -> "Platform":
@@ -79,7 +83,8 @@ class Platform:
                        loopback="lo", host_identity="boot-id+netns", has_proc=True, shm_list_dir="/dev/shm",
                        link_timeout=(socket.IPPROTO_TCP,
                                      getattr(socket, "TCP_USER_TIMEOUT", LINUX_TCP_USER_TIMEOUT), 1),
-                       timeout_on_closed_window=True, tcp_congestion=True, local_network_privacy=False)
+                       timeout_on_closed_window=True, tcp_congestion=True, local_network_privacy=False,
+                       rdma_sysfs="/sys/class/infiniband")
         if name == "darwin":
             return cls(name="darwin", machine=machine, sockbuf_over_limit="enobufs", sockbuf_reported_factor=1,
                        loopback="lo0", host_identity="platform-uuid+boot-session", has_proc=False,
@@ -112,3 +117,16 @@ class Platform:
 def current() -> Platform:
     """This machine's Platform (built on each call: cheap, and no module state to go stale in tests)."""
     return Platform.for_system(sys.platform, _std_platform.machine())
+
+
+def macos_version(text: str | None = None) -> tuple[int, ...] | None:
+    """This Mac's macOS version as numbers ((26, 3) for 26.3), or `text`'s; None elsewhere or unknown. RDMA
+    over Thunderbolt needs 26.2, and receives above 4 KiB 26.3."""
+    if text is None:
+        if sys.platform != "darwin":
+            return None
+        text = _std_platform.mac_ver()[0]
+    try:
+        return tuple(int(x) for x in text.split(".")) if text else None
+    except ValueError:
+        return None

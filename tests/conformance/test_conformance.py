@@ -1,9 +1,10 @@
 """Every kind of link passes the conformance checks of torch_thunderbolt.testing.conformance, and the checks
 catch a kind broken on purpose (a dropped message, two sent out of order, a swallowed ABORT).
 
-The in-memory kind runs on thread ranks; tcp, shm and sock (the example kind of testing/kinds, added to the
-table as any kind is) on real rank processes set up as a job sets them up (every pair forced onto the
-kind). Each kind runs the whole suite once (a module fixture); each check is its own test."""
+The in-memory kind runs on thread ranks; tcp, shm, rdma (over a fake verbs fabric, a device per rank) and
+sock (the example kind of testing/kinds, added to the table as any kind is) on real rank processes set up as
+a job sets them up (every pair forced onto the kind). Each kind runs the whole suite once (a module
+fixture); each check is its own test."""
 from __future__ import annotations
 
 from typing import Callable
@@ -19,6 +20,14 @@ pytestmark = pytest.mark.timeout(600)
 WORLD = 3
 
 
+def _rdma(tmp) -> dict[str, Outcome]:
+    from torch_thunderbolt.testing.fake_verbs import fabric_env, fake_fabric
+
+    devices = {f"rdma_fake{i}": f"10.201.0.{i + 1}" for i in range(WORLD)}
+    with fake_fabric(tmp / "fabric", devices=devices) as fabric:
+        return run_in_processes("rdma", WORLD, tmp / "run", env=fabric_env(fabric))
+
+
 def _memory(world: int):
     from torch_thunderbolt.transport.memory import MemoryHub
 
@@ -32,6 +41,7 @@ KINDS = {
     # small rings (4K slots, two per pair): every large message laps them many times
     "shm": lambda tmp: run_in_processes("shm", WORLD, tmp, setup=SHM),
     "sock": lambda tmp: run_in_processes("sock", WORLD, tmp),
+    "rdma": _rdma,
 }
 MULTIPROCESS = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -50,7 +60,8 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str,
 
 @pytest.mark.parametrize("check", list(CHECKS))
 @pytest.mark.parametrize("kind", ["memory", pytest.param("tcp", marks=MULTIPROCESS),
-                                  pytest.param("shm", marks=MULTIPROCESS), pytest.param("sock", marks=MULTIPROCESS)])
+                                  pytest.param("shm", marks=MULTIPROCESS), pytest.param("sock", marks=MULTIPROCESS),
+                                  pytest.param("rdma", marks=MULTIPROCESS)])
 def test_every_kind_passes_every_check(kind: str, check: str, suite) -> None:
     outcome = suite(kind)[check]
     assert outcome.ok, str(outcome)

@@ -26,7 +26,7 @@ def test_defaults_and_values() -> None:
     ({"THUNDERBOLT_STREAMS": "0"}, "THUNDERBOLT_STREAMS: expected an integer from 1 to 64"),
     ({"THUNDERBOLT_STREAMS": "many"}, "THUNDERBOLT_STREAMS"),
     ({"THUNDERBOLT_ALGO": "fastest"}, "THUNDERBOLT_ALGO: expected one of"),
-    ({"THUNDERBOLT_TRANSPORT": "rdma"}, "THUNDERBOLT_TRANSPORT"),
+    ({"THUNDERBOLT_TRANSPORT": "infiniband"}, "THUNDERBOLT_TRANSPORT"),
     ({"THUNDERBOLT_CHUNK": "12"}, "at least 1K"),
     ({"THUNDERBOLT_CHUNK": "lots"}, "expected a size"),
     ({"THUNDERBOLT_LISTEN_ALL": "maybe"}, "expected 0 or 1"),

@@ -140,7 +140,7 @@ def test_a_forced_kind_that_cannot_reach_a_peer_is_a_config_error() -> None:
     assert set(run.errors) == {0, 1}
 
 
-def test_the_runtime_table_prefers_shared_memory_then_tcp() -> None:
+def test_the_runtime_table_prefers_shared_memory_then_rdma_then_tcp() -> None:
     assert [(row.name, row.same_host, row.networks, row.fallback) for row in KINDS] == [
-        ("shm", True, False, "tcp"), ("tcp", False, True, "")]
+        ("shm", True, False, "tcp"), ("rdma", False, True, ""), ("tcp", False, True, "")]
     assert {"auto", *(row.name for row in KINDS)} == set(TRANSPORTS)  # every kind can be forced, nothing else

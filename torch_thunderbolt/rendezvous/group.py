@@ -61,21 +61,24 @@ def _connect(store: Any, rank: int, world: int, cfg: Config, timeout: float, nam
     # wait for records or connections that never come).
     agreement = agree_settings(records, rank, world, cfg, names)
     offers = {row.name: row.offer(cfg) for row in table}
+    reach = {row.name: row.reach(cfg) for row in table if row.reach is not None and offers[row.name] is None}
     # Looked up at call time (not imported by name): tests emulate hosts by patching it.
-    records.publish(f"tb/rank/{rank}", {"host": host_ids.host_identity(), "offers": offers})
+    records.publish(f"tb/rank/{rank}", {"host": host_ids.host_identity(), "offers": offers, "reach": reach})
     everyone = [records.read(f"tb/rank/{p}", p, "its host and kinds of link") for p in range(world)]
     try:
         hosts = [str(r["host"]) for r in everyone]
         every_offer = [dict(r["offers"]) for r in everyone]
+        every_reach = [dict(r.get("reach", {})) for r in everyone]
     except (TypeError, KeyError, ValueError):
         raise HandshakeError(f"rank {rank}: a record tb/rank/<rank> in the rendezvous store holds no host and "
                              f"kinds of link", why="store") from None
     # (the per-host settings where ranks share memory: every host's under auto, the one host under shm)
     agreement.check_hosts(hosts if cfg.transport == "auto" else None, cfg.transport)
-    kinds = choose(table, cfg.transport, hosts, every_offer)
+    kinds = choose(table, cfg.transport, hosts, every_offer, every_reach)
     for row, peers, why in refused(table, rank, hosts, every_offer, kinds):
-        log.warning("rank %d: not using %s with rank(s) %s (%s): %s instead, which is slower", rank, row.title,
-                    peers, why, " and ".join(sorted({kinds[rank][p] for p in peers})))
+        level = logging.INFO if row.quiet is not None and row.quiet(why) else logging.WARNING
+        log.log(level, "rank %d: not using %s with rank(s) %s (%s): %s instead, which is slower", rank, row.title,
+                peers, why, " and ".join(sorted({kinds[rank][p] for p in peers})))
     made: list[LinkKind] = []
     try:
         for row in table:

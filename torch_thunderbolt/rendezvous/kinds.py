@@ -13,18 +13,21 @@ Adding a kind of link: its transport file (transport/<kind>.py: a Link and a Lin
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError
-from . import shm, tcp
+from . import rdma, shm, tcp
 from .setup import KindRow
 
 #: The kinds, most preferred first. (Its order is also the order in which every rank sets them up.)
 KINDS: tuple[KindRow, ...] = (
     KindRow("shm", "shared memory", same_host=True, networks=False, offer=shm.offer, connect=shm.connect_shm_links,
             fallback="tcp"),
+    KindRow("rdma", "RDMA", same_host=False, networks=True, offer=rdma.offer, connect=rdma.connect_rdma_links,
+            reach=rdma.reach, reaches=rdma.reaches, quiet=rdma.no_rdma_here),
     KindRow("tcp", "TCP", same_host=False, networks=True, offer=tcp.offer, connect=tcp.connect_tcp_links),
 )
+Reach = Mapping[str, Any]  # kind name -> what a rank published about where it reaches (KindRow.reach)
 
 Offers = Mapping[str, "str | None"]  # kind name -> None (this rank offers it) or why not
 
@@ -34,9 +37,11 @@ def why_not(offers: Offers, name: str) -> str | None:
     return offers[name] if name in offers else f"runs a version of torch-thunderbolt without {name!r} links"
 
 
-def choose(table: Sequence[KindRow], setting: str, hosts: Sequence[str], offers: Sequence[Offers]) -> list[list[str]]:
-    """The kind of link between every two ranks: `out[a][b] == out[b][a]` ("" for a == b). `hosts[r]` and
-    `offers[r]`: what rank r published. Raises ConfigError where the forced kind cannot join a pair."""
+def choose(table: Sequence[KindRow], setting: str, hosts: Sequence[str], offers: Sequence[Offers],
+           reach: "Sequence[Reach] | None" = None) -> list[list[str]]:
+    """The kind of link between every two ranks: `out[a][b] == out[b][a]` ("" for a == b). `hosts[r]`,
+    `offers[r]` and `reach[r]`: what rank r published. Raises ConfigError where the forced kind cannot join a
+    pair."""
     world = len(hosts)
     rows = {row.name: row for row in table}
     if setting == "auto":
@@ -56,18 +61,31 @@ def choose(table: Sequence[KindRow], setting: str, hosts: Sequence[str], offers:
             for row in candidates:
                 if row.same_host and hosts[a] != hosts[b]:
                     continue
+                if _apart(row, a, b, reach) is not None:
+                    continue
                 if why_not(offers[a], row.name) is None and why_not(offers[b], row.name) is None:
                     out[a][b] = out[b][a] = row.name
                     break
             else:
                 raise ConfigError(f"THUNDERBOLT_TRANSPORT={setting}: no kind of link joins rank {a} and rank {b}: "
-                                  + "; ".join(_why_not_pair(row, a, b, hosts, offers) for row in candidates))
+                                  + "; ".join(_why_not_pair(row, a, b, hosts, offers, reach) for row in candidates))
     return out
 
 
-def _why_not_pair(row: KindRow, a: int, b: int, hosts: Sequence[str], offers: Sequence[Offers]) -> str:
+def _apart(row: KindRow, a: int, b: int, reach: "Sequence[Reach] | None") -> str | None:
+    """Why ranks a and b, offering `row`, still cannot be joined by it (None: they can), as it says."""
+    if row.reaches is None or reach is None or row.name not in reach[a] or row.name not in reach[b]:
+        return None
+    return row.reaches(reach[a][row.name], reach[b][row.name])
+
+
+def _why_not_pair(row: KindRow, a: int, b: int, hosts: Sequence[str], offers: Sequence[Offers],
+                  reach: "Sequence[Reach] | None" = None) -> str:
     if row.same_host and hosts[a] != hosts[b]:
         return f"{row.name} reaches only its own host"
+    apart = _apart(row, a, b, reach)
+    if apart is not None:
+        return f"{row.name}: {apart}"
     return f"{row.name}: " + ", ".join(f"rank {r} {w}" for r in (a, b) if (w := why_not(offers[r], row.name)))
 
 

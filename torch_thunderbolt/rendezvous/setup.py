@@ -64,3 +64,10 @@ class KindRow:
     offer: Callable[[Config], "str | None"]  # None when this rank can use the kind, else why not
     connect: Callable[[SetUp], LinkKind]  # the set-up
     fallback: str = ""  # where forcing this kind finds it unusable: the kind used instead ("" = an error)
+    # Kinds that reach some peers only (RDMA: over a cable both ends have a device on): what a rank that
+    # offers the kind publishes about where it reaches (JSON), and whether two ranks' say they join (None:
+    # they do, else why not). None: the kind reaches every rank `same_host` allows.
+    reach: "Callable[[Config], Any] | None" = None
+    reaches: "Callable[[Any, Any], str | None] | None" = None
+    # Refusals that are no news (the hardware most machines lack): logged at INFO, not as a warning.
+    quiet: "Callable[[str], bool] | None" = None

@@ -3,6 +3,10 @@
 - `memory_world`: one function per rank over the in-memory transport (transport.memory.MemoryHub).
 - `tcp_world`: real TCP transports between threads (a TCPStore on loopback), for tests that act on one
   rank's sockets directly (forge frames, stall one side) without spawning processes.
+- `rdma_world`: RDMA transports between threads over a fake verbs fabric (testing.fake_verbs), rank r on
+  the fabric's r-th device, for tests that inject faults or reach into one rank's queue pairs.
+- `rdma_world`: RDMA transports between threads over a fake verbs fabric (testing.fake_verbs), rank r on
+  the fabric's r-th device, for tests that inject faults or reach into one rank's queue pairs.
 - `exchange_world`: threads swapping tensors through shared slots, for code that takes an `exchange=`
   (the compression pipeline) and must be tested without any transport.
 - `all_reduce_on_threads`: one all_reduce per rank of an already-connected group.
@@ -98,12 +102,38 @@ def tcp_world(world: int, cfg: Config | None = None, timeout: float = 30.0) -> I
     from torch_thunderbolt.rendezvous.tcp import connect_tcp
 
     cfg = cfg or Config(streams=1)
+    with _threads_connected(world, lambda store, r: connect_tcp(store, r, world, cfg, timeout), timeout) as ts:
+        yield ts
+
+
+@contextlib.contextmanager
+def rdma_world(world: int, fabric: Any, cfg: Config | None = None, timeout: float = 30.0) -> Iterator[list[Transport]]:
+    """`world` connected RDMA transports over the fake fabric `fabric` (a transport.fakeverbs.Fabric, or its
+    directory), one thread each, closed when the block ends. `cfg`: settings besides the fabric."""
+    import dataclasses
+
+    from torch_thunderbolt.config import Config
+    from torch_thunderbolt.rendezvous.rdma import connect_rdma
+
+    path = str(getattr(fabric, "path", fabric))
+    cfg = dataclasses.replace(cfg or Config(), verbs="fake", verbs_fabric=path, transport="rdma")
+    with _threads_connected(world, lambda store, r: connect_rdma(store, r, world, cfg, timeout), timeout) as ts:
+        yield ts
+
+
+@contextlib.contextmanager
+def _threads_connected(world: int, connect_rank: "Callable[[Any, int], Transport]",
+                       timeout: float) -> Iterator[list[Transport]]:
+    """connect_rank(store, rank) on `world` threads around one TCPStore on loopback; the transports are
+    closed when the block ends."""
+    import torch.distributed as dist
+
     server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=timeout),
                            wait_for_workers=False)
 
     def connect(r: int) -> Transport:
         st = dist.TCPStore("127.0.0.1", server.port, world, False, timeout=datetime.timedelta(seconds=timeout))
-        return connect_tcp(dist.PrefixStore("job/", st), r, world, cfg, timeout)
+        return connect_rank(dist.PrefixStore("job/", st), r)
 
     run = on_threads(world, connect, timeout + 5)
     transports: list[Transport | None] = [t if r not in run.hung else None for r, t in enumerate(run.results)]

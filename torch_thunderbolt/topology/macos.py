@@ -3,7 +3,8 @@
 Pure functions over text so they run (and are tested) on Linux against recorded-style fixtures.
 Commands read (see `MACOS_COMMANDS`): `system_profiler SPThunderboltDataType -json` (ports, speeds,
 the bus UUID of the Mac at the other end), `networksetup -listallhardwareports` (port -> enX),
-`networksetup -listallnetworkservices` (which services exist / are disabled) and `ifconfig`.
+`networksetup -listallnetworkservices` (which services exist / are disabled) and `ifconfig`; where macOS
+has RDMA over Thunderbolt (26.2+), `rdma_ctl status` and `ibv_devinfo -v` say which ports carry it.
 
 Hardware port and service names are localized ("Thunderbolt-Brücke" on a German Mac, "Pont Thunderbolt"
 on a French one), so the bridge is found by its device (`bridgeN`) and the Thunderbolt ports by their
@@ -13,23 +14,30 @@ commands of the address plan use. Commands are run by absolute path: over ssh a 
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
+from ..platform import RDMA_CTL
 from .model import Bridge, Host, Port
 from .speed import link_speed_gbps
 
 SYSTEM_PROFILER = "/usr/sbin/system_profiler"
 NETWORKSETUP = "/usr/sbin/networksetup"
 IFCONFIG = "/sbin/ifconfig"
+# Apple's RDMA tools (macOS 26.2+), assumed in /usr/bin beside the system's others (exo runs them by name);
+# missing or failing, a port's RDMA state is simply not known.
+IBV_DEVINFO = "/usr/bin/ibv_devinfo"
 MACOS_COMMANDS: dict[str, list[str]] = {
     "system_profiler": [SYSTEM_PROFILER, "SPThunderboltDataType", "-json"],
     "hardware_ports": [NETWORKSETUP, "-listallhardwareports"],
     "services": [NETWORKSETUP, "-listallnetworkservices"],
     "ifconfig": [IFCONFIG],
+    "rdma_ctl": [RDMA_CTL, "status"],
+    "ibv_devinfo": [IBV_DEVINFO, "-v"],
 }
 BRIDGE_SERVICE = "Thunderbolt Bridge"  # the English default name; only a fallback for old dumps
 _BRIDGE_DEVICE = re.compile(r"^bridge\d+$")
@@ -247,6 +255,10 @@ def build_macos_host(name: str, outputs: dict[str, str]) -> Host:
         info = ifaces.get(port.ifname)
         if info is not None:
             port.addresses, port.mtu, port.link_up = list(info.addresses), info.mtu, info.up and info.active
+    enabled = parse_rdma_ctl(outputs["rdma_ctl"]) if "rdma_ctl" in outputs else None
+    devices = parse_ibv_devinfo(outputs["ibv_devinfo"]) if "ibv_devinfo" in outputs else None
+    for port in ports:
+        port.rdma = rdma_state(port, enabled, devices)
     bridge = _bridge(thunderbolt_bridge(hw, ifaces), ifaces, services)
     used = {p.ifname for p in ports} | ({bridge.ifname} if bridge else set())
     other = [a for i in ifaces.values() if i.name not in used and not i.name.startswith("lo")
@@ -265,3 +277,66 @@ def _bridge(found: tuple[str, str] | None, ifaces: dict[str, Interface],
     enabled = None if services is None else services.get(service, False)
     return Bridge(ifname=ifname, members=list(info.members), active=info.up and info.active,
                   service_enabled=enabled, addresses=list(info.addresses), service=service)
+
+
+# --- RDMA over Thunderbolt (macOS 26.2+) ------------------------------------------------------------------
+
+def parse_rdma_ctl(text: str) -> bool | None:
+    """`rdma_ctl status`: True for "enabled", False for "disabled", None for anything else."""
+    words = text.strip().lower().split()
+    if "disabled" in words:
+        return False
+    return True if "enabled" in words else None
+
+
+_HCA = re.compile(r"^\s*hca_id:\s*(\S+)")
+_PORT = re.compile(r"^\s*port:\s*(\d+)")
+_STATE = re.compile(r"^\s*state:\s*(\S+)")
+_GID = re.compile(r"^\s*GID\[\s*\d+\]:\s*([0-9a-fA-F:.]+)")
+
+
+def parse_ibv_devinfo(text: str) -> dict[str, tuple[str, list[str]]]:
+    """`ibv_devinfo -v` (rdma-core's format): device -> (state of port 1, the IPv4 addresses of its
+    IPv4-mapped GIDs)."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    device, port = "", 0
+    for line in text.splitlines():
+        if m := _HCA.match(line):
+            device, port = m.group(1), 0
+            out[device] = ("", [])
+        elif not device:
+            continue
+        elif m := _PORT.match(line):
+            port = int(m.group(1))
+        elif port == 1 and (m := _STATE.match(line)):
+            out[device] = (m.group(1), out[device][1])
+        elif port == 1 and (m := _GID.match(line)):
+            try:
+                mapped = ipaddress.IPv6Address(m.group(1)).ipv4_mapped
+            except ValueError:
+                continue
+            if mapped is not None:
+                out[device][1].append(str(mapped))
+    return out
+
+
+def rdma_state(port: Port, enabled: bool | None, devices: "dict[str, tuple[str, list[str]]] | None") -> str:
+    """Whether `port` carries RDMA ("yes"), why not ("no: ..."), or "" when the tools said nothing. The
+    device of interface enX is rdma_enX; RDMA needs Thunderbolt 5 (rdma devices also appear on Thunderbolt
+    4 ports, where they do not work: exo #1813)."""
+    if enabled is None and devices is None:
+        return ""
+    if 0 < port.speed_gbps <= 40:
+        return "no: Thunderbolt 4 or slower (RDMA needs Thunderbolt 5 at both ends)"
+    if enabled is False:
+        return "no: not enabled (`rdma_ctl enable` in Recovery, then reboot)"
+    if devices is None:
+        return "no: `ibv_devinfo` failed (a wedged port hangs it: reboot)"
+    state, ipv4 = devices.get(f"rdma_{port.ifname}", ("", []))
+    if not port.ifname or f"rdma_{port.ifname}" not in devices:
+        return f"no: no RDMA device for {port.ifname or 'this port'}"
+    if state != "PORT_ACTIVE":
+        return f"no: port {state or 'state unknown'}"
+    if not ipv4:
+        return f"no: no IPv4-mapped GID (give {port.ifname} an IPv4 address)"
+    return "yes"

@@ -32,6 +32,8 @@ class Port:
     addresses: list[str] = field(default_factory=list)  # IPv4 "10.77.0.1/30"
     mtu: int = 0
     link_up: bool = False
+    # RDMA over this port: "yes", "no: <why>" or "" where not known (not a Mac, or older dumps)
+    rdma: str = ""
 
     @property
     def has_computer(self) -> bool:

@@ -23,7 +23,8 @@ from .macos import MACOS_COMMANDS, build_macos_host
 
 # The fixtures' file names, per discovery output (tests/topology/topo_fixtures.py reads these).
 MACOS_FILES = {"system_profiler": "system_profiler.json", "hardware_ports": "hardware_ports.txt",
-               "services": "services.txt", "ifconfig": "ifconfig.txt"}
+               "services": "services.txt", "ifconfig": "ifconfig.txt",
+               "rdma_ctl": "rdma_ctl.txt", "ibv_devinfo": "ibv_devinfo.txt"}  # (the last two where RDMA exists)
 LINUX_FILES = {"sysfs": "sysfs.json", "ip_addr": "ip_addr.json"}
 RECORD_FILE = "record.json"
 SW_VERS = ["/usr/bin/sw_vers"]  # macOS product version and build, for the report

@@ -6,7 +6,8 @@ from typing import Any
 
 from .graph import best_order, build_graph, classify
 from .loops import BridgeLoop, find_bridge_loops
-from .model import ClusterGraph, Host
+from ..errors import ConfigError
+from .model import Cable, ClusterGraph, Host
 from .addressing import DEFAULT_BASE, AddressPlan, Command, plan_addresses, plan_commands
 from .speed import generation
 
@@ -46,14 +47,15 @@ def host_summary(host: Host) -> str:
         checked = "\n".join(f"  - {c}" for c in host.checked) or "  - nothing"
         return f"No Thunderbolt interfaces found on {host.name} ({host.platform}). Checked:\n{checked}"
     lines = [f"Host {host.name}" + (f" ({host.model}, {host.platform})" if host.model else f" ({host.platform})")]
-    rows = [["PORT", "IF", "STATUS", "SPEED", "FAR END", "ADDRESSES"]]
+    rdma = any(p.rdma for p in host.ports)
+    rows = [["PORT", "IF", "STATUS", "SPEED", "FAR END", "ADDRESSES"] + (["RDMA"] if rdma else [])]
     for p in host.ports:
         far = []
         if p.peer_uuid:
             far.append(f"computer {p.peer_name or '?'} (bus {p.peer_uuid[:8]})")
         far += [f"device: {d}" for d in p.devices]
         rows.append([p.name, p.ifname or "-", p.status, _speed(p.speed_gbps), "; ".join(far) or "-",
-                     " ".join(p.addresses) or "-"])
+                     " ".join(p.addresses) or "-"] + ([p.rdma or "?"] if rdma else []))
     lines += _table(rows)
     if host.bridge:
         b = host.bridge
@@ -71,9 +73,10 @@ def cluster_report(a: Analysis) -> str:
         order = f"; {kind} order: " + " -> ".join(names + (names[:1] if kind == "ring" and len(names) > 2 else []))
     lines = [f"Cluster: {_count(len(g.hosts), 'host')}, {_count(len(g.cables), 'cable')}, shape: {a.shape}{order}",
              "", "Cables:"]
-    rows = [["#", "FROM", "TO", "SPEED"]] + [
+    rdma = any(p.rdma for h in g.hosts for p in h.ports)
+    rows = [["#", "FROM", "TO", "SPEED"] + (["RDMA"] if rdma else [])] + [
         [str(i), f"{c.a_host}:{c.a_port}", f"{c.b_host}:{c.b_port}", _speed(c.speed_gbps)]
-        for i, c in enumerate(g.cables)]
+        + ([cable_rdma(g, c)] if rdma else []) for i, c in enumerate(g.cables)]
     lines += ["  " + r for r in _table(rows)] if g.cables else ["  none: no two hosts are cabled together"]
     lines += [f"Warning: {w}" for w in g.warnings]
     lines += ["", "Thunderbolt Bridge loops: " + ("none" if not a.loops else f"{len(a.loops)} FOUND")]
@@ -87,6 +90,19 @@ def cluster_report(a: Analysis) -> str:
                      f"{c.b_host} {c.b_port} {asg.b_address}" + ("  (already set)" if asg.kept else ""))
     lines += ["", commands_text(a.commands)]
     return "\n".join(lines)
+
+
+def cable_rdma(g: ClusterGraph, c: Cable) -> str:
+    """Whether a cable carries RDMA: "yes" when both ends' ports do, else why not (the first end that
+    does not), "?" when an end's state is not known."""
+    for host, port in ((c.a_host, c.a_port), (c.b_host, c.b_port)):
+        try:
+            state = g.host(host).port(port).rdma
+        except ConfigError:
+            state = ""
+        if state != "yes":
+            return f"{state} ({host}:{port})" if state else f"? ({host}:{port})"
+    return "yes"
 
 
 def commands_text(commands: list[Command]) -> str:
