@@ -331,6 +331,8 @@ def gather_rdma(run: Callable[..., Any], plat: Platform, env: dict[str, str],
         return facts
     try:
         found = json.loads(res.stdout.strip().splitlines()[-1])
+        if not isinstance(found, dict) or not {"provider", "error", "devices"} <= found.keys():
+            raise ValueError(f"unexpected probe output {found!r}")
     except (ValueError, IndexError):
         facts.error = f"the verbs probe failed (exit {res.returncode}): {(res.stderr or '').strip()[-300:]}"
         return facts

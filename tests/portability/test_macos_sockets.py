@@ -20,6 +20,7 @@ from torch_thunderbolt.errors import ConfigError, PeerLostError
 from torch_thunderbolt.platform import INT_MAX, LOCAL_NETWORK_SETTING, SOCKET_IO_CAP, Platform
 from torch_thunderbolt.protocol.framing import Space
 from torch_thunderbolt.rendezvous import tcp as bootstrap
+from torch_thunderbolt.rendezvous.setup import SetUp
 from torch_thunderbolt.transport.engine import Transport
 from torch_thunderbolt.transport.tcp import tcp_transport
 
@@ -229,7 +230,8 @@ def test_connect_tcp_asks_for_enough_open_files(monkeypatch) -> None:
 
     monkeypatch.setattr(bootstrap, "ensure_open_files", stop)
     with pytest.raises(RuntimeError, match="stop here"):
-        bootstrap.connect_tcp(object(), 0, 33, Config(streams=4), 5.0)
+        bootstrap.connect_tcp_links(SetUp(object(), 0, 33, Config(streams=4), 5.0, tuple(range(1, 33)),
+                                          tuple(range(33)), None, None))
     assert asked == [32 * 4 * 2 + bootstrap.OPEN_FILES_MARGIN]
 
 
