@@ -9,64 +9,22 @@ and even a record that somehow passed would not help, as each end checks the add
 """
 from __future__ import annotations
 
-import datetime
-import gc
 import json
 import socket
 import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import HandshakeError
 from torch_thunderbolt.protocol import handshake as hs
 from torch_thunderbolt.protocol.framing import FRAME_HEADER_SIZE
 from torch_thunderbolt.rendezvous.tcp import connect_tcp
-from torch_thunderbolt.testing.worlds import all_reduce_on_threads
+from torch_thunderbolt.testing.worlds import SetUpOnThreads, all_reduce_on_threads
 
 pytestmark = pytest.mark.timeout(90)
 SECRET = b"0123456789abcdef" * 4
-
-
-class World:
-    """A TCPStore and ranks as threads calling connect_tcp; the test plays the stranger on the store."""
-
-    def __init__(self, world: int = 2) -> None:
-        self.world = world
-        self.server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=30),
-                                    wait_for_workers=False)
-        self.view = dist.PrefixStore("job/", self.server)  # what a stranger reading MASTER_PORT sees
-        self.transports: dict[int, object] = {}
-        self.errors: dict[int, BaseException] = {}
-        self.threads: list[threading.Thread] = []
-
-    def start(self, rank: int, cfg: Config) -> None:
-        def run() -> None:
-            try:
-                st = dist.TCPStore("127.0.0.1", self.server.port, self.world, False,
-                                   timeout=datetime.timedelta(seconds=30))
-                self.transports[rank] = connect_tcp(dist.PrefixStore("job/", st), rank, self.world, cfg, 30)
-            except BaseException as exc:  # noqa: BLE001 - the test inspects it
-                self.errors[rank] = exc
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        self.threads.append(t)
-
-    def join(self) -> None:
-        for t in self.threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in self.threads), "a rank hung in connect_tcp"
-
-    def close(self) -> None:
-        for t in self.transports.values():
-            t.close()
-        # The errors' tracebacks hold the ranks' frames and with them this object: drop the store server
-        # now, not at some later garbage collection (the session checks that nothing still listens).
-        self.errors.clear()
-        self.server = self.view = None
-        gc.collect()
 
 
 class Relay:
@@ -134,7 +92,7 @@ class Relay:
 
 @pytest.fixture
 def world():
-    w = World()
+    w = SetUpOnThreads(2, connect_tcp)
     yield w
     w.join()
     w.close()
@@ -161,11 +119,11 @@ def _rewrite_port(view, port: int, relay: int) -> None:
     view.set("tb/ep/0", forged)
 
 
-def _outcome(world: World) -> str:
+def _outcome(world: SetUpOnThreads) -> str:
     """How the set-up ended, for the assertion message: today's failure was a silent wrong result."""
     if world.errors:
         return repr(world.errors)
-    got = all_reduce_on_threads(world.transports, lambda r: torch.arange(64, dtype=torch.float32) * (r + 1))
+    got = all_reduce_on_threads(world.results, lambda r: torch.arange(64, dtype=torch.float32) * (r + 1))
     right = sum(torch.equal(x, torch.arange(64, dtype=torch.float32) * 3) for x in got.values())
     return f"the set-up passed through the relay; {right} of {len(got)} ranks got the right all_reduce"
 
@@ -228,7 +186,7 @@ def test_without_a_relay_the_records_and_addresses_check_out(world) -> None:
     world.start(1, cfg)
     world.join()
     assert not world.errors, world.errors
-    got = all_reduce_on_threads(world.transports, lambda r: torch.arange(64, dtype=torch.float32) * (r + 1))
+    got = all_reduce_on_threads(world.results, lambda r: torch.arange(64, dtype=torch.float32) * (r + 1))
     assert all(torch.equal(got[r], torch.arange(64, dtype=torch.float32) * 3) for r in (0, 1))
     assert json.loads(world.view.get("tb/ep/0"))["mac"]  # the record is signed
 
@@ -247,9 +205,9 @@ def test_two_cables_and_listen_all_pass_the_address_check(world, monkeypatch, li
     world.start(1, cfg)
     world.join()
     assert not world.errors, world.errors
-    link = world.transports[1].link_kind("tcp").links[0]
+    link = world.results[1].link_kind("tcp").links[0]
     assert sorted(c.local for c in link.streams) == (["127.0.0.1", "127.0.0.1"] if listen_all
                                                      else ["127.0.0.1", "127.0.0.2"])
     assert link.failover is not listen_all  # one published endpoint with LISTEN_ALL: one address pair
-    got = all_reduce_on_threads(world.transports, lambda r: torch.arange(64, dtype=torch.float32) * (r + 1))
+    got = all_reduce_on_threads(world.results, lambda r: torch.arange(64, dtype=torch.float32) * (r + 1))
     assert all(torch.equal(got[r], torch.arange(64, dtype=torch.float32) * 3) for r in (0, 1))

@@ -6,24 +6,20 @@ place and never shown.
 """
 from __future__ import annotations
 
-import datetime
-import json
 import logging
 import socket
-import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from torch_thunderbolt.config import Config, parse_secret
-from torch_thunderbolt.errors import ConfigError, HandshakeError, PeerLostError
+from torch_thunderbolt.errors import ConfigError, HandshakeError
 from torch_thunderbolt.protocol import handshake as hs
 from torch_thunderbolt.rendezvous.hosts import recv_exact as _recv_exact
 from torch_thunderbolt.rendezvous.records import Records, unchecked_value
 from torch_thunderbolt.rendezvous.tcp import connect_tcp
 from torch_thunderbolt.testing.ranks import run_ranks
-from torch_thunderbolt.testing.worlds import all_reduce_on_threads
+from torch_thunderbolt.testing.worlds import SetUpOnThreads, all_reduce_on_threads
 
 from .programs import secret_warning
 
@@ -32,41 +28,9 @@ OTHER = b"fedcba9876543210" * 4
 WARNING = "THUNDERBOLT_SECRET is not set"
 
 
-class World:
-    """A TCPStore and ranks as threads calling connect_tcp with a Config each; the test plays the stranger."""
-
-    def __init__(self) -> None:
-        self.server = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30),
-                                    wait_for_workers=False)
-        self.view = dist.PrefixStore("job/", self.server)  # what a stranger reading MASTER_PORT sees
-        self.transports: dict[int, object] = {}
-        self.errors: dict[int, BaseException] = {}
-        self.threads: list[threading.Thread] = []
-
-    def start(self, rank: int, cfg: Config) -> None:
-        def run() -> None:
-            try:
-                st = dist.TCPStore("127.0.0.1", self.server.port, 2, False, timeout=datetime.timedelta(seconds=30))
-                self.transports[rank] = connect_tcp(dist.PrefixStore("job/", st), rank, 2, cfg, 30)
-            except BaseException as exc:  # noqa: BLE001 - the test inspects it
-                self.errors[rank] = exc
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        self.threads.append(t)
-
-    def join(self) -> None:
-        for t in self.threads:
-            t.join(40)
-        assert not any(t.is_alive() for t in self.threads), "a rank hung in connect_tcp"
-
-    def close(self) -> None:
-        for t in self.transports.values():
-            t.close()
-
-
 @pytest.fixture
 def world():
-    w = World()
+    w = SetUpOnThreads(2, connect_tcp)
     yield w
     w.join()
     w.close()
@@ -115,7 +79,7 @@ def test_with_a_secret_a_stranger_holding_the_store_is_refused_and_the_job_runs(
     world.start(1, cfg)
     world.join()
     assert not world.errors, world.errors
-    _all_reduce_exact(world.transports)
+    _all_reduce_exact(world.results)
     assert any("refused a connection" in r.message for r in caplog.records)
     assert not [r for r in caplog.records if WARNING in r.getMessage()]
 
@@ -130,7 +94,7 @@ def test_without_a_secret_the_store_alone_lets_a_stranger_in(world, caplog) -> N
     try:
         world.join()
         assert not world.errors, world.errors
-        assert world.transports[0] is not None  # rank 0's group is "complete", with the stranger in it
+        assert world.results[0] is not None  # rank 0's group is "complete", with the stranger in it
     finally:
         for s in socks:
             s.close()

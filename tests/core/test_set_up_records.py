@@ -7,15 +7,11 @@ stranger's garbage does not earn. The Records unit tests pin what a MAC covers.
 """
 from __future__ import annotations
 
-import datetime
-import gc
 import json
 import socket
-import threading
 import time
 
 import pytest
-import torch.distributed as dist
 
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import ConfigError, HandshakeError, PeerLostError
@@ -24,11 +20,20 @@ from torch_thunderbolt.rendezvous import agree
 from torch_thunderbolt.rendezvous.group import connect
 from torch_thunderbolt.rendezvous.hosts import recv_exact
 from torch_thunderbolt.rendezvous.records import Records, unchecked_value
+from torch_thunderbolt.testing.worlds import SetUpOnThreads
 
 pytestmark = pytest.mark.timeout(90)
 SECRET = b"0123456789abcdef" * 4
 OTHER = b"fedcba9876543210" * 4
 HINT = "same THUNDERBOLT_SECRET"
+
+
+class World(SetUpOnThreads):
+    """Ranks as threads calling rendezvous.group.connect (what the backend calls) over one TCPStore; rank
+    `rank` may read the store through a stranger's rewriting of record `rewrite`."""
+
+    def start(self, rank: int, cfg: Config, rewrite: str = "") -> None:
+        super().start(rank, cfg, (lambda store: Rewriting(store, rewrite)) if rewrite else None)
 
 
 class Rewriting:
@@ -54,51 +59,12 @@ class Rewriting:
         return json.dumps({**rec, "value": json.dumps(value)}).encode()
 
 
-class World:
-    """Ranks as threads calling rendezvous.group.connect (what the backend calls) over one TCPStore."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=30),
-                                    wait_for_workers=False)
-        self.view = dist.PrefixStore("job/", self.server)
-        self.connected: dict[int, object] = {}
-        self.errors: dict[int, BaseException] = {}
-        self.threads: list[threading.Thread] = []
-
-    def start(self, rank: int, cfg: Config, rewrite: str = "") -> None:
-        def run() -> None:
-            try:
-                st = dist.TCPStore("127.0.0.1", self.server.port, self.world, False,
-                                   timeout=datetime.timedelta(seconds=30))
-                store = dist.PrefixStore("job/", st)
-                self.connected[rank] = connect(Rewriting(store, rewrite) if rewrite else store, rank, self.world,
-                                               cfg, 30)
-            except BaseException as exc:  # noqa: BLE001 - the test inspects it
-                self.errors[rank] = exc
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        self.threads.append(t)
-
-    def join(self) -> None:
-        for t in self.threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in self.threads), "a rank hung in the set-up"
-
-    def close(self) -> None:
-        for c in self.connected.values():
-            c.transport.close()
-        self.errors.clear()  # their tracebacks hold this object, and with it the store server
-        self.server = self.view = None
-        gc.collect()
-
-
 @pytest.fixture
 def make_world():
     made: list[World] = []
 
     def make(n: int) -> World:
-        made.append(World(n))
+        made.append(World(n, connect, close_result=lambda c: c.transport.close()))
         return made[-1]
     yield make
     for w in made:

@@ -5,7 +5,8 @@ A tool beside the library: the backend never imports it. The one place that star
 - `testing.ranks`: real rank processes on this host or a lab (`run_ranks`, `start_ranks`, `RankResult`,
   and the `Setup` of a family of runs: `LOOPBACK`, `SHM`, `HYBRID`, `reliability_setup()`).
 - `testing.program`: what a rank program imports (`result`, `outcome`, `emit`, `main`, `shm_rank` ...).
-- `testing.worlds`: ranks as threads of one process (`memory_world`, `tcp_world`, `exchange_world`).
+- `testing.worlds`: ranks as threads of one process (`memory_world`, `tcp_world`, `exchange_world`,
+  `SetUpOnThreads`).
 - `testing.lab`: emulated clusters (`lab_session`, `lab_setup`, `skip_unless_lab`).
 - `testing.leftovers`: what a run may leave behind (processes, sockets, namespaces, segments).
 - `testing.reliability`: the fault scenarios shared by tests/reliability and scripts/reliability.

@@ -5,10 +5,10 @@
   rank's sockets directly (forge frames, stall one side) without spawning processes.
 - `rdma_world`: RDMA transports between threads over a fake verbs fabric (testing.fake_verbs), rank r on
   the fabric's r-th device, for tests that inject faults or reach into one rank's queue pairs.
-- `rdma_world`: RDMA transports between threads over a fake verbs fabric (testing.fake_verbs), rank r on
-  the fabric's r-th device, for tests that inject faults or reach into one rank's queue pairs.
 - `exchange_world`: threads swapping tensors through shared slots, for code that takes an `exchange=`
   (the compression pipeline) and must be tested without any transport.
+- `SetUpOnThreads`: ranks started one at a time as threads, each running a set-up over one TCPStore, for
+  tests that play a stranger on the store (rewrite a record, relay an endpoint) between them.
 - `all_reduce_on_threads`: one all_reduce per rank of an already-connected group.
 
 Every helper joins its threads against a deadline, so a hung rank fails the test instead of hanging it.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import threading
 import time
 from dataclasses import dataclass, field
@@ -96,8 +97,6 @@ def memory_world(world: int, fn: Callable[[Communicator], T], cfg: Config | None
 @contextlib.contextmanager
 def tcp_world(world: int, cfg: Config | None = None, timeout: float = 30.0) -> Iterator[list[Transport]]:
     """`world` connected TCP transports (one thread each connected them), closed when the block ends."""
-    import torch.distributed as dist
-
     from torch_thunderbolt.config import Config
     from torch_thunderbolt.rendezvous.tcp import connect_tcp
 
@@ -126,14 +125,10 @@ def _threads_connected(world: int, connect_rank: "Callable[[Any, int], Transport
                        timeout: float) -> Iterator[list[Transport]]:
     """connect_rank(store, rank) on `world` threads around one TCPStore on loopback; the transports are
     closed when the block ends."""
-    import torch.distributed as dist
-
-    server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=timeout),
-                           wait_for_workers=False)
+    server = _store_server(world, timeout)
 
     def connect(r: int) -> Transport:
-        st = dist.TCPStore("127.0.0.1", server.port, world, False, timeout=datetime.timedelta(seconds=timeout))
-        return connect_rank(dist.PrefixStore("job/", st), r)
+        return connect_rank(_rank_store(server.port, world, timeout), r)
 
     run = on_threads(world, connect, timeout + 5)
     transports: list[Transport | None] = [t if r not in run.hung else None for r, t in enumerate(run.results)]
@@ -147,6 +142,73 @@ def _threads_connected(world: int, connect_rank: "Callable[[Any, int], Transport
         for t in transports:
             if t is not None:
                 t.close()
+
+
+def _store_server(world: int, timeout: float) -> Any:
+    """The TCPStore server of one world on loopback (a free port); it does not wait for the ranks."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False)
+
+
+def _rank_store(port: int, world: int, timeout: float) -> Any:
+    """A rank's own client of the store server at `port`, under the "job/" prefix a job's ranks use."""
+    import torch.distributed as dist
+
+    st = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=timeout))
+    return dist.PrefixStore("job/", st)
+
+
+class SetUpOnThreads:
+    """Ranks started one at a time as threads, each running a set-up (`connect(store, rank, world, cfg,
+    timeout)`: rendezvous.tcp.connect_tcp, rendezvous.group.connect ...) over one TCPStore on loopback, so
+    that a test can play a stranger on the store between them: `view` is the store as anyone reading
+    MASTER_PORT sees it. What each rank's set-up returned is in `results`, what it raised in `errors`;
+    `close_result` closes one result when the world closes."""
+
+    def __init__(self, world: int, connect: Callable[..., Any], close_result: Callable[[Any], None] | None = None,
+                 timeout: float = 30.0) -> None:
+        import torch.distributed as dist
+
+        self.world, self.timeout = world, timeout
+        self._connect = connect
+        self._close_result = close_result or (lambda t: t.close())
+        self.server = _store_server(world, timeout)
+        self.view = dist.PrefixStore("job/", self.server)
+        self.results: dict[int, Any] = {}
+        self.errors: dict[int, BaseException] = {}
+        self.threads: list[threading.Thread] = []
+
+    def start(self, rank: int, cfg: Config, wrap_store: Callable[[Any], Any] | None = None) -> None:
+        """Rank `rank`'s set-up with `cfg` on a thread of its own; `wrap_store` gives the store it sees
+        (a stranger's rewriting view, say) from its own client of the server."""
+        def run() -> None:
+            try:
+                store = _rank_store(self.server.port, self.world, self.timeout)
+                store = wrap_store(store) if wrap_store is not None else store
+                self.results[rank] = self._connect(store, rank, self.world, cfg, self.timeout)
+            except BaseException as exc:  # noqa: BLE001 - the test inspects it
+                self.errors[rank] = exc
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def join(self, timeout: float = 60.0) -> None:
+        """Waits for every rank started so far; a rank still in its set-up after `timeout` fails the test."""
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self.threads), "a rank hung in the set-up"
+
+    def close(self) -> None:
+        for result in self.results.values():
+            self._close_result(result)
+        # The errors' tracebacks hold the ranks' frames and with them this object: drop the store server
+        # now, not at some later garbage collection (the session checks that nothing still listens).
+        self.errors.clear()
+        self.server = self.view = None
+        gc.collect()
 
 
 def all_reduce_on_threads(transports: Mapping[int, Transport] | Sequence[Transport],
