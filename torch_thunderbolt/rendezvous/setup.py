@@ -2,7 +2,8 @@
 
 A kind of link has one set-up function, `connect(setup: SetUp) -> LinkKind`, that connects this rank to
 `setup.peers` through the rendezvous store (all of `setup.users` run it together) and returns the kind's
-links, ready for the engine; and one row in the table (`kinds.KINDS`), a `KindRow`.
+links, ready for the engine; and one row in the table (`kinds.KINDS`), a `KindRow`. `connect_one_kind` makes a
+transport of one kind alone from its set-up (tests and tools: connect_tcp, connect_shm, connect_rdma).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any, Callable
 
 from ..config import Config
 from ..transport.base import LinkKind
+from ..transport.engine import Transport
+from .agree import leave_together
 from .records import GroupAuth, Records
 
 
@@ -51,6 +54,30 @@ class SetUp:
     def local_ranks(self) -> int:
         """Ranks of the group on this host (the whole group when hosts are not known)."""
         return self.hosts.count(self.hosts[self.rank]) if self.hosts else self.world
+
+
+def connect_one_kind(store: Any, rank: int, world: int, cfg: Config, timeout: float,
+                     connect_links: Callable[[SetUp], LinkKind]) -> Transport:
+    """A transport over one kind of link alone, to every other rank of the group, this rank joining the group
+    itself (every rank calls this instead of group.connect; tests and tools). `connect_links` is the kind's
+    set-up. A rank that fails says why in the store first, for its peers to name (Records.announce). Rank 0
+    returns only once every rank has read what it needs from the store (which rank 0 may serve:
+    agree.leave_together)."""
+    setup = SetUp.everyone(store, rank, world, cfg, timeout)
+    records = setup.records
+    try:
+        links = connect_links(setup)
+    except BaseException as exc:
+        records.announce(exc)
+        raise
+    transport = Transport(rank, world, [links])
+    try:
+        leave_together(records, rank, world)
+    except BaseException as exc:
+        records.announce(exc)
+        transport.close()
+        raise
+    return transport
 
 
 @dataclass(frozen=True)

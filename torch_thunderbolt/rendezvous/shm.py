@@ -28,10 +28,9 @@ from ..transport.engine import Transport
 from ..transport.shm import ShmLinks
 from ..transport.shm_window import area_bytes
 from . import hosts
-from .agree import leave_together
 from .hosts import recv_exact
 from .records import Records
-from .setup import SetUp
+from .setup import SetUp, connect_one_kind
 
 _HELLO = struct.Struct("<I16s")
 
@@ -142,21 +141,7 @@ def connect_shm(store: Any, rank: int, world: int, cfg: Config, timeout: float,
     (every rank calls this instead of group.connect). `opts`: sizes overriding the Config's (benchmarks,
     tests). Rank 0 returns only once every rank has read what it needs from the store (which rank 0 may
     serve: agree.leave_together)."""
-    setup = SetUp.everyone(store, rank, world, cfg, timeout)
-    records = setup.records
-    try:
-        links = connect_shm_links(setup, opts)
-    except BaseException as exc:
-        records.announce(exc)
-        raise
-    transport = Transport(rank, world, [links])
-    try:
-        leave_together(records, rank, world)
-    except BaseException as exc:
-        records.announce(exc)
-        transport.close()
-        raise
-    return transport
+    return connect_one_kind(store, rank, world, cfg, timeout, lambda setup: connect_shm_links(setup, opts))
 
 
 def connect_shm_links(setup: SetUp, opts: ShmOptions | None = None) -> ShmLinks:

@@ -31,10 +31,9 @@ from ..transport.engine import Transport
 from ..transport.netif import choose_addresses, network_of
 from ..transport.tcp import TcpLinks
 from . import hosts
-from .agree import leave_together
 from .hosts import recv_exact
 from .records import SECRET_HINT, Records
-from .setup import SetUp
+from .setup import SetUp, connect_one_kind
 
 log = logging.getLogger("torch_thunderbolt.bootstrap")
 # The no-secret warning goes on the package's top logger: it is about the whole job, not a set-up detail.
@@ -553,21 +552,7 @@ def connect_tcp(store: Any, rank: int, world: int, cfg: Config, timeout: float) 
     """A transport over TCP alone, to every other rank of the group, joining the group itself (every rank
     calls this instead of group.connect; tests and tools). Rank 0 returns only once every rank has read
     what it needs from the store (which rank 0 may serve: agree.leave_together)."""
-    setup = SetUp.everyone(store, rank, world, cfg, timeout)
-    records = setup.records
-    try:
-        links = connect_tcp_links(setup)
-    except BaseException as exc:
-        records.announce(exc)
-        raise
-    transport = Transport(rank, world, [links])
-    try:
-        leave_together(records, rank, world)
-    except BaseException as exc:
-        records.announce(exc)
-        transport.close()
-        raise
-    return transport
+    return connect_one_kind(store, rank, world, cfg, timeout, connect_tcp_links)
 
 
 def connect_tcp_links(setup: SetUp) -> TcpLinks:
