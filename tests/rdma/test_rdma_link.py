@@ -13,9 +13,10 @@ import torch
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import MismatchError, PeerLostError, RdmaError
 from torch_thunderbolt.protocol.framing import Space
+from torch_thunderbolt.rendezvous.agree import DONE
 from torch_thunderbolt.rendezvous.rdma import connect_rdma
 from torch_thunderbolt.testing.fake_verbs import fake_fabric
-from torch_thunderbolt.testing.worlds import _threads_connected, on_threads, rdma_world
+from torch_thunderbolt.testing.worlds import SetUpOnThreads, _threads_connected, on_threads, rdma_world
 from torch_thunderbolt.transport.rdma import RdmaLink
 
 pytestmark = pytest.mark.timeout(120)
@@ -284,6 +285,23 @@ def test_a_device_that_disappears_fails_both_ranks(tmp_path: Path) -> None:
     for err in run.errors.values():
         assert isinstance(err, PeerLostError) and "the RDMA device is gone" in str(err), err
     assert took < 10
+
+
+def test_connect_rdma_leaves_the_set_up_together_as_connect_tcp_does(tmp_path: Path) -> None:
+    """Rank 0 may serve the store (env://): like every kind alone (setup.connect_one_kind), connect_rdma
+    returns only once every rank has said it read all it needs from the store (agree.leave_together)."""
+    with fake_fabric(tmp_path / "fab", devices=DEVICES) as fab:
+        cfg = Config(verbs="fake", verbs_fabric=str(fab.path), transport="rdma")
+        world = SetUpOnThreads(2, connect_rdma, timeout=20)
+        try:
+            world.start(0, cfg)
+            world.start(1, cfg)
+            world.join()
+            assert not world.errors, world.errors
+            assert world.view.check([DONE.format(rank=0), DONE.format(rank=1)])
+        finally:
+            world.join()
+            world.close()
 
 
 def test_a_port_wedged_on_reconnect_fails_the_set_up_on_every_rank_and_a_reboot_cures_it(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ from ..platform import Platform, current
 from ..transport.engine import Transport
 from ..transport.netif import choose_addresses, network_of
 from .hosts import recv_exact
-from .setup import SetUp
+from .setup import SetUp, connect_one_kind
 from .tcp import NO_SECRET_WARNING, _Acceptor, _connect, _listen, security_log, store_host
 
 if TYPE_CHECKING:
@@ -177,13 +177,9 @@ def _describe(devices: Sequence[dict[str, Any]]) -> str:
 
 def connect_rdma(store: Any, rank: int, world: int, cfg: Config, timeout: float) -> Transport:
     """A transport over RDMA alone, to every other rank of the group, every rank on this host (threads or
-    processes of one machine over a fake fabric: tests and tools)."""
-    setup = SetUp.everyone(store, rank, world, cfg, timeout)
-    try:
-        return Transport(rank, world, [connect_rdma_links(setup)])
-    except BaseException as exc:
-        setup.records.announce(exc)
-        raise
+    processes of one machine over a fake fabric: tests and tools). Rank 0 returns only once every rank has
+    read what it needs from the store (which rank 0 may serve: agree.leave_together)."""
+    return connect_one_kind(store, rank, world, cfg, timeout, connect_rdma_links)
 
 
 def _lane_sizes(limit: int) -> tuple[int, int]:

@@ -66,11 +66,10 @@ def connect_one_kind(store: Any, rank: int, world: int, cfg: Config, timeout: fl
     setup = SetUp.everyone(store, rank, world, cfg, timeout)
     records = setup.records
     try:
-        links = connect_links(setup)
+        transport = Transport(rank, world, [connect_links(setup)])
     except BaseException as exc:
         records.announce(exc)
         raise
-    transport = Transport(rank, world, [links])
     try:
         leave_together(records, rank, world)
     except BaseException as exc:
