@@ -290,6 +290,20 @@ def close_socket(sock: socket.socket) -> None:
     sock.close()
 
 
+def close_control(sock: socket.socket, bye: "bytes | None") -> None:
+    """Close the control socket of a link whose data goes another way (shared-memory rings, RDMA queue
+    pairs), with `bye` (the orderly end's message, if any) sent first: blocking for half a second at most,
+    as the peer may be gone or not reading; an error here is the peer gone, nothing to report."""
+    if bye is not None:
+        try:
+            sock.setblocking(True)
+            sock.settimeout(0.5)
+            sock.sendall(bye)
+        except OSError:
+            pass
+    close_socket(sock)
+
+
 def bytes_view(buf: memoryview | bytearray | bytes) -> memoryview:
     mv = buf if isinstance(buf, memoryview) else memoryview(buf)
     if mv.format != "B" or mv.ndim != 1:

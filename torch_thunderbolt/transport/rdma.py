@@ -60,7 +60,7 @@ from ..platform import Platform, current, macos_version
 from ..protocol.framing import Frame, Kind, Space
 from ..protocol.signature import describe_sig, sig_compatible
 from . import verbs as v
-from .base import ANY_SOURCE, Key, Link, LinkKind, QuickReceive, Request, SocketFarewell, close_socket
+from .base import ANY_SOURCE, Key, Link, LinkKind, QuickReceive, Request, SocketFarewell, close_control
 
 log = logging.getLogger("torch_thunderbolt.rdma")
 
@@ -800,19 +800,14 @@ class RdmaLink(Link):
 
     def close(self, bye: bool) -> None:
         self.sendq.clear()
+        msg = None
         if bye and not self.eof:
             self.read_control()  # a peer that left already reads nothing more: no frame to see off
             if self.bye is None and not self.eof:
                 with contextlib.suppress(RdmaError):
                     self._drain_sends(time.monotonic() + 0.5)
             msg = CTL.pack(C_BYE, COUNTS.size) + COUNTS.pack(self.msg.sent, self.bulk.sent if self.bulk else 0)
-            try:
-                self.sock.setblocking(True)
-                self.sock.settimeout(0.5)
-                self.sock.sendall(msg)
-            except OSError:
-                pass
-        close_socket(self.sock)
+        close_control(self.sock, msg)
         self.eof = True
 
     def _drain_sends(self, deadline: float) -> None:

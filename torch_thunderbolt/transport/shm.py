@@ -31,7 +31,7 @@ from ..errors import MismatchError, PeerLostError, ProtocolError, ThunderboltErr
 from ..protocol.framing import Frame, Kind, Space
 from ..protocol.signature import describe_sig
 from . import shm_ring as ring
-from .base import Key, Link, LinkKind, Request, SocketFarewell, close_socket
+from .base import Key, Link, LinkKind, Request, SocketFarewell, close_control
 from .engine import Transport
 from .shm_segment import Segment
 from .shm_window import ShmWindowMemory, area_bytes
@@ -238,14 +238,7 @@ class ShmLink(Link):
 
     def close(self, bye: bool) -> None:
         self.sendq.clear()
-        if bye and not self.eof:
-            try:
-                self.sock.setblocking(True)
-                self.sock.settimeout(0.5)
-                self.sock.sendall(BYE)
-            except OSError:
-                pass
-        close_socket(self.sock)
+        close_control(self.sock, BYE if bye and not self.eof else None)
         self.eof = True
 
 
