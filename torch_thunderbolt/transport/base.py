@@ -304,6 +304,22 @@ def close_control(sock: socket.socket, bye: "bytes | None") -> None:
     close_socket(sock)
 
 
+OPS_REMEMBERED = 256  # a PING names an op the peer waits for now: one this far behind us is long settled
+
+
+def note_op_signature(kind: "Any", key: Key, sig: int) -> None:
+    """`note_post` of a kind whose links answer a peer's PING naming the collective op it waits for (TCP,
+    RDMA: the kind checks the signature the PING names against its own): remember the op's signature in
+    `kind.op_sigs` by tag the first time this rank posts a message of it, and forget the op OPS_REMEMBERED
+    before. A kind takes it as its method (`note_post = note_op_signature`): it runs on every post."""
+    if key[0] == Space.COLL and sig:
+        tag = key[1]
+        op_sigs = kind.op_sigs
+        if tag not in op_sigs:
+            op_sigs[tag] = sig
+            op_sigs.pop(tag - OPS_REMEMBERED, None)
+
+
 def bytes_view(buf: memoryview | bytearray | bytes) -> memoryview:
     mv = buf if isinstance(buf, memoryview) else memoryview(buf)
     if mv.format != "B" or mv.ndim != 1:

@@ -60,7 +60,8 @@ from ..platform import Platform, current, macos_version
 from ..protocol.framing import Frame, Kind, Space
 from ..protocol.signature import describe_sig, sig_compatible
 from . import verbs as v
-from .base import ANY_SOURCE, Key, Link, LinkKind, QuickReceive, Request, SocketFarewell, close_control
+from .base import (ANY_SOURCE, Key, Link, LinkKind, QuickReceive, Request, SocketFarewell, close_control,
+                   note_op_signature)
 
 log = logging.getLogger("torch_thunderbolt.rdma")
 
@@ -93,7 +94,6 @@ C_BYE, C_ABORT, C_PING, C_ANSWER, C_READY = b"B", b"A", b"P", b"Q", b"R"
 CTL = struct.Struct("<cI")
 COUNTS = struct.Struct("<QQ")  # a BYE: frames sent on the message and the bulk lane
 PROBE = struct.Struct("<qQqQQQQQQ")  # tag, sig, waits-on rank + 1, sent, received, posted (message, bulk)
-OPS_REMEMBERED = 256
 
 
 def frame_limit(port_max_msg: int, plat: Platform | None = None, os_version: "tuple[int, ...] | None" = None) -> int:
@@ -870,12 +870,7 @@ class RdmaLinks(LinkKind):
         self.probes_sent = 0
 
     # -- engine hooks -------------------------------------------------------------------------------------
-    def note_post(self, key: Key, sig: int) -> None:
-        if key[0] == Space.COLL and sig:
-            tag = key[1]
-            if tag not in self.op_sigs:
-                self.op_sigs[tag] = sig
-                self.op_sigs.pop(tag - OPS_REMEMBERED, None)
+    note_post = note_op_signature  # into self.op_sigs, what on_probe compares a PING with
 
     def ready(self) -> bool:
         """Polling a completion queue is the look (no system call): always worth a pump while spinning."""

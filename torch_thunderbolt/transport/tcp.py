@@ -31,13 +31,13 @@ from ..protocol.framing import (FRAME_HEADER_SIZE, Frame, FrameDecoder, Kind, Sp
                                 encode_frame_header)
 from ..protocol.integrity import SEALED_HEADER_SIZE, Opener, SealedFrameDecoder, Sealer
 from ..protocol.signature import describe_sig
-from .base import ANY_SOURCE, Key, Link, LinkKind, QuickReceive, Request, SocketFarewell, close_socket
+from .base import (ANY_SOURCE, Key, Link, LinkKind, QuickReceive, Request, SocketFarewell, close_socket,
+                   note_op_signature)
 from .engine import Transport
 from .failover import Fields, RxCount, StreamLog, is_link_failure
 
 log = logging.getLogger("torch_thunderbolt.tcp")
 WINDOW_LOOK = 0.1  # seconds between looks at a blocked stream's peer window (a getsockopt each)
-OPS_REMEMBERED = 256  # a PING names an op the peer waits for now: one this far behind us is long settled
 _STAGING = 1 << 16
 ABORT_PAYLOAD = object()  # marks an inbound ABORT payload
 
@@ -732,12 +732,7 @@ class TcpLinks(LinkKind):
             time.sleep(0.05)
             self.engine.pump_if_idle()
 
-    def note_post(self, key: Key, sig: int) -> None:
-        if key[0] == Space.COLL and sig:
-            tag = key[1]
-            if tag not in self.op_sigs:
-                self.op_sigs[tag] = sig
-                self.op_sigs.pop(tag - OPS_REMEMBERED, None)
+    note_post = note_op_signature  # into self.op_sigs, what check_probe compares a PING with
 
     def idle(self, slept: bool) -> None:
         """Probe the peers we wait on once nothing moved for `probe_after` seconds."""
