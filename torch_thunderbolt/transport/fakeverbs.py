@@ -90,6 +90,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from . import verbs as v
 from .shm_ring import fence, publish_fence
+from .shm_segment import process_alive
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +291,7 @@ class Fabric:
                     magic, pid = struct.unpack("<QQ", fh.read(16))
             except (OSError, struct.error):
                 continue
-            if magic == QP_MAGIC and _alive(pid):
+            if magic == QP_MAGIC and process_alive(pid):
                 live.append(p)
             else:
                 with contextlib.suppress(OSError):
@@ -300,22 +301,12 @@ class Fabric:
     def live_mrs(self, device: int) -> int:
         n = 0
         for p in (self.path / self.devices[device].name / "mr").iterdir():
-            if _alive(int(p.name.split(".")[0])):
+            if process_alive(int(p.name.split(".")[0])):
                 n += 1
             else:
                 with contextlib.suppress(OSError):
                     p.unlink()
         return n
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # --- the provider's objects ---------------------------------------------------------------------------
