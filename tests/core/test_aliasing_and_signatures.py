@@ -23,6 +23,25 @@ def _cfg(algo: str) -> Config:
     return Config(algo=algo, small_bytes=64, chunk_bytes=1024)
 
 
+def _mismatch_errors(call, window: int, cfg: Config | None = None) -> list[BaseException]:
+    """call(comm) on two ranks in memory (`window` > 0: with a shared window), which ranks that disagree must
+    fail: a MismatchError on one rank at least (the in-memory peer of a failed rank may see it as lost).
+    Returns every rank's error."""
+    errors: list[BaseException] = []
+
+    def body(comm):
+        try:
+            call(comm)
+        except Exception as exc:
+            errors.append(exc)
+            raise
+
+    with pytest.raises((MismatchError, PeerLostError)):
+        memory_world(2, body, cfg=cfg, window_bytes=window, comm_timeout=10)
+    assert any(isinstance(e, MismatchError) for e in errors), errors
+    return errors
+
+
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("n", [8, 3000])
@@ -69,18 +88,8 @@ def test_in_place_all_gather_all_to_all_gather_scatter_are_exact(algo):
 @pytest.mark.parametrize("ops", [("sum", "max"), ("sum", "avg"), ("min", "max"), ("sum", "product")])
 @pytest.mark.parametrize("n", [4, 5000])
 def test_different_reduce_ops_are_a_mismatch_on_every_rank(window, ops, n):
-    errors: list = []
-
-    def body(comm):
-        try:
-            comm.all_reduce(torch.ones(n) * (comm.rank + 1), ops[comm.rank % 2])
-        except Exception as exc:
-            errors.append(exc)
-            raise
-
-    with pytest.raises((MismatchError, PeerLostError)):
-        memory_world(2, body, cfg=Config(small_bytes=64), window_bytes=window, comm_timeout=10)
-    assert any(isinstance(e, MismatchError) for e in errors), errors
+    errors = _mismatch_errors(lambda comm: comm.all_reduce(torch.ones(n) * (comm.rank + 1), ops[comm.rank % 2]),
+                              window, Config(small_bytes=64))
     # Nobody returns a result of its own op as if it had worked (the in-memory peer of a failed rank sees
     # it as lost).
     assert len(errors) == 2 and not any(isinstance(e, CollectiveTimeout) for e in errors), errors
@@ -183,37 +192,17 @@ def test_a_point_to_point_message_of_another_dtype_is_refused_on_both_ranks_with
 @pytest.mark.parametrize("window", [0, 4096])
 def test_all_gather_of_the_same_bytes_packed_from_other_dtypes_is_a_mismatch(window):
     """What all_gather_coalesced passes: 16 bytes of float32[4] on one rank, of int32[4] on the other."""
-    errors: list = []
-
-    def body(comm):
+    def call(comm):
         layout = ("coalesced", (("float32" if comm.rank == 0 else "int32", 4),))
-        out = torch.zeros(32, dtype=torch.uint8)
-        try:
-            comm.all_gather(out, torch.ones(16, dtype=torch.uint8), layout=layout)
-        except Exception as exc:
-            errors.append(exc)
-            raise
+        comm.all_gather(torch.zeros(32, dtype=torch.uint8), torch.ones(16, dtype=torch.uint8), layout=layout)
 
-    with pytest.raises((MismatchError, PeerLostError)):
-        memory_world(2, body, window_bytes=window, comm_timeout=10)
-    assert errors and all(isinstance(e, (MismatchError, PeerLostError)) for e in errors), errors
-    assert any(isinstance(e, MismatchError) for e in errors), errors
+    errors = _mismatch_errors(call, window)
+    assert all(isinstance(e, (MismatchError, PeerLostError)) for e in errors), errors
 
 
 @pytest.mark.parametrize("window", [0, 4096])
 @pytest.mark.parametrize("n", [4, 5000])
 def test_all_reduce_of_tensors_packed_differently_is_a_mismatch(window, n):
     """all_reduce_coalesced of [n, n] on one rank and [2n] on the other: the same flat buffer, another packing."""
-    errors: list = []
-
-    def body(comm):
-        layout = (n, n) if comm.rank == 0 else None
-        try:
-            comm.all_reduce(torch.ones(2 * n), layout=layout)
-        except Exception as exc:
-            errors.append(exc)
-            raise
-
-    with pytest.raises((MismatchError, PeerLostError)):
-        memory_world(2, body, cfg=Config(small_bytes=64), window_bytes=window, comm_timeout=10)
-    assert any(isinstance(e, MismatchError) for e in errors), errors
+    _mismatch_errors(lambda comm: comm.all_reduce(torch.ones(2 * n), layout=(n, n) if comm.rank == 0 else None),
+                     window, Config(small_bytes=64))
