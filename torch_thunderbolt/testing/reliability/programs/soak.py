@@ -422,16 +422,7 @@ def soak() -> Exit | None:
             got["next_call"] = outcome(lambda: dist.barrier())
         got["case"] = MISMATCH
         result(dict(summary, mismatch=got))
-        try:  # stay until every rank has its outcome (see the mixed case below)
-            store = dist.distributed_c10d._get_default_store()
-            store.add("tb_soak_mismatch_done", 1)
-            t_end = time.monotonic() + TIMEOUT + 30
-            while store.add("tb_soak_mismatch_done", 0) < w and time.monotonic() < t_end:
-                time.sleep(0.05)
-        except Exception:
-            pass
-        sys.stdout.flush()
-        return Exit(0, hard=True)
+        return _exit_once_every_rank_has_its_outcome("tb_soak_mismatch_done", w, TIMEOUT)
 
     if MIXED and not errors:
         m = draw_mixed()
@@ -455,21 +446,26 @@ def soak() -> Exit | None:
             got["at_next_call"] = True
         got["case"] = {k: (str(v) if k == "dtype" else v) for k, v in m.items()} | {"my_op": mine}
         result(dict(summary, mixed=got))
-        # Stay until every rank has its outcome (through the store, the group is broken): a rank that exits
-        # early would make a slower one see a lost peer instead of the mismatch this checks.
-        # (Rank 0 serves the store and may leave as soon as the count is full: a lost store is fine here.)
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            store.add("tb_soak_mixed_done", 1)
-            t_end = time.monotonic() + TIMEOUT + 30
-            while store.add("tb_soak_mixed_done", 0) < w and time.monotonic() < t_end:
-                time.sleep(0.05)
-        except Exception:
-            pass
-        sys.stdout.flush()
-        return Exit(0, hard=True)  # the group is broken by design: do not wait for its teardown
+        return _exit_once_every_rank_has_its_outcome("tb_soak_mixed_done", w, TIMEOUT)
     dist.destroy_process_group()
     return None
+
+
+def _exit_once_every_rank_has_its_outcome(key: str, world: int, timeout: float) -> Exit:
+    """After a call that broke the group by design: stay until every rank has its outcome, counted in the
+    store under `key` (the group is broken), as a rank that exits early would make a slower one see a lost
+    peer instead of the mismatch checked; then exit without waiting for the group's teardown. (Rank 0
+    serves the store and may leave as soon as the count is full: a lost store is fine here.)"""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add(key, 1)
+        t_end = time.monotonic() + timeout + 30
+        while store.add(key, 0) < world and time.monotonic() < t_end:
+            time.sleep(0.05)
+    except Exception:
+        pass
+    sys.stdout.flush()
+    return Exit(0, hard=True)
 
 
 if __name__ == "__main__":
