@@ -92,10 +92,8 @@ class Relay:
 
 @pytest.fixture
 def world():
-    w = SetUpOnThreads(2, connect_tcp)
-    yield w
-    w.join()
-    w.close()
+    with SetUpOnThreads(2, connect_tcp) as w:
+        yield w
 
 
 def _value(raw: bytes):

@@ -30,10 +30,8 @@ WARNING = "THUNDERBOLT_SECRET is not set"
 
 @pytest.fixture
 def world():
-    w = SetUpOnThreads(2, connect_tcp)
-    yield w
-    w.join()
-    w.close()
+    with SetUpOnThreads(2, connect_tcp) as w:
+        yield w
 
 
 def stranger_joins_as_rank_1(view, streams: int) -> list[socket.socket]:

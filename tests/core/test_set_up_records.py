@@ -7,6 +7,7 @@ stranger's garbage does not earn. The Records unit tests pin what a MAC covers.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -61,15 +62,8 @@ class Rewriting:
 
 @pytest.fixture
 def make_world():
-    made: list[World] = []
-
-    def make(n: int) -> World:
-        made.append(World(n, connect, close_result=lambda c: c.transport.close()))
-        return made[-1]
-    yield make
-    for w in made:
-        w.join()
-        w.close()
+    with contextlib.ExitStack() as made:
+        yield lambda n: made.enter_context(World(n, connect, close_result=lambda c: c.transport.close()))
 
 
 # (record, THUNDERBOLT_TRANSPORT): every record a rank reads from another during set-up but the last.

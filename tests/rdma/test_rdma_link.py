@@ -292,16 +292,12 @@ def test_connect_rdma_leaves_the_set_up_together_as_connect_tcp_does(tmp_path: P
     returns only once every rank has said it read all it needs from the store (agree.leave_together)."""
     with fake_fabric(tmp_path / "fab", devices=DEVICES) as fab:
         cfg = Config(verbs="fake", verbs_fabric=str(fab.path), transport="rdma")
-        world = SetUpOnThreads(2, connect_rdma, timeout=20)
-        try:
+        with SetUpOnThreads(2, connect_rdma, timeout=20) as world:
             world.start(0, cfg)
             world.start(1, cfg)
             world.join()
             assert not world.errors, world.errors
             assert world.view.check([DONE.format(rank=0), DONE.format(rank=1)])
-        finally:
-            world.join()
-            world.close()
 
 
 def test_a_port_wedged_on_reconnect_fails_the_set_up_on_every_rank_and_a_reboot_cures_it(tmp_path: Path) -> None:

@@ -165,7 +165,7 @@ class SetUpOnThreads:
     timeout)`: rendezvous.tcp.connect_tcp, rendezvous.group.connect ...) over one TCPStore on loopback, so
     that a test can play a stranger on the store between them: `view` is the store as anyone reading
     MASTER_PORT sees it. What each rank's set-up returned is in `results`, what it raised in `errors`;
-    `close_result` closes one result when the world closes."""
+    `close_result` closes one result when the world closes (as a `with` block ends: after joining)."""
 
     def __init__(self, world: int, connect: Callable[..., Any], close_result: Callable[[Any], None] | None = None,
                  timeout: float = 30.0) -> None:
@@ -200,6 +200,15 @@ class SetUpOnThreads:
         for t in self.threads:
             t.join(max(0.0, deadline - time.monotonic()))
         assert not any(t.is_alive() for t in self.threads), "a rank hung in the set-up"
+
+    def __enter__(self) -> "SetUpOnThreads":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.join()
+        finally:
+            self.close()
 
     def close(self) -> None:
         for result in self.results.values():
