@@ -593,7 +593,11 @@ class RdmaLink(Link):
             if self.sendq and self.engine.broken is None:
                 moved |= self._flush()
             if self.engine.broken is None:
-                self._maybe_credit()
+                bulk = self.bulk
+                # (_maybe_credit's test, cheapest first: every look of a spinning rank comes here)
+                if (self.peer_starving or self.msg.posted - self.told_m >= self.half_m
+                        or (bulk is not None and bulk.posted - self.told_b >= self.half_b)):
+                    self._maybe_credit()
                 if self.bye is not None and not self.left:
                     self._check_bye()
         except RdmaError as exc:
