@@ -707,16 +707,18 @@ class RdmaLink(Link):
         return True
 
     def posted_recv(self) -> None:
-        def resume() -> None:
-            for lane in self.lanes:
-                while lane.backlog and self.engine.broken is None:
-                    slot, frame = lane.backlog[0]
-                    if not self._deliver(lane, slot, frame):
-                        break
-                    lane.backlog.popleft()
-            self._maybe_credit()
-        if any(lane.backlog for lane in self.lanes):
-            self._guarded(resume)
+        if self.msg.backlog or (self.bulk is not None and self.bulk.backlog):  # (every receive posted asks)
+            self._guarded(self._resume)
+
+    def _resume(self) -> None:
+        """Deliver the frames held back for a receive that was not posted, while receives take them."""
+        for lane in self.lanes:
+            while lane.backlog and self.engine.broken is None:
+                slot, frame = lane.backlog[0]
+                if not self._deliver(lane, slot, frame):
+                    break
+                lane.backlog.popleft()
+        self._maybe_credit()
 
     def quick_receive(self, key: Key, sig: int, dest: memoryview) -> "RdmaReceive | None":
         """The peer's message `key` taken straight from its receive slot by the engine's looks (see
