@@ -415,6 +415,12 @@ class RdmaEnd:
 
 # --- the link ----------------------------------------------------------------------------------------------
 
+def _is_whole(frame: Frame, key: Key, sig: int, nbytes: int) -> bool:
+    """`frame` is the whole message `key` of `nbytes` bytes, with a signature `sig` accepts."""
+    return (frame.offset == 0 and frame.length == frame.total == nbytes and frame.tag == key[1]
+            and frame.seq == key[2] and frame.space == key[0] and (frame.sig == sig or not sig or not frame.sig))
+
+
 def _always(frame: Frame) -> bool:
     """A collective frame whose receive is not posted stays in its receive slot (parked): its credit comes
     back once the receive is posted, so a peer that runs ahead is held by flow control."""
@@ -722,10 +728,30 @@ class RdmaLink(Link):
 
     def quick_receive(self, key: Key, sig: int, dest: memoryview) -> "RdmaReceive | None":
         """The peer's message `key` taken straight from its receive slot by the engine's looks (see
-        RdmaReceive), when it fits one frame of the message lane and nothing is held there."""
-        if len(dest) > self.msg.payload or self.msg.backlog or self.eof or self.bye is not None:
+        RdmaReceive), when it fits one frame of the message lane and nothing is held there but, first in
+        line, that very message (a peer a step ahead sent it before this rank got here)."""
+        msg = self.msg
+        if len(dest) > msg.payload or self.eof or self.bye is not None:
+            return None
+        if msg.backlog and not _is_whole(msg.backlog[0][1], key, sig, len(dest)):
             return None
         return self._quick.start(key, sig, dest)
+
+    def _take_parked(self, q: "RdmaReceive") -> None:
+        """The quick receive's message from the head of the message lane's backlog (if it is that), as
+        `_deliver` would give it to a posted receive: copied out, its receive slot posted again."""
+        msg = self.msg
+        slot, frame = msg.backlog[0]
+        if not _is_whole(frame, q.key, q.sig, len(q.dest)):
+            return
+        msg.backlog.popleft()
+        if frame.length:
+            at = msg.recv_base + slot * msg.size + HEADER
+            q.dest[:] = self.mem[at : at + frame.length]
+        q.done = True
+        self.kind.bytes_received += frame.length
+        self.kind.quick_messages += 1
+        msg.post_recv(slot)
 
     # -- what the link knows about the peer ---------------------------------------------------------------
     def gone(self) -> bool:
@@ -943,6 +969,9 @@ class RdmaReceive(QuickReceive):
 
     def step(self) -> bool:
         link = self.link
+        if link.msg.backlog:  # held back before this receive was made: it is the message, or the look is over
+            link._guarded(lambda: link._take_parked(self))
+            return True
         link.expect = self  # only while this look pumps: a frame arriving at any other time is matched
         try:
             link.pump()
