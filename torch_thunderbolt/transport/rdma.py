@@ -80,6 +80,7 @@ F_STARVING = 1
 M32 = 0xFFFFFFFF
 _SPACES = {int(s): s for s in Space}
 _TYPES = frozenset((T_DATA, T_CREDIT, T_HELLO))
+_NO_DEST = memoryview(b"")
 
 FRAME = 4096  # a Thunderbolt frame
 MSG_SIZE = 8192  # message lane receives: 2 frames (1 where the provider takes only 4 KiB receives)
@@ -683,8 +684,8 @@ class RdmaLink(Link):
                 and space == expect.space and (sig == expect.sig or not sig or not expect.sig)):
             if length:
                 expect.dest[:] = self.mem[at + HEADER : at + HEADER + length]
+            expect.done, expect.dest = True, _NO_DEST  # (the link keeps its quick receive: not the user's buffer)
             lane.post_recv(slot)
-            expect.done = True
             kind = self.kind
             kind.bytes_received += length
             kind.quick_messages += 1
@@ -748,7 +749,7 @@ class RdmaLink(Link):
         if frame.length:
             at = msg.recv_base + slot * msg.size + HEADER
             q.dest[:] = self.mem[at : at + frame.length]
-        q.done = True
+        q.done, q.dest = True, _NO_DEST
         self.kind.bytes_received += frame.length
         self.kind.quick_messages += 1
         msg.post_recv(slot)
@@ -921,6 +922,7 @@ class RdmaLink(Link):
 
     def close(self, bye: bool) -> None:
         self.sendq.clear()
+        self._quick.dest = _NO_DEST  # (one the engine gave up on: a view of a buffer the engine may free next)
         if bye and not self.eof:
             self.read_control()  # a peer that left already reads nothing more: no frame to see off
             if self.bye is None and not self.eof:
@@ -959,7 +961,7 @@ class RdmaReceive(QuickReceive):
         self.link, self.peer = link, link.peer
         self.key: Key = (0, 0, 0)
         self.space = self.tag = self.seq = self.sig = 0
-        self.dest = memoryview(b"")
+        self.dest = _NO_DEST
         self.done = False
 
     def start(self, key: Key, sig: int, dest: memoryview) -> "RdmaReceive":
