@@ -159,6 +159,38 @@ def test_a_quick_receive_the_engine_gave_up_on_leaves_the_message_to_the_general
         assert not run.hung and not run.errors, run.errors
 
 
+def _until_held(t, peer: int, seconds: float = 20.0) -> None:
+    """Drive `t` until a message of `peer` is held back in a receive slot (it has no receive posted)."""
+    end = time.monotonic() + seconds
+    while not _link(t, peer).has_unread():
+        assert time.monotonic() < end, "the message was never held back"
+        t.progress(0.01)
+
+
+def test_a_message_held_back_before_its_op_is_taken_by_the_quick_receive(tmp_path: Path) -> None:
+    """A peer a step ahead: its message arrives before this rank runs the op and waits in its receive slot;
+    the op's exchange reads it from there (the quick receive, bytes intact, the slot posted again). One of
+    another size held back the same way still fails the op as a mismatch (the general path's check)."""
+    with fake_fabric(tmp_path / "fab", devices=DEVICES) as fab, rdma_world(2, fab) as ts:
+        key = (Space.COLL, 3, 0)
+        ts[0].wait([ts[0].isend(1, key, memoryview(_data(1000, 5).numpy()), SIG)], time.monotonic() + 20)
+        _until_held(ts[1], 0)
+        kind, link = ts[1].link_kind("rdma"), _link(ts[1], 0)
+        quick, posted = kind.quick_messages, link.msg.posted
+        out = torch.zeros(1000, dtype=torch.uint8)
+        ts[1].exchange([], [(0, key, memoryview(out.numpy()))], SIG, time.monotonic() + 20)
+        assert torch.equal(out, _data(1000, 5))
+        assert kind.quick_messages == quick + 1 and link.msg.posted == posted + 1 and not link.has_unread()
+
+        key = (Space.COLL, 4, 0)
+        ts[0].wait([ts[0].isend(1, key, memoryview(_data(1000, 6).numpy()), SIG)], time.monotonic() + 20)
+        _until_held(ts[1], 0)
+        out = torch.zeros(999, dtype=torch.uint8)
+        with pytest.raises(MismatchError, match="1000"):
+            ts[1].exchange([], [(0, key, memoryview(out.numpy()))], SIG, time.monotonic() + 20)
+        assert not out.any()
+
+
 @pytest.mark.parametrize("channel", [True, False])
 def test_sleeping_ranks_wake_with_and_without_completion_channels(tmp_path: Path, channel: bool) -> None:
     """Apple's provider may never signal a completion channel: with none, a rank polls with a bounded

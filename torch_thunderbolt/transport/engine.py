@@ -200,7 +200,7 @@ class Transport:
         if not sends and not recvs:
             return
         reqs = [r for r in self._send(sends, sig, (sends or recvs)[0][1]) if r is not None]
-        if recvs and all(r.done for r in reqs) and self._progress_lock.acquire(blocking=False):
+        if recvs and (not reqs or all(r.done for r in reqs)) and self._progress_lock.acquire(blocking=False):
             try:
                 recvs = self._quick_receive(recvs, sig, deadline)
             finally:
@@ -209,7 +209,7 @@ class Transport:
                     self._cv.signal()
         if recvs:
             reqs += [self.irecv(p, key, buf, sig) for p, key, buf in recvs]
-        if not all(r.done for r in reqs):
+        if reqs and not all(r.done for r in reqs):
             self.wait(reqs, deadline, what)
 
     def _quick_receive(self, recvs: Sequence[tuple[int, Key, memoryview]], sig: int,
@@ -218,8 +218,10 @@ class Transport:
         engine); returns those left to receive the general way. One message per peer at most: two readers
         of one stream would take each other's bytes."""
         with self._lock:
-            if (self.broken is not None or self.closed or len({p for p, _, _ in recvs}) < len(recvs)
-                    or any((p, key) in self.matcher.unexpected for p, key, _ in recvs)):
+            unexpected = self.matcher.unexpected
+            if (self.broken is not None or self.closed
+                    or (len(recvs) > 1 and len({p for p, _, _ in recvs}) < len(recvs))
+                    or (unexpected and any((p, key) in unexpected for p, key, _ in recvs))):
                 return recvs  # (the general path raises the group's error, or takes what a link kept)
             quick = []
             for peer, key, buf in recvs:

@@ -43,6 +43,7 @@ message's signature, tag, seq, this part's offset and the message's total length
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
 import mmap
@@ -52,26 +53,35 @@ import socket
 import struct
 import time
 from collections import deque
+from ctypes import c_void_p
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..errors import MismatchError, PeerLostError, ProtocolError, RdmaError, ThunderboltError
 from ..platform import Platform, current, macos_version
 from ..protocol.framing import Frame, Kind, Space
-from ..protocol.signature import describe_sig, sig_compatible
+from ..protocol.signature import describe_sig
 from . import verbs as v
+from .verbs import WC, WC_BYTES
 from .base import (ANY_SOURCE, Key, Link, LinkKind, QuickReceive, Request, SocketFarewell, close_control,
                    note_op_signature)
 
 log = logging.getLogger("torch_thunderbolt.rdma")
 
 HDR = struct.Struct("<BBBxIIIIxxxxQqQQQ")
+_U32 = struct.Struct("<I")
+# Offsets in verbs' structures (rdma-core's layout, pinned by tests/rdma/test_verbs_layout.py): an ibv_sge's
+# length, an ibv_send_wr's send_flags, and their sizes (arrays of them are patched in place).
+SGE_BYTES, SGE_LENGTH = ctypes.sizeof(v.ibv_sge), v.ibv_sge.length.offset
+SEND_WR_BYTES, SEND_FLAGS = ctypes.sizeof(v.ibv_send_wr), v.ibv_send_wr.send_flags.offset
 HEADER = HDR.size  # 64
 assert HEADER == 64
 T_DATA, T_CREDIT, T_HELLO = 1, 2, 3
 F_STARVING = 1
 M32 = 0xFFFFFFFF
 _SPACES = {int(s): s for s in Space}
+_TYPES = frozenset((T_DATA, T_CREDIT, T_HELLO))
+_NO_DEST = memoryview(b"")
 
 FRAME = 4096  # a Thunderbolt frame
 MSG_SIZE = 8192  # message lane receives: 2 frames (1 where the provider takes only 4 KiB receives)
@@ -177,14 +187,20 @@ def probe_devices(verbs: v.Verbs, plat: Platform | None = None) -> list[DeviceSt
 
 class Lane:
     """One queue pair of a link, its send slots and receive slots (in the link's registered buffer), and the
-    counters of its credits and sequence numbers (absolute; frames carry them mod 2^32)."""
+    counters of its credits and sequence numbers (absolute; frames carry them mod 2^32).
+
+    Every slot has its work request made once (`verbs.ibv_send_wr` / `ibv_recv_wr` with its scatter/gather
+    entry pointing at the slot): a post patches at most a send's length and flags, then calls the provider
+    through the context's ops table as verbs.h's inline ibv_post_send does. A small op posts one send and one
+    receive, and building them per post was a good part of its Python (QueuePair.post_send does that)."""
 
     __slots__ = ("qp", "index", "size", "payload", "min_send", "depth", "nslots", "send_base", "recv_base",
                  "send_code", "recv_code", "head", "tail", "sig_head", "sent", "rx", "posted", "peer_posted",
-                 "backlog", "name")
+                 "backlog", "name", "_swrs", "_ssges", "_rwrs", "_rsges", "send_args", "recv_args", "send_lens",
+                 "send_flags", "post_send_fn", "post_recv_fn", "qp_arg", "_bad", "bad_arg", "device")
 
     def __init__(self, qp: v.QueuePair, index: int, size: int, depth: int, nslots: int, send_base: int,
-                 recv_base: int) -> None:
+                 recv_base: int, addr: int = 0, lkey: int = 0) -> None:
         self.qp, self.index, self.size = qp, index, size
         self.name = ("message", "bulk")[index]
         self.payload = size - HEADER
@@ -200,12 +216,59 @@ class Lane:
         self.posted = 0  # receives posted
         self.peer_posted = 0  # receives the peer said it posted for us
         self.backlog: deque[tuple[int, Frame]] = deque()  # frames held until their receive is posted
+        self.device = qp.device.name
+        # The work requests, one per slot (addr: the registered buffer's address, lkey: its key).
+        self._ssges = (v.ibv_sge * nslots)()
+        self._swrs = (v.ibv_send_wr * nslots)()
+        self._rsges = (v.ibv_sge * depth)()
+        self._rwrs = (v.ibv_recv_wr * depth)()
+        for slot in range(nslots):
+            sge = self._ssges[slot]
+            sge.addr, sge.length, sge.lkey = addr + send_base + slot * size, 0, lkey
+            wr = self._swrs[slot]
+            wr.wr_id, wr.sg_list, wr.num_sge = self.send_code | slot, ctypes.pointer(sge), 1
+            wr.opcode, wr.send_flags = v.IBV_WR_SEND, 0
+        for slot in range(depth):
+            sge = self._rsges[slot]
+            sge.addr, sge.length, sge.lkey = addr + recv_base + slot * size, size, lkey
+            rwr = self._rwrs[slot]
+            rwr.wr_id, rwr.sg_list, rwr.num_sge = self.recv_code | slot, ctypes.pointer(sge), 1
+        self.send_args = [c_void_p(ctypes.addressof(wr)) for wr in self._swrs]
+        self.recv_args = [c_void_p(ctypes.addressof(wr)) for wr in self._rwrs]
+        self.send_lens = [0] * nslots  # what each slot's work request says now
+        self.send_flags = [0] * nslots
+        # As the inline ibv_post_send/ibv_post_recv do (and QueuePair): qp->context->ops.post_send / post_recv.
+        ops = v.ibv_qp.from_address(qp.qp).context.contents.ops
+        self.post_send_fn, self.post_recv_fn = v.POST_SEND(ops.post_send), v.POST_RECV(ops.post_recv)
+        self.qp_arg = c_void_p(qp.qp)
+        self._bad = c_void_p()
+        self.bad_arg = c_void_p(ctypes.addressof(self._bad))
 
     def credits(self) -> int:
         return self.peer_posted - self.sent
 
     def free_slots(self) -> int:
         return self.nslots - (self.head - self.tail)
+
+    def post_send(self, slot: int, length: int, signal: bool) -> None:
+        """Post send slot `slot` with `length` bytes (its frame written already)."""
+        if self.send_lens[slot] != length:
+            _U32.pack_into(self._ssges, slot * SGE_BYTES + SGE_LENGTH, length)
+            self.send_lens[slot] = length
+        flags = v.IBV_SEND_SIGNALED if signal else 0
+        if self.send_flags[slot] != flags:
+            _U32.pack_into(self._swrs, slot * SEND_WR_BYTES + SEND_FLAGS, flags)
+            self.send_flags[slot] = flags
+        rc = self.post_send_fn(self.qp_arg, self.send_args[slot], self.bad_arg)
+        if rc:
+            raise v._fail("ibv_post_send", self.device, rc, f"queue pair {self.qp.qp_num}, {length} bytes")
+
+    def post_recv(self, slot: int) -> None:
+        """Post receive slot `slot` (again)."""
+        rc = self.post_recv_fn(self.qp_arg, self.recv_args[slot], self.bad_arg)
+        if rc:
+            raise v._fail("ibv_post_recv", self.device, rc, f"queue pair {self.qp.qp_num}, {self.size} bytes")
+        self.posted += 1
 
 
 class RdmaEnd:
@@ -253,7 +316,8 @@ class RdmaEnd:
                     break
                 made.append(qp)
                 qp.to_init()
-                self.lanes.append(Lane(qp, i, size, depth, slots, at, at + size * slots))
+                self.lanes.append(Lane(qp, i, size, depth, slots, at, at + size * slots, self.mr.addr,
+                                       self.mr.lkey))
                 at += size * (depth + slots)
         except BaseException:
             for obj in reversed(made):  # queue pairs, then the queue, the channel, the region
@@ -286,9 +350,7 @@ class RdmaEnd:
                 self.post_recv(lane, slot)
 
     def post_recv(self, lane: Lane, slot: int) -> None:
-        lane.qp.post_recv(lane.recv_code | slot, self.mr.addr + lane.recv_base + slot * lane.size, lane.size,
-                          self.mr.lkey)
-        lane.posted += 1
+        lane.post_recv(slot)
 
     def send_hello(self) -> None:
         """Frame 0 of every lane: proves the path end to end (both ends are RTS with receives posted: the
@@ -298,8 +360,7 @@ class RdmaEnd:
             slot = lane.head % lane.nslots
             at = lane.send_base + slot * lane.size
             HDR.pack_into(self.mem, at, T_HELLO, 0, 0, 0, lane.sent & M32, pm & M32, pb & M32, 0, 0, 0, 0, 0)
-            lane.qp.post_send(lane.send_code | slot, self.mr.addr + at, max(HEADER, lane.min_send), self.mr.lkey,
-                              True)
+            lane.post_send(slot, max(HEADER, lane.min_send), True)
             lane.head += 1
             lane.sig_head = lane.head
             lane.sent += 1
@@ -355,6 +416,12 @@ class RdmaEnd:
 
 # --- the link ----------------------------------------------------------------------------------------------
 
+def _is_whole(frame: Frame, key: Key, sig: int, nbytes: int) -> bool:
+    """`frame` is the whole message `key` of `nbytes` bytes, with a signature `sig` accepts."""
+    return (frame.offset == 0 and frame.length == frame.total == nbytes and frame.tag == key[1]
+            and frame.seq == key[2] and frame.space == key[0] and (frame.sig == sig or not sig or not frame.sig))
+
+
 def _always(frame: Frame) -> bool:
     """A collective frame whose receive is not posted stays in its receive slot (parked): its credit comes
     back once the receive is posted, so a peer that runs ahead is held by flow control."""
@@ -372,15 +439,24 @@ class RdmaLink(Link):
         self.bulk = end.lanes[1] if len(end.lanes) > 1 else None
         self.by_code = [lane for lane in end.lanes for _ in (0, 1)]  # wr_id >> 16 -> lane
         self.cq = end.cq
+        # As the inline ibv_poll_cq does (and CompletionQueue.poll): cq->context->ops.poll_cq, into the
+        # queue's array of completions; called here directly, one Python call less per look.
+        cq = end.cq
+        self._poll_cq = v.POLL_CQ(v.ibv_cq.from_address(cq.cq).context.contents.ops.poll_cq)
+        self._cq_arg, self._wc_arg = c_void_p(cq.cq), c_void_p(ctypes.addressof(cq.wc))
+        self._wc, self._max_poll = cq.wc, cq.max_poll
         self.mem = end.mem
         self.base, self.lkey = end.mr.addr, end.mr.lkey
         self.channel_fd = end.channel.fd if (end.channel is not None and end.channel_works) else -1
-        self.told = end.told
+        self.told_m, self.told_b = end.told  # the posted counts our last frame carried (message, bulk lane)
+        self.half_m = self.msg.depth // 2  # receives posted since then that are worth a frame of their own
+        self.half_b = self.bulk.depth // 2 if self.bulk is not None else 0
         self.sendq: deque[list] = deque()  # [request, bytes handed out]
         self.starving = False  # our next data waits for credits
         self.asked = False  # and we told the peer (once per famine)
         self.peer_starving = False  # the peer's last frame said it waits for our credits
         self.expect: "RdmaReceive | None" = None
+        self._quick = RdmaReceive(self)  # the one quick receive of this link (see quick_receive)
         self.ctl = bytearray()
         self.eof = False
         self.bye: tuple[int, int] | None = None  # the peer's BYE: frames it sent on each lane
@@ -401,19 +477,36 @@ class RdmaLink(Link):
 
     def send_now(self, key: Key, sig: int, buf: memoryview) -> "Request | None":
         """A message that fits one frame of the message lane goes at once when the lane has a free slot and
-        credit: no Request (what a small collective's message does)."""
+        credit: no Request (what a small collective's message does). `_frame_out`, written out for this case."""
         lane = self.msg
         n = len(buf)
-        if (not self.sendq and n <= lane.payload and lane.head - lane.tail < lane.nslots
-                and lane.peer_posted - lane.sent > RESERVE and not self.eof and self.bye is None):
-            try:
-                self._frame_out(lane, T_DATA, key[0], sig, key[1], key[2], 0, n, n, buf)
-            except RdmaError as exc:
-                self._failed(exc)
-                raise self.engine.broken from None
-            self.kind.bytes_sent += n
-            return None
-        return super().send_now(key, sig, buf)
+        head = lane.head
+        if (self.sendq or n > lane.payload or head - lane.tail >= lane.nslots
+                or lane.peer_posted - lane.sent <= RESERVE or self.eof or self.bye is not None):
+            return super().send_now(key, sig, buf)
+        slot = head % lane.nslots
+        at = lane.send_base + slot * lane.size
+        bulk = self.bulk
+        pm, pb = lane.posted, bulk.posted if bulk is not None else 0
+        mem = self.mem
+        HDR.pack_into(mem, at, T_DATA, F_STARVING if self.starving else 0, key[0], n, lane.sent & M32, pm & M32,
+                      pb & M32, sig, key[1], key[2], 0, n)
+        if n:
+            mem[at + HEADER : at + HEADER + n] = buf
+        length = HEADER + n
+        try:
+            lane.post_send(slot, length if length >= lane.min_send else lane.min_send,
+                           head % SIGNAL_EVERY == SIGNAL_EVERY - 1)
+        except RdmaError as exc:
+            self._failed(exc)
+            raise self.engine.broken from None
+        lane.head = head + 1
+        if head % SIGNAL_EVERY == SIGNAL_EVERY - 1:
+            lane.sig_head = head + 1
+        lane.sent += 1
+        self.told_m, self.told_b = pm, pb
+        self.kind.bytes_sent += n
+        return None
 
     def _frame_out(self, lane: Lane, typ: int, space: int, sig: int, tag: int, seq: int, offset: int,
                    length: int, total: int, payload: "memoryview | None", signal: bool = False) -> None:
@@ -430,13 +523,12 @@ class RdmaLink(Link):
             self.mem[at + HEADER : at + HEADER + length] = payload
         n = HEADER + length
         signal = signal or head % SIGNAL_EVERY == SIGNAL_EVERY - 1
-        lane.qp.post_send(lane.send_code | slot, self.base + at, n if n >= lane.min_send else lane.min_send,
-                          self.lkey, signal)
+        lane.post_send(slot, n if n >= lane.min_send else lane.min_send, signal)
         lane.head = head + 1
         if signal:
             lane.sig_head = head + 1
         lane.sent += 1
-        self.told = (pm, pb)
+        self.told_m, self.told_b = pm, pb
 
     def _flush(self) -> bool:
         """Put queued messages on the lanes while slots and credits last."""
@@ -491,14 +583,13 @@ class RdmaLink(Link):
     def _maybe_credit(self) -> None:
         """Tell the peer about receives posted since our last frame when it is worth a frame of its own: half
         a lane's worth, or any while the peer starves."""
-        pm, pb = self.told
-        owed = self.msg.posted - pm
-        if self.bulk is not None:
-            owed_bulk = self.bulk.posted - pb
-            due = owed_bulk >= self.bulk.depth // 2 or owed >= self.msg.depth // 2
+        owed = self.msg.posted - self.told_m
+        due = owed >= self.half_m
+        bulk = self.bulk
+        if bulk is not None:
+            owed_bulk = bulk.posted - self.told_b
+            due = due or owed_bulk >= self.half_b
             owed += owed_bulk
-        else:
-            due = owed >= self.msg.depth // 2
         if (due or (self.peer_starving and owed > 0)) and self._can_credit():
             self._credit()
 
@@ -509,7 +600,11 @@ class RdmaLink(Link):
             if self.sendq and self.engine.broken is None:
                 moved |= self._flush()
             if self.engine.broken is None:
-                self._maybe_credit()
+                bulk = self.bulk
+                # (_maybe_credit's test, cheapest first: every look of a spinning rank comes here)
+                if (self.peer_starving or self.msg.posted - self.told_m >= self.half_m
+                        or (bulk is not None and bulk.posted - self.told_b >= self.half_b)):
+                    self._maybe_credit()
                 if self.bye is not None and not self.left:
                     self._check_bye()
         except RdmaError as exc:
@@ -531,17 +626,19 @@ class RdmaLink(Link):
 
     def _poll(self) -> bool:
         """Take every completion waiting: free send slots, check and deliver arrived frames."""
-        cq, engine = self.cq, self.engine
+        engine, wc, by_code = self.engine, self._wc, self.by_code
         moved = False
         while True:
-            n = cq.poll()
-            if not n:
+            n = self._poll_cq(self._cq_arg, self._max_poll, self._wc_arg)
+            if n <= 0:
+                if n < 0:
+                    raise v._fail("poll_cq", self.end.device.name, n)
                 return moved
             moved = True
             for i in range(n):
-                wr_id, status, _op, byte_len, _qpn = cq.entry(i)
+                wr_id, status, _op, _vendor, byte_len, _imm, _qpn, _src = WC.unpack_from(wc, i * WC_BYTES)
                 code = wr_id >> 16
-                lane = self.by_code[code]
+                lane = by_code[code]
                 if status:
                     self._bad_completion(lane, code & 1, status)
                     return True
@@ -551,7 +648,7 @@ class RdmaLink(Link):
                         return True
                 else:
                     lane.tail += ((wr_id & 0xFFFF) - lane.tail) % lane.nslots + 1
-            if n < cq.max_poll:
+            if n < self._max_poll:
                 return moved
 
     def _arrived(self, lane: Lane, slot: int, byte_len: int) -> None:
@@ -560,7 +657,7 @@ class RdmaLink(Link):
          total) = HDR.unpack_from(self.mem, at)
         if qseq != lane.rx & M32:
             raise self._lost(lane, qseq)
-        if (byte_len < HEADER + length or byte_len > lane.size or typ not in (T_DATA, T_CREDIT, T_HELLO)
+        if (byte_len < HEADER + length or byte_len > lane.size or typ not in _TYPES
                 or space not in _SPACES or offset + length > total or total > MAX_MESSAGE):
             raise ProtocolError(f"rank {self.engine.rank}: rank {self.peer} sent a malformed frame on the RDMA "
                                 f"{lane.name} lane ({byte_len} bytes arrived, type {typ}, length {length}, "
@@ -574,23 +671,24 @@ class RdmaLink(Link):
             d = (pb - bulk.peer_posted) & M32
             if d < 1 << 31:
                 bulk.peer_posted += d
-        self.peer_starving = bool(flags & F_STARVING)
+        self.peer_starving = flags & F_STARVING != 0
         if self.asked and msg.peer_posted - msg.sent > RESERVE and (
                 bulk is None or bulk.peer_posted - bulk.sent > RESERVE):
             self.asked = False  # fed again: the next famine is told again
         if typ != T_DATA:
-            self.end.post_recv(lane, slot)
+            lane.post_recv(slot)
             return
         expect = self.expect
-        if (expect is not None and lane is msg and not lane.backlog and not expect.done and length == total
-                and offset == 0 and length == len(expect.dest) and (space, tag, seq) == expect.key
-                and sig_compatible(sig, expect.sig)):
+        if (expect is not None and lane is msg and length == total and not lane.backlog and not expect.done
+                and offset == 0 and length == len(expect.dest) and tag == expect.tag and seq == expect.seq
+                and space == expect.space and (sig == expect.sig or not sig or not expect.sig)):
             if length:
                 expect.dest[:] = self.mem[at + HEADER : at + HEADER + length]
-            self.end.post_recv(lane, slot)
-            expect.done = True
-            self.kind.bytes_received += length
-            self.kind.quick_messages += 1
+            expect.done, expect.dest = True, _NO_DEST  # (the link keeps its quick receive: not the user's buffer)
+            lane.post_recv(slot)
+            kind = self.kind
+            kind.bytes_received += length
+            kind.quick_messages += 1
             return
         frame = Frame(Kind.DATA, _SPACES[space], sig, tag, seq, offset, length, total)
         if lane.backlog or not self._deliver(lane, slot, frame):
@@ -609,36 +707,60 @@ class RdmaLink(Link):
         if length:
             at = lane.recv_base + slot * lane.size + HEADER
             dest[:] = self.mem[at : at + length]
-        self.end.post_recv(lane, slot)
+        lane.post_recv(slot)
         self.kind.bytes_received += length
         if engine.matcher.part_done(self.peer, frame.key, obj, length):
             engine.signal()
         return True
 
     def posted_recv(self) -> None:
-        def resume() -> None:
-            for lane in self.lanes:
-                while lane.backlog and self.engine.broken is None:
-                    slot, frame = lane.backlog[0]
-                    if not self._deliver(lane, slot, frame):
-                        break
-                    lane.backlog.popleft()
-            self._maybe_credit()
-        if any(lane.backlog for lane in self.lanes):
-            self._guarded(resume)
+        if self.msg.backlog or (self.bulk is not None and self.bulk.backlog):  # (every receive posted asks)
+            self._guarded(self._resume)
+
+    def _resume(self) -> None:
+        """Deliver the frames held back for a receive that was not posted, while receives take them."""
+        for lane in self.lanes:
+            while lane.backlog and self.engine.broken is None:
+                slot, frame = lane.backlog[0]
+                if not self._deliver(lane, slot, frame):
+                    break
+                lane.backlog.popleft()
+        self._maybe_credit()
 
     def quick_receive(self, key: Key, sig: int, dest: memoryview) -> "RdmaReceive | None":
         """The peer's message `key` taken straight from its receive slot by the engine's looks (see
-        RdmaReceive), when it fits one frame of the message lane and nothing is held there."""
-        if len(dest) > self.msg.payload or self.msg.backlog or self.eof or self.bye is not None:
+        RdmaReceive), when it fits one frame of the message lane and nothing is held there but, first in
+        line, that very message (a peer a step ahead sent it before this rank got here)."""
+        msg = self.msg
+        if len(dest) > msg.payload or self.eof or self.bye is not None:
             return None
-        return RdmaReceive(self, key, sig, dest)
+        if msg.backlog and not _is_whole(msg.backlog[0][1], key, sig, len(dest)):
+            return None
+        return self._quick.start(key, sig, dest)
+
+    def _take_parked(self, q: "RdmaReceive") -> None:
+        """The quick receive's message from the head of the message lane's backlog (if it is that), as
+        `_deliver` would give it to a posted receive: copied out, its receive slot posted again."""
+        msg = self.msg
+        slot, frame = msg.backlog[0]
+        if not _is_whole(frame, q.key, q.sig, len(q.dest)):
+            return
+        msg.backlog.popleft()
+        if frame.length:
+            at = msg.recv_base + slot * msg.size + HEADER
+            q.dest[:] = self.mem[at : at + frame.length]
+        q.done, q.dest = True, _NO_DEST
+        self.kind.bytes_received += frame.length
+        self.kind.quick_messages += 1
+        msg.post_recv(slot)
 
     # -- what the link knows about the peer ---------------------------------------------------------------
     def gone(self) -> bool:
         return self.eof or self.left
 
     def parked(self) -> Frame | None:
+        if not self.msg.backlog and (self.bulk is None or not self.bulk.backlog):
+            return None  # (every op's retire asks)
         held = [lane.backlog[0][1] for lane in self.lanes if lane.backlog and lane.backlog[0][1].space == Space.COLL]
         return min(held, key=lambda f: f.tag) if held else None
 
@@ -800,6 +922,7 @@ class RdmaLink(Link):
 
     def close(self, bye: bool) -> None:
         self.sendq.clear()
+        self._quick.dest = _NO_DEST  # (one the engine gave up on: a view of a buffer the engine may free next)
         msg = None
         if bye and not self.eof:
             self.read_control()  # a peer that left already reads nothing more: no frame to see off
@@ -824,16 +947,28 @@ class RdmaLink(Link):
 class RdmaReceive(QuickReceive):
     """One whole message of the peer read by `Transport.exchange` straight from its receive slot: the link's
     completion handling (`RdmaLink._arrived`) copies a frame whose header is exactly the one expected into
-    `dest` instead of matching it; anything else that arrives meanwhile is handled the general way."""
+    `dest` instead of matching it; anything else that arrives meanwhile is handled the general way. A link
+    has one, made once and restarted per message (`start`): the engine reads one message per peer at a time."""
 
-    __slots__ = ("link", "peer", "key", "sig", "dest", "done")
+    __slots__ = ("link", "peer", "key", "space", "tag", "seq", "sig", "dest", "done")
 
-    def __init__(self, link: RdmaLink, key: Key, sig: int, dest: memoryview) -> None:
-        self.link, self.peer, self.key, self.sig, self.dest = link, link.peer, key, sig, dest
+    def __init__(self, link: RdmaLink) -> None:
+        self.link, self.peer = link, link.peer
+        self.key: Key = (0, 0, 0)
+        self.space = self.tag = self.seq = self.sig = 0
+        self.dest = _NO_DEST
         self.done = False
+
+    def start(self, key: Key, sig: int, dest: memoryview) -> "RdmaReceive":
+        self.key, self.sig, self.dest, self.done = key, sig, dest, False
+        self.space, self.tag, self.seq = key
+        return self
 
     def step(self) -> bool:
         link = self.link
+        if link.msg.backlog:  # held back before this receive was made: it is the message, or the look is over
+            link._guarded(lambda: link._take_parked(self))
+            return True
         link.expect = self  # only while this look pumps: a frame arriving at any other time is matched
         try:
             link.pump()
