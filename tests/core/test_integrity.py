@@ -228,6 +228,8 @@ def _send_messages(t0, t1, sizes: list[int]) -> tuple[dict, list]:
             t0.wait(reqs, deadline=time.monotonic() + 20)
         except BaseException as exc:  # noqa: BLE001
             errors[0] = exc
+        else:
+            t0.close()  # all arrived: leave, so rank 1's unanswered receive ends now, not at its deadline
 
     def rank1() -> None:
         msgs = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
@@ -270,7 +272,7 @@ def test_sealed_transports_move_messages_of_every_size_exactly() -> None:
     try:
         sizes = [0, 1, 4096, 65536, 1 << 20, (3 << 20) + 7]
         errors, bufs = _send_messages(t0, t1, sizes)
-        assert set(errors) == {1}  # only rank 1's unanswered receive, cut short by closing below
+        assert set(errors) == {1}  # only rank 1's unanswered receive, cut short by rank 0 leaving
     finally:
         t0.close()
         t1.close()
