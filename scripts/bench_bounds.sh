@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-measure BENCHMARKS.md section 0 (every figure against its bound), results in docs/bench/:
+# Re-measure BENCHMARKS.md sections 1 and 3 (every figure against its bound), results in docs/bench/:
 #   bash scripts/bench_bounds.sh            # one host: 2 ranks over shared memory and over TCP (~1 min)
 #   sudo bash scripts/bench_bounds.sh lab   # the emulated Macs at 1 and 10 Gbit/s (~6 min, needs root)
 # RUN=2 ... names the files *-run2 (BENCHMARKS reports several runs of each).
