@@ -36,10 +36,9 @@ def nothing_left_behind(request: pytest.FixtureRequest, tmp_path_factory: pytest
 
 # Heavier variants left out of the default selection (`-m "not slow"`, pyproject's addopts) because a lighter
 # sibling in the default selection runs the same code: node-id patterns (`*` is any text, brackets are
-# literal; a pattern without `*` is a prefix), each with that sibling. `-m slow` runs
-# them, `-m ""` runs everything. Tests that are slow through and through carry the mark in their own file.
+# literal; a pattern without `*` is a prefix), each with that sibling. `-m slow` runs them, `-m ""` runs
+# everything. Tests that are slow through and through carry the mark in their own file.
 SLOW_VARIANTS: dict[str, str] = {
-    "tests/reliability/test_link_faults.py::test_link_lost_while_idle": "the keepalive unit tests in tests/core",
     "tests/reliability/test_link_faults.py::test_cable_cut_with_a_second_cable": "tests/failover",
     "tests/reliability/test_link_faults.py::test_cable_cut_is_found_by_the_link": "test_cable_cut_mid_collective",
     "tests/reliability/test_link_faults.py::test_a_frozen_peer": "test_blame's sigstopped rank",

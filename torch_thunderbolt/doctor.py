@@ -333,8 +333,9 @@ def gather_rdma(run: Callable[..., Any], plat: Platform, env: dict[str, str],
         found = json.loads(res.stdout.strip().splitlines()[-1])
         if not isinstance(found, dict) or not {"provider", "error", "devices"} <= found.keys():
             raise ValueError(f"unexpected probe output {found!r}")
-    except (ValueError, IndexError):
-        facts.error = f"the verbs probe failed (exit {res.returncode}): {(res.stderr or '').strip()[-300:]}"
+    except (ValueError, IndexError) as exc:
+        said = (res.stderr or "").strip()[-300:] or str(exc)
+        facts.error = f"the verbs probe failed (exit {res.returncode}): {said}"
         return facts
     facts.provider, facts.error, facts.devices = found["provider"], found["error"], found["devices"]
     return facts
