@@ -19,7 +19,11 @@ non-CPU device uses anyway).
     python scripts/ddp_overlap.py --async-calls 10              # async 16 MB all_reduce: issue vs done
 
 `--async-calls N` times N `all_reduce(x, async_op=True)` of 16 MB on each device instead: how long the call
-takes to return, against how long the op takes to complete (`work.wait()` returning).
+takes to return, against how long the op takes to complete (`work.wait()` returning), and the issuing
+thread's own CPU time in the call (on the device: the copy of the input to host memory). With
+`--stagger-ms M` every rank but 0 issues its call M ms after rank 0, so that while rank 0's call runs the
+other rank does not compete with it for this machine's cores (as on two Macs); only rank 0's calls are
+shown then, and their completion includes the stagger.
 
 The fake device runs every op on the CPU (in the autograd thread, as mps does), so both devices share the
 machine's cores with the backend's worker thread: the figures compare the two paths, not a Mac. Over
@@ -126,7 +130,7 @@ def rank_main(args: argparse.Namespace) -> None:
         return time.perf_counter() - t0
 
     if args.async_calls:
-        print("RESULT " + json.dumps(async_calls(args.async_calls, devices)), flush=True)
+        print("RESULT " + json.dumps(async_calls(args.async_calls, devices, args.stagger_ms / 1e3)), flush=True)
         dist.destroy_process_group()
         return
     out: dict[str, dict[str, object]] = {}
@@ -162,24 +166,28 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def async_calls(calls: int, devices: dict[str, str]) -> dict[str, list[tuple[float, float]]]:
-    """(seconds to return, seconds to complete) of `calls` async all_reduces of 16 MB per device; one
-    untimed call first (it allocates the staging buffers)."""
+def async_calls(calls: int, devices: dict[str, str], stagger: float) -> dict[str, list[tuple[float, float, float]]]:
+    """(seconds to return, seconds to complete, the issuing thread's CPU seconds in the call) of `calls` async
+    all_reduces of 16 MB per device; one untimed call first (it allocates the staging buffers). Ranks but 0
+    issue `stagger` seconds after rank 0."""
     import torch
     import torch.distributed as dist
 
+    late = stagger if dist.get_rank() else 0.0
     out: dict[str, list[tuple[float, float]]] = {}
     for name, dev in devices.items():
         x = torch.ones(4 << 20).to(dev)
         times = []
         for i in range(calls + 1):
             dist.barrier()
-            t0 = time.perf_counter()
+            if late:
+                time.sleep(late)
+            c0, t0 = time.thread_time(), time.perf_counter()
             work = dist.all_reduce(x, async_op=True)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             work.wait()
             if i:
-                times.append((t1 - t0, time.perf_counter() - t0))
+                times.append((t1 - t0, time.perf_counter() - t0, c1 - c0))
             x.fill_(1.0)
         out[name] = times
     return out
@@ -217,6 +225,8 @@ def main() -> None:
                     help="run each rank in an emulated Mac joined by a cable of RATE (e.g. 1gbit; needs root)")
     ap.add_argument("--async-calls", type=int, default=0, metavar="N",
                     help="time N async all_reduces of 16 MB per device instead of DDP")
+    ap.add_argument("--stagger-ms", type=float, default=0.0, metavar="M",
+                    help="with --async-calls: ranks but 0 issue M ms after rank 0 (shown: rank 0's calls)")
     ap.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -231,7 +241,7 @@ def main() -> None:
 
     rank_args = ["--rank", "--cases", ",".join(args.cases)]
     for name in ("iters", "warmup", "batch", "preset", "image_size", "patch", "dim", "depth", "heads", "classes",
-                 "bucket_mb", "switch_interval", "async_calls"):
+                 "bucket_mb", "switch_interval", "async_calls", "stagger_ms"):
         rank_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = {"THUNDERBOLT_TRANSPORT": args.transport, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="tb-ddp-overlap-") as tmp, contextlib.ExitStack() as stack:
@@ -245,11 +255,14 @@ def main() -> None:
     got = [res.json() for res in results]
     if args.async_calls:
         for name in ("cpu", "device"):
-            calls = [max((g[name][i] for g in got), key=lambda c: c[1]) for i in range(args.async_calls)]
+            # each call as the rank that completed it last saw it (rank 0's alone when staggered)
+            calls = [got[0][name][i] if args.stagger_ms else max((g[name][i] for g in got), key=lambda c: c[1])
+                     for i in range(args.async_calls)]
             print(f"async all_reduce 16 MB, {name:<6}: returned after " +
-                  ", ".join(f"{a * 1e3:.1f}" for a, _ in calls) + " ms; complete after " +
-                  ", ".join(f"{b * 1e3:.1f}" for _, b in calls) + " ms; ratio " +
-                  ", ".join(f"{a / b:.2f}" for a, b in calls))
+                  ", ".join(f"{a * 1e3:.1f}" for a, _, _ in calls) + " ms; complete after " +
+                  ", ".join(f"{b * 1e3:.1f}" for _, b, _ in calls) + " ms; ratio " +
+                  ", ".join(f"{a / b:.2f}" for a, b, _ in calls) + "; CPU in the call " +
+                  ", ".join(f"{c * 1e3:.1f}" for _, _, c in calls) + " ms")
         return
     where = f"a {args.world}-Mac lab, {args.lab} cable" if args.lab else "loopback"
     first = got[0]

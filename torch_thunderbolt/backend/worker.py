@@ -8,6 +8,7 @@ device tensor, nor completes a device op's future (device.py).
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Callable
@@ -81,6 +82,11 @@ class Worker:
             item = self._q.get()
             if item is None:
                 return
+            # The issuing thread is usually still returning from the call that queued this op (an op on
+            # device tensors has just copied its inputs out). Where cores are fewer than busy threads, the
+            # freshly woken worker would take the core from it and the caller's "async" call would return
+            # late: let it go first. One system call, immediate where nothing else waits for the core.
+            os.sched_yield()
             self._run(*item)
 
     def stop(self, timeout: float = 10.0) -> None:
