@@ -69,12 +69,15 @@ class PeerAbortedError(ThunderboltError):
 
 
 class RdmaError(ThunderboltError):
-    """A verbs call failed (the RDMA device, its driver or the machine's set-up). `call` is the ibverbs
-    function, `device` the RDMA device (e.g. rdma_en2), `errno` the OS error; the message says what to do.
-    Raised only by transport/verbs.py, which translates every errno in one place."""
+    """A verbs call failed (the RDMA device, its driver or the machine's set-up), or an RDMA path carries
+    nothing. `call` is the ibverbs function ("" for a path or a peer's failure), `device` the RDMA device
+    (e.g. rdma_en2), `errno` the OS error, `rank` the rank whose device or path failed where that is not the
+    one raising it (a peer that gave up its RDMA set-up; -1: this one); the message says what to do. Every
+    errno is translated in transport/verbs.py."""
 
-    def __init__(self, message: str, *, call: str = "", device: str = "", errno: int = 0) -> None:
+    def __init__(self, message: str, *, call: str = "", device: str = "", errno: int = 0, rank: int = -1) -> None:
         super().__init__(message)
         self.call = call
         self.device = device
         self.errno = errno
+        self.rank = rank

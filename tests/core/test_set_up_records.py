@@ -15,12 +15,12 @@ import time
 import pytest
 
 from torch_thunderbolt.config import Config
-from torch_thunderbolt.errors import ConfigError, HandshakeError, PeerLostError
+from torch_thunderbolt.errors import ConfigError, HandshakeError, PeerLostError, RdmaError
 from torch_thunderbolt.protocol import handshake as hs
 from torch_thunderbolt.rendezvous import agree
 from torch_thunderbolt.rendezvous.group import connect
 from torch_thunderbolt.rendezvous.hosts import recv_exact
-from torch_thunderbolt.rendezvous.records import Records, unchecked_value
+from torch_thunderbolt.rendezvous.records import GaveUp, Records, unchecked_value
 from torch_thunderbolt.testing.worlds import SetUpOnThreads
 
 pytestmark = pytest.mark.timeout(90)
@@ -226,6 +226,34 @@ def test_a_failure_is_announced_once_and_raised_by_whoever_waits_for_that_rank()
         b.read("tb/never", 0)
     with pytest.raises(PeerLostError, match="timed out waiting for rank 2"):
         Records(store, 1, SECRET, time.monotonic() + 0.05).read("tb/never", 2)
+
+
+def test_giving_up_one_kind_is_raised_by_whoever_waits_in_that_kind_only() -> None:
+    """A rank that gives up RDMA alone (its device failed) ends every wait for it in the RDMA set-up, as the
+    error it was and naming where it failed, while the group's other records are read as before; how each
+    rank's set-up of the kind ended is read back, signed and bound to the group like every record."""
+    a, b, store = _pair()
+    a.join_group(), b.join_group()
+    b.made("rdma")
+    assert a.outcome("rdma", 1) is None and a.outcome("rdma", 0, wait=False) is None  # made; not said yet
+    learned = RdmaError("rank 0: rank 3 gave up setting up rdma links: ...", device="rdma_en5", rank=3)
+    a.give_up("rdma", learned)
+    a.give_up("rdma", RdmaError("a later, secondary error"))
+    assert a.gave_up("rdma") and not a.gave_up("shm") and not b.gave_up("rdma")
+    assert b.outcome("rdma", 0) == GaveUp(0, 3, "RdmaError", "rdma_en5", str(learned))
+    assert b.failure(0) is None  # not a failure of the group's set-up
+    with pytest.raises(RdmaError, match="rank 1: rank 0 gave up setting up rdma links: rank 0: rank 3") as info:
+        b.read("tbrdma/qp/0", 0, "its queue pairs", kind="rdma")
+    assert info.value.device == "rdma_en5" and info.value.rank == 3
+    with pytest.raises(PeerLostError, match="timed out waiting for rank 0"):
+        Records(store, 1, SECRET, time.monotonic() + 0.05).read("tb/ep/0", 0)  # another kind's wait goes on
+    store.data["tb/kind/rdma/1"] = store.data["tb/kind/rdma/0"]  # rank 0's giving up, replayed as rank 1's
+    with pytest.raises(HandshakeError, match="tampered.*tb/kind/rdma/1"):
+        a.outcome("rdma", 1)
+    assert isinstance(a.failure(1, "rdma"), HandshakeError)
+    a.publish("tb/kind/rdma/0", {"made": False})
+    with pytest.raises(HandshakeError, match="does not say how its set-up of rdma links ended"):
+        b.outcome("rdma", 0)
 
 
 @pytest.mark.parametrize("raw", [b"garbage", b"[1, 2]", b'"text"', b'{"value": 5}', b'{"value": "{not json"}',

@@ -1,18 +1,25 @@
 """The rdma kind's set-up as pure functions: which pairs the table gives RDMA (a common cable), how loudly a
-rank says it has none, which device each rank takes, and the lane sizes both ends agree on."""
+rank says it has none, which device each rank takes, and the lane sizes both ends agree on; and that every
+wait on a peer during the set-up ends at once when that peer gave up."""
 from __future__ import annotations
 
 import logging
+import socket
+import threading
+import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
+import torch.distributed as dist
 
 from tests.core.test_link_kinds import _connect, _row
 from torch_thunderbolt.config import Config
-from torch_thunderbolt.errors import ConfigError
+from torch_thunderbolt.errors import ConfigError, RdmaError
 from torch_thunderbolt.platform import Platform
 from torch_thunderbolt.rendezvous import rdma
 from torch_thunderbolt.rendezvous.kinds import KINDS, choose
+from torch_thunderbolt.rendezvous.records import Records
 from torch_thunderbolt.transport.rdma import frame_limit, lane_sizes
 
 RDMA = next(row for row in KINDS if row.name == "rdma")
@@ -81,3 +88,37 @@ def test_frame_limits_follow_macos_and_the_port() -> None:
     assert frame_limit(65536, darwin, (26, 3)) == 65536 and frame_limit(0, linux) == 512 << 10
     assert frame_limit(100000, linux) == 65536  # a power of two at most what the port says
     assert lane_sizes(4096, 512 << 10) == (4096, 0) and lane_sizes(32768, 65536) == (8192, 32768)
+
+
+def test_every_wait_on_a_peer_ends_at_once_when_it_gave_up_rdma_or_the_set_up() -> None:
+    """Rank 1 gave up RDMA (its device failed), rank 2 the whole set-up: rank 0 waiting for either of them for
+    a control connection, a hello or a barrier raises their reason at once, not at its deadline."""
+    store = dist.HashStore()
+    Records(store, 1, b"", 0.0).give_up("rdma", RdmaError("ibv_create_qp on rdma_fake1 failed", device="rdma_fake1"))
+    Records(store, 2, b"", 0.0).announce(ConfigError("rank 2: something of its own"))
+    mine = Records(store, 0, b"", time.monotonic() + 60)
+    deadline = time.monotonic() + 60
+    started = time.monotonic()
+    gave_up = "rank 0: rank 1 gave up setting up rdma links: ibv_create_qp on rdma_fake1 failed"
+    acceptor = SimpleNamespace(done=threading.Event(), fatal=None, conns={})  # nobody connects
+    with pytest.raises(RdmaError, match=gave_up) as info:
+        rdma._await_control(mine, acceptor, 0, {1}, deadline)  # type: ignore[arg-type]
+    assert info.value.device == "rdma_fake1" and info.value.rank == 1
+    with pytest.raises(ConfigError, match="rank 2 gave up during set-up: ConfigError: rank 2: something"):
+        rdma._await_control(mine, acceptor, 0, {2}, deadline)  # type: ignore[arg-type]
+    silent = SimpleNamespace(take_hello=lambda: False, device=SimpleNamespace(name="rdma_fake0"))
+    with pytest.raises(RdmaError, match=gave_up):
+        rdma._await_hellos(0, {1: silent}, deadline, mine)  # type: ignore[dict-item]
+    for closed_before in (True, False):  # the peer's control connection closed before our send, or after it
+        ours, theirs = socket.socketpair()
+        if closed_before:
+            theirs.close()
+        else:
+            threading.Timer(0.2, theirs.close).start()
+        try:
+            with pytest.raises(RdmaError, match=gave_up):
+                rdma._barrier(mine, {1: ours}, rdma.READY, 0, deadline)
+        finally:
+            ours.close()
+            theirs.close()
+    assert time.monotonic() - started < 30  # (every deadline was 60 s away)

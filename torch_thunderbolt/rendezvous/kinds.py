@@ -5,7 +5,9 @@ refused on a machine with no known full memory barrier). For every pair of ranks
 table's order of preference, that both ends offer and that reaches from one to the other (shared memory
 only within a host) is the kind of their link. `THUNDERBOLT_TRANSPORT=auto` lets the table choose; a kind
 named there is used for every pair: an error where it cannot reach a peer, its `fallback` (with a warning)
-or an error where a rank cannot offer it. Pure but for the table's set-up functions, which `group.connect`
+or an error where a rank cannot offer it. Under `auto`, a kind that `gives_way` and whose set-up then fails
+for a reason of its own on any rank is left out and the table chooses again, the same on every rank
+(group.py): RDMA pairs fall back to TCP. Pure but for the table's set-up functions, which `group.connect`
 calls.
 
 Adding a kind of link: its transport file (transport/<kind>.py: a Link and a LinkKind), its set-up file
@@ -24,7 +26,7 @@ KINDS: tuple[KindRow, ...] = (
     KindRow("shm", "shared memory", same_host=True, networks=False, offer=shm.offer, connect=shm.connect_shm_links,
             fallback="tcp"),
     KindRow("rdma", "RDMA", same_host=False, networks=True, offer=rdma.offer, connect=rdma.connect_rdma_links,
-            reach=rdma.reach, reaches=rdma.reaches, quiet=rdma.no_rdma_here),
+            reach=rdma.reach, reaches=rdma.reaches, quiet=rdma.no_rdma_here, gives_way=True),
     KindRow("tcp", "TCP", same_host=False, networks=True, offer=tcp.offer, connect=tcp.connect_tcp_links),
 )
 Reach = Mapping[str, Any]  # kind name -> what a rank published about where it reaches (KindRow.reach)

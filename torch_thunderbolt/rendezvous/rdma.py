@@ -20,6 +20,12 @@ rendezvous store, then two barriers and a hello over every queue pair.
 Records go through the group's set-up records (records.py: signed with the job's key where there is
 THUNDERBOLT_SECRET), and the control connections use the group's handshake key; without a secret each rank
 warns, as for TCP links. A rank that gives up says why there, and every rank waiting for it raises that.
+A failure that is RDMA's own (an RdmaError: a verbs call failed, a device vanished, a wedged port, a path
+that carries no hello, or a peer that gave up for such a reason) is published as giving up RDMA alone
+(Records.give_up), before this rank closes its sockets: every wait on a peer here (its records, the control
+connections, the barriers, the hellos) looks for that too and stops at once, and under
+THUNDERBOLT_TRANSPORT=auto the group then joins those pairs over TCP instead (group.py); any other failure
+fails the whole set-up (Records.announce).
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ from ..platform import Platform, current
 from ..transport.engine import Transport
 from ..transport.netif import choose_addresses, network_of
 from .hosts import recv_exact
+from .records import Records
 from .setup import SetUp, connect_one_kind
 from .tcp import NO_SECRET_WARNING, _Acceptor, _connect, _listen, security_log, store_host
 
@@ -51,8 +58,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("torch_thunderbolt.bootstrap")
 
 PREFIX = "tbrdma"
+KIND = "rdma"  # the kind's name in the table (its records of giving up: records.kind_name)
 FAKE_NET = "fake fabric"  # every device of a fake fabric reaches every other
 HELLO_TIMEOUT = 10.0  # seconds for the hellos, once both ends are RTS: they take microseconds
+LOOK_EVERY = 0.1  # seconds between looks at the store for a peer that gave up, while waiting on sockets or hellos
 CHANNEL_WAIT = 0.1  # how long a hello that arrived may take to raise its channel event
 READY, HELLOED = b"R", b"H"
 
@@ -195,9 +204,10 @@ def connect_rdma_links(setup: SetUp) -> "RdmaLinks":
     from ..transport.rdma import RdmaEnd, RdmaLinks, probe_devices
 
     store, rank, world, cfg, timeout = setup.store, setup.rank, setup.world, setup.cfg, setup.timeout
+    records, key, group_id = setup.records, setup.auth.key, setup.auth.group_id
     members = sorted(set(setup.peers) - {rank})
     deadline = time.monotonic() + min(timeout, cfg.connect_timeout)
-    verbs = verbs_from_config(cfg)
+    verbs: v.Verbs | None = None
     devices: dict[str, v.Device] = {}
     pds: dict[str, v.ProtectionDomain] = {}
     ends: dict[int, RdmaEnd] = {}
@@ -205,7 +215,7 @@ def connect_rdma_links(setup: SetUp) -> "RdmaLinks":
     acceptor: _Acceptor | None = None
     listener: socket.socket | None = None
     try:
-        records, key, group_id = setup.records, setup.auth.key, setup.auth.group_id
+        verbs = verbs_from_config(cfg)
         if not cfg.secret and members:
             security_log.warning(NO_SECRET_WARNING, rank)
         fake = cfg.verbs == "fake"
@@ -222,16 +232,17 @@ def connect_rdma_links(setup: SetUp) -> "RdmaLinks":
         # lower ones, as TCP links do.
         higher = {p for p in members if p > rank}
         acceptor = _Acceptor([listener], rank, world, 1, key, group_id,
-                             lambda p: {_endpoint(records.read(f"{PREFIX}/dev/{p}", p, "its RDMA devices"))[0]},
+                             lambda p: {_endpoint(records.read(f"{PREFIX}/dev/{p}", p, "its RDMA devices",
+                                                               KIND))[0]},
                              cfg, deadline, higher)
         acceptor.start()
         found = {rank: mine}
         for p in members:
-            found[p] = records.read(f"{PREFIX}/dev/{p}", p, "its RDMA devices")
+            found[p] = records.read(f"{PREFIX}/dev/{p}", p, "its RDMA devices", KIND)
         for p in members:
             if p < rank:
                 socks[p] = _connect(rank, p, 0, _endpoint(found[p]), address, key, group_id, cfg, deadline,
-                                    records=records)
+                                    records=records, kind=KIND)
         # Queue pairs.
         local = [r for r in range(world) if not setup.hosts or setup.hosts[r] == setup.hosts[rank]]
         choices = choose_devices(rank, members, found, local)
@@ -261,21 +272,12 @@ def connect_rdma_links(setup: SetUp) -> "RdmaLinks":
                 raise busy
         records.publish(f"{PREFIX}/qp/{rank}", {str(p): e.info() for p, e in ends.items()})
         for p in members:
-            theirs = records.read(f"{PREFIX}/qp/{p}", p, "its queue pairs")
+            theirs = records.read(f"{PREFIX}/qp/{p}", p, "its queue pairs", KIND)
             if not isinstance(theirs, dict) or str(rank) not in theirs:
                 raise HandshakeError(f"rank {rank}: rank {p}'s record {PREFIX}/qp/{p} holds no queue pairs for "
                                      f"this rank", why="store")
             ends[p].connect(theirs[str(rank)])
-        if not acceptor.done.wait(max(0.0, deadline - time.monotonic())) or acceptor.fatal is not None:
-            if acceptor.fatal is not None:
-                raise acceptor.fatal
-            missing = sorted(p for p in higher if acceptor.conns.get((p, 0)) is None)
-            for p in missing:
-                failed = records.failure(p)
-                if failed is not None:
-                    raise failed
-            raise PeerLostError(f"rank {rank}: timed out waiting for ranks {missing} to open their RDMA control "
-                                f"connections", rank=rank, peer=missing[0] if missing else -1)
+        _await_control(records, acceptor, rank, higher, deadline)
         for (p, _), sock in acceptor.conns.items():
             socks[p] = sock
         for e in ends.values():
@@ -284,7 +286,7 @@ def connect_rdma_links(setup: SetUp) -> "RdmaLinks":
         _barrier(records, socks, READY, rank, deadline)  # every end RTS with its receives posted
         for e in ends.values():
             e.send_hello()
-        _await_hellos(rank, ends, min(deadline, time.monotonic() + HELLO_TIMEOUT))
+        _await_hellos(rank, ends, min(deadline, time.monotonic() + HELLO_TIMEOUT), records)
         _barrier(records, socks, HELLOED, rank, deadline)  # from here a peer may send data
         spin = cfg.spin_us if setup.local_ranks() <= (os.cpu_count() or 1) else 0
         kind = RdmaLinks(verbs, list(devices.values()), ends, socks, spin_us=spin,
@@ -295,7 +297,11 @@ def connect_rdma_links(setup: SetUp) -> "RdmaLinks":
                       "completion events" if e.channel_works else "polling with bounded backoff")
         return kind
     except BaseException as exc:
-        records.announce(exc)
+        # Before the sockets close: a peer that finds them closed reads why.
+        if isinstance(exc, RdmaError):
+            records.give_up(KIND, exc)  # RDMA's own failure: the group may go on without RDMA (auto)
+        else:
+            records.announce(exc)
         for s in socks.values():
             s.close()
         if acceptor is not None:
@@ -309,7 +315,8 @@ def connect_rdma_links(setup: SetUp) -> "RdmaLinks":
                 pass
         for e in ends.values():
             e.release()
-        verbs.close()
+        if verbs is not None:
+            verbs.close()
         raise
     finally:
         if acceptor is not None:
@@ -326,45 +333,83 @@ def _endpoint(record: Any) -> tuple[str, int]:
         raise HandshakeError("an RDMA set-up record holds no control endpoint", why="store") from None
 
 
-def _barrier(records: Any, socks: dict[int, socket.socket], byte: bytes, rank: int, deadline: float) -> None:
-    """One byte to every peer, then one from each: every peer reached this step."""
-    for s in socks.values():
-        s.settimeout(max(0.1, deadline - time.monotonic()))
-        s.sendall(byte)
+def _await_control(records: Records, acceptor: _Acceptor, rank: int, higher: set[int], deadline: float) -> None:
+    """Every higher rank's control connection, or the reason one never comes: a connection that failed its
+    check (`acceptor.fatal`), a rank still missing that gave up (the whole set-up or RDMA alone: looked for
+    every LOOK_EVERY, not at the deadline only), or the deadline."""
+    while not acceptor.done.wait(max(0.0, min(LOOK_EVERY, deadline - time.monotonic()))):
+        for p in sorted(p for p in higher if acceptor.conns.get((p, 0)) is None):
+            failed = records.failure(p, KIND)
+            if failed is not None:
+                raise failed
+        if time.monotonic() >= deadline:
+            break
+    if acceptor.fatal is not None:
+        raise acceptor.fatal
+    missing = sorted(p for p in higher if acceptor.conns.get((p, 0)) is None)
+    if missing:
+        raise PeerLostError(f"rank {rank}: timed out waiting for ranks {missing} to open their RDMA control "
+                            f"connections", rank=rank, peer=missing[0])
+
+
+def _barrier(records: Records, socks: dict[int, socket.socket], byte: bytes, rank: int, deadline: float) -> None:
+    """One byte to every peer, then one from each: every peer reached this step. A peer whose connection
+    breaks meanwhile is named with the reason it published (it gave up the set-up, or RDMA alone)."""
+    for p, s in socks.items():
+        try:
+            s.settimeout(max(0.1, deadline - time.monotonic()))
+            s.sendall(byte)
+        except OSError as exc:
+            raise _left(records, rank, p, exc) from exc
     for p, s in socks.items():
         try:
             s.settimeout(max(0.1, deadline - time.monotonic()))
             got = recv_exact(s, 1)
-        except (OSError, ConnectionResetError) as exc:
-            failed = records.failure(p)
-            if failed is None:  # (it may write its reason just after closing: look once more)
-                time.sleep(0.2)
-                failed = records.failure(p)
-            if failed is not None:
-                raise failed from None
-            raise PeerLostError(f"rank {rank}: rank {p} left the RDMA set-up ({exc})", rank=rank, peer=p) from exc
+        except OSError as exc:
+            raise _left(records, rank, p, exc) from exc
         if got != byte:
             raise HandshakeError(f"rank {rank}: rank {p} sent {got!r} on its RDMA control connection during the "
                                  f"set-up, expected {byte!r}")
 
 
-def _await_hellos(rank: int, ends: "dict[int, RdmaEnd]", deadline: float) -> None:
-    """Every peer's hello on every lane, or PeerLostError naming the peers whose path delivers nothing. Also
-    tells, per end, whether the completion channel signalled (an event within CHANNEL_WAIT of the hello)."""
+def _left(records: Records, rank: int, peer: int, exc: OSError) -> BaseException:
+    """What to raise when `peer`'s control connection broke during the set-up: the reason it published, or
+    PeerLostError (it died)."""
+    failed = records.failure(peer, KIND)
+    if failed is None:  # (a peer that died may not have said why: look once more)
+        time.sleep(0.2)
+        failed = records.failure(peer, KIND)
+    if failed is not None:
+        return failed
+    return PeerLostError(f"rank {rank}: rank {peer} left the RDMA set-up ({exc})", rank=rank, peer=peer)
+
+
+def _await_hellos(rank: int, ends: "dict[int, RdmaEnd]", deadline: float, records: Records) -> None:
+    """Every peer's hello on every lane, or RdmaError naming the peers whose path delivers nothing (or the
+    reason a peer still waited for published: it gave up, looked for every LOOK_EVERY). Also tells, per
+    end, whether the completion channel signalled (an event within CHANNEL_WAIT of the hello)."""
     waiting = set(ends)
     pause = 0.0002
+    look = time.monotonic() + LOOK_EVERY
     while waiting:
         for p in sorted(waiting):
             if ends[p].take_hello():
                 waiting.discard(p)
         if not waiting:
             break
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now >= look:
+            look = now + LOOK_EVERY
+            for p in sorted(waiting):
+                failed = records.failure(p, KIND)
+                if failed is not None:
+                    raise failed
+        if now > deadline:
             detail = "; ".join(f"rank {p} via {ends[p].device.name} ({_port(ends[p].device)})" for p in sorted(waiting))
-            raise PeerLostError(f"rank {rank}: nothing arrived over RDMA from {detail} although both ends were "
-                                f"ready: the Thunderbolt port or cable does not carry RDMA (port down, a wedged "
-                                f"port after a failed set-up: reboot; `torch-thunderbolt doctor`)",
-                                rank=rank, peer=min(waiting))
+            raise RdmaError(f"rank {rank}: nothing arrived over RDMA from {detail} although both ends were "
+                            f"ready: the Thunderbolt port or cable does not carry RDMA (port down, a wedged "
+                            f"port after a failed set-up: reboot; `torch-thunderbolt doctor`)",
+                            device=ends[min(waiting)].device.name)
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
     for e in ends.values():

@@ -2,11 +2,14 @@
 
 torch's TCPStore has no authentication: anyone who reaches MASTER_PORT can read and rewrite what the ranks
 publish there. Every record the set-up trusts (the group's nonce, each rank's endpoints, host identity,
-shared-memory set-up, a rank's failure) is therefore written and read through `Records`: with
-THUNDERBOLT_SECRET, each record carries a MAC over the group it belongs to, its name and its value, with a
-key derived from the secret, so a record rewritten by someone without the secret fails with a
-`HandshakeError` that names it, on the rank that reads it; the rank then announces its failure (itself a
-record) and every rank waiting on it raises it too, within the set-up deadline.
+shared-memory set-up, a rank's failure, how its set-up of a kind of link ended) is therefore written and
+read through `Records`: with THUNDERBOLT_SECRET, each record carries a MAC over the group it belongs to, its
+name and its value, with a key derived from the secret, so a record rewritten by someone without the secret
+fails with a `HandshakeError` that names it, on the rank that reads it; the rank then announces its failure
+(itself a record) and every rank waiting on it raises it too, within the set-up deadline. A rank can also give up one
+kind of link alone (`give_up`: RDMA whose device or path fails): the ranks waiting for it in that kind's
+set-up raise that at once, while the group's set-up goes on (under THUNDERBOLT_TRANSPORT=auto it joins
+those pairs with another kind: group.py).
 
 Without a secret there is nothing to authenticate with (the handshake key itself sits in the store), so
 records carry no MAC and are taken as they are; each rank with TCP peers warns (rendezvous/tcp.py).
@@ -28,7 +31,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, HandshakeError, PeerLostError, ThunderboltError
+from ..errors import ConfigError, HandshakeError, PeerLostError, RdmaError, ThunderboltError
 from ..protocol import handshake as hs
 
 SECRET_HINT = ("every rank of the job needs the same THUNDERBOLT_SECRET (`torch-thunderbolt launch` gives all "
@@ -40,6 +43,26 @@ _POLL_FIRST, _POLL_MAX = 0.001, 0.05  # seconds between looks at the store while
 
 def failed_name(rank: int) -> str:
     return f"tb/failed/{rank}"
+
+
+def kind_name(kind: str, rank: int) -> str:
+    """The record of how `rank`'s set-up of links of `kind` ended (kinds that may give way under auto)."""
+    return f"tb/kind/{kind}/{rank}"
+
+
+@dataclass(frozen=True)
+class GaveUp:
+    """One rank's giving up its set-up of one kind of link, for a reason of the kind's own (`Records.give_up`)."""
+
+    rank: int  # the rank that gave up
+    origin: int  # the rank whose device or path failed: this one, or the peer it learned it from
+    error: str  # the error's type ("RdmaError")
+    device: str  # the device that failed, where known ("" otherwise)
+    message: str
+
+    @property
+    def first_hand(self) -> bool:
+        return self.origin == self.rank
 
 
 @dataclass(frozen=True)
@@ -68,6 +91,7 @@ class Records:
         self.scope = ""  # the group id once known (join_group): bound into every later record's MAC
         self._verified: set[int] = set()  # ranks a signed record of which checked out
         self.announced = False
+        self._given_up: set[str] = set()  # the kinds of link this rank gave up (give_up)
 
     @property
     def signed(self) -> bool:
@@ -138,15 +162,16 @@ class Records:
             return None
         return self.decode(name, self.store.get(name), owner, scope)
 
-    def read(self, name: str, owner: int, what: str = "") -> Any:
+    def read(self, name: str, owner: int, what: str = "", kind: str = "") -> Any:
         """The checked value of record `name`, published by rank `owner`, waiting for it until the deadline.
         If `owner` announced a failure meanwhile, its failure is raised here (so a rank that gave up during
-        set-up is named at once on every rank waiting for it, with its reason)."""
+        set-up is named at once on every rank waiting for it, with its reason); with `kind` (a record of
+        that kind's set-up), also its giving up that kind alone (`give_up`)."""
         wait = _POLL_FIRST
         while True:
             if self.store.check([name]):
                 return self.decode(name, self.store.get(name), owner)
-            failed = self.failure(owner)
+            failed = self.failure(owner, kind)
             if failed is not None:
                 raise failed
             left = self.deadline - time.monotonic()
@@ -171,8 +196,27 @@ class Records:
         except Exception:  # noqa: BLE001
             pass
 
-    def failure(self, owner: int) -> "ThunderboltError | None":
-        """What to raise here if rank `owner` announced that it gave up the set-up (None if it did not)."""
+    def failure(self, owner: int, kind: str = "") -> "ThunderboltError | None":
+        """What to raise here if rank `owner` announced that it gave up the set-up (None if it did not); with
+        `kind`, also if it gave up setting up links of that kind (`give_up`)."""
+        failed = self._group_failure(owner)
+        if failed is not None or not kind:
+            return failed
+        try:
+            gave_up = self.outcome(kind, owner, wait=False)
+        except ThunderboltError as exc:  # its record failed its check
+            return exc
+        except Exception:  # noqa: BLE001 - the store may be gone: the caller raises what it has
+            return None
+        if gave_up is None:
+            return None
+        text = f"rank {self.rank}: rank {owner} gave up setting up {kind} links: {gave_up.message}"
+        if gave_up.error == "RdmaError":  # still RDMA's fault: the device, and the rank whose device it is
+            return RdmaError(text, device=gave_up.device, rank=gave_up.origin)
+        return PeerLostError(text, rank=self.rank, peer=owner)
+
+    def _group_failure(self, owner: int) -> "ThunderboltError | None":
+        """What to raise here if rank `owner` announced that it gave up the set-up (`announce`)."""
         name = failed_name(owner)
         try:
             if not self.store.check([name]):
@@ -199,6 +243,55 @@ class Records:
         if name_ in ("HandshakeError", "ProtocolError", "IntegrityError"):
             return HandshakeError(text, why=why)
         return PeerLostError(text, rank=self.rank, peer=owner)
+
+    # -- one kind of link given up -------------------------------------------------------------------------
+    def give_up(self, kind: str, exc: BaseException) -> None:
+        """Tell the other ranks that this rank gave up setting up links of `kind` for a reason of the kind's
+        own (`exc`: its device, driver or path failed), the group's set-up going on: the ranks waiting for
+        this one in that set-up (`read`/`failure` with `kind`) raise it at once. Published before the set-up
+        closes what its peers wait on (its sockets), so that a peer finding them closed reads why. Once per
+        kind; best effort, as `announce`."""
+        if kind in self._given_up:
+            return
+        self._given_up.add(kind)
+        origin = getattr(exc, "rank", -1)
+        value = {"made": False, "error": type(exc).__name__, "device": str(getattr(exc, "device", "") or ""),
+                 "origin": origin if isinstance(origin, int) and origin >= 0 else self.rank,
+                 "message": str(exc)[:2000]}
+        try:
+            self.publish(kind_name(kind, self.rank), value)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def gave_up(self, kind: str) -> bool:
+        """Whether this rank gave up setting up links of `kind` (`give_up`)."""
+        return kind in self._given_up
+
+    def made(self, kind: str) -> None:
+        """Tell the other ranks that this rank's set-up of links of `kind` succeeded."""
+        self.publish(kind_name(kind, self.rank), {"made": True})
+
+    def outcome(self, kind: str, owner: int, wait: bool = True) -> "GaveUp | None":
+        """How rank `owner`'s set-up of links of `kind` ended: None when it made them, else its giving up.
+        `wait`: until it says (until the deadline; its failure of the whole set-up is raised meanwhile), else
+        None at once when it has not said yet."""
+        name = kind_name(kind, owner)
+        if wait:
+            value = self.read(name, owner, f"how its set-up of {kind} links ended")
+        else:
+            value = self.peek(name, owner)
+            if value is None:
+                return None
+        try:
+            if value["made"] is True:
+                return None
+            origin = value["origin"]
+            if not isinstance(origin, int):
+                raise TypeError("origin")
+            return GaveUp(owner, origin, str(value["error"]), str(value["device"]), str(value["message"]))
+        except (TypeError, KeyError):
+            raise HandshakeError(f"rank {self.rank}: record {name} in the rendezvous store (rank {owner}'s) does "
+                                 f"not say how its set-up of {kind} links ended", why="store") from None
 
     # -- the group ----------------------------------------------------------------------------------------
     def join_group(self) -> GroupAuth:

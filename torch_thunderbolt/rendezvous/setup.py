@@ -97,3 +97,8 @@ class KindRow:
     reaches: "Callable[[Any, Any], str | None] | None" = None
     # Refusals that are no news (the hardware most machines lack): logged at INFO, not as a warning.
     quiet: "Callable[[str], bool] | None" = None
+    # Under THUNDERBOLT_TRANSPORT=auto, a set-up that fails for a reason of the kind's own (RDMA: its device,
+    # driver or path; the set-up says so with Records.give_up) gives the kind's pairs to the next kind instead
+    # of failing the group. Every rank then learns how each user's set-up of the kind ended (Records.made,
+    # Records.outcome) before the next kind is set up, so all reach the same kinds.
+    gives_way: bool = False

@@ -403,19 +403,21 @@ def _refuses(target: tuple[str, int]) -> BaseException | None:
 
 def _connect(rank: int, peer: int, stream: int, target: tuple[str, int], source: str, secret: bytes,
              group_id: str, cfg: Config, deadline: float, tuner: SocketTuner | None = None,
-             new_socket: Callable[[], socket.socket] = _tcp_socket, records: Records | None = None) -> socket.socket:
+             new_socket: Callable[[], socket.socket] = _tcp_socket, records: Records | None = None,
+             kind: str = "") -> socket.socket:
     """One authenticated stream to `peer` (retrying refused connections until `deadline`). Where the
     platform has Local Network privacy (macOS), a peer denied that way fails within a few tries."""
     return _dial(rank, peer, stream, target, source, secret, group_id, cfg, deadline, tuner, new_socket,
-                 records)[0]
+                 records, kind)[0]
 
 
 def _dial(rank: int, peer: int, stream: int, target: tuple[str, int], source: str, secret: bytes,
           group_id: str, cfg: Config, deadline: float, tuner: SocketTuner | None = None,
           new_socket: Callable[[], socket.socket] = _tcp_socket,
-          records: Records | None = None) -> tuple[socket.socket, bytes]:
+          records: Records | None = None, kind: str = "") -> tuple[socket.socket, bytes]:
     """`_connect`, and the stream's own key (for per-frame MACs). `records`: where to look for `peer`'s
-    announced failure when its endpoint refuses connections (its reason beats "died")."""
+    announced failure when its endpoint refuses connections (its reason beats "died"); `kind`: the kind of
+    link whose set-up dials (RDMA's control connections), whose giving up by `peer` counts too."""
     tuner = tuner or SocketTuner(cfg, rank=rank)
     last: Exception | None = None
     denied = 0
@@ -458,7 +460,7 @@ def _dial(rank: int, peer: int, stream: int, target: tuple[str, int], source: st
                 now = time.monotonic()
                 refused_since = now if refused_since is None else refused_since
                 if now - refused_since >= REFUSED_DEAD_SECONDS:
-                    failed = records.failure(peer) if records is not None else None
+                    failed = records.failure(peer, kind) if records is not None else None
                     raise (failed or died_in_setup(rank, peer, target, now - refused_since, exc)) from exc
             else:
                 refused_since = None

@@ -1,5 +1,6 @@
 """Ranks of whole jobs over a fake verbs fabric (THUNDERBOLT_TRANSPORT=rdma, THUNDERBOLT_VERBS=fake:DIR set by
-the test): every collective exact, DDP against one process, injected faults seen from the ranks."""
+the test): every collective exact, DDP against one process, injected faults seen from the ranks, and a
+job under auto whose RDMA set-up fails."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ import torch.distributed as dist
 import torch_thunderbolt  # noqa: F401 - registers the backend
 from tests.core.collective_checks import ExactChecks
 from torch_thunderbolt.config import Config
-from torch_thunderbolt.testing.program import main, pretend_hosts, rank, result, world
+from torch_thunderbolt.testing.program import main, outcome, pretend_hosts, rank, result, world
 from torch_thunderbolt.transport.fakeverbs import Fabric
 
 
@@ -65,6 +66,26 @@ def collectives() -> None:
     dist.destroy_process_group()
 
 
+def fallback() -> None:
+    """A job whose RDMA set-up fails (a fault the test set): how starting the group went; when it worked,
+    the kind it got, every collective exact, and what of RDMA is left on the fabric while the job runs (every
+    rank is past its set-up once a collective ran: nothing of a failed attempt may remain)."""
+    got = outcome(_init)
+    if not got["ok"]:
+        result({"init": got})
+        return
+    checks = ExactChecks(rank(), world())
+    checks.every_collective()
+    checks.check_barrier(0.2)
+    fabric = Fabric(Config.from_env().verbs_fabric)
+    qps = [len(fabric.live_qps(i)) for i in range(len(fabric.devices))]
+    mrs = [fabric.live_mrs(i) for i in range(len(fabric.devices))]
+    fabric.close()
+    dist.barrier()  # (no rank closes before every rank has counted)
+    result({"init": got, "bad": checks.bad, "kind": _transport().kind, "qps": qps, "mrs": mrs})
+    dist.destroy_process_group()
+
+
 def profile() -> None:
     """A 4 KB all_reduce loop under cProfile on rank 0 (for looking, not for a test)."""
     import cProfile
@@ -89,4 +110,4 @@ def profile() -> None:
 
 
 if __name__ == "__main__":
-    main({"collectives": collectives, "profile": profile})
+    main({"collectives": collectives, "fallback": fallback, "profile": profile})
