@@ -246,6 +246,7 @@ def check_text(env: Mapping[str, str]) -> None:
 
 
 SECRET_MIN_CHARS = 32  # 32 hex digits = 128 bits: out of reach of an offline guess of the handshake MAC
+SECRET_MIN_DISTINCT = 8  # fewer distinct characters is no random secret (a placeholder, a repeated word)
 SECRET_MAX_BYTES = 4096  # a longer "secret" file is almost surely the wrong file
 
 
@@ -275,9 +276,12 @@ def parse_secret(text: str, name: str = "THUNDERBOLT_SECRET") -> bytes:
     hint = "generate one with `python -c 'import secrets; print(secrets.token_hex(32))'`"
     if len(value) > SECRET_MAX_BYTES:
         raise ConfigError(f"{where}: expected a secret of at most {SECRET_MAX_BYTES} bytes; is this the right file?")
-    if len(value) < SECRET_MIN_CHARS or len(set(value)) < 8:
+    if len(value) < SECRET_MIN_CHARS:
         raise ConfigError(f"{where}: expected a random secret of at least {SECRET_MIN_CHARS} characters "
                           f"(got {len(value)}, not shown); {hint}")
+    if len(set(value)) < SECRET_MIN_DISTINCT:
+        raise ConfigError(f"{where}: expected a random secret; this one has {len(set(value))} distinct "
+                          f"characters (not shown), a random one of {SECRET_MIN_CHARS} has many more; {hint}")
     return value
 
 

@@ -168,7 +168,7 @@ def test_secret_from_the_environment_or_a_file(tmp_path) -> None:
 
 @pytest.mark.parametrize("value, match", [
     ("tooshort-but-secret", "at least 32 characters"),
-    ("a" * 40, "at least 32 characters"),  # not random
+    ("a" * 40, "expected a random secret; this one has 1 distinct characters"),  # not random
     ("@/nonexistent/tb-secret", "THUNDERBOLT_SECRET=@/nonexistent/tb-secret: cannot read"),
 ])
 def test_bad_secrets_are_config_errors_that_do_not_show_them(value: str, match: str) -> None:

@@ -117,6 +117,33 @@ def test_only_store_clients_probe(monkeypatch) -> None:
     assert len(calls) == 3
 
 
+def test_every_rank_checks_the_settings_before_the_store(monkeypatch) -> None:
+    """Rank 0 too (it serves the store, so it probes nothing): a setting the backend would refuse stops it
+    before torch's handler makes the store and waits there for ranks that already stopped."""
+    monkeypatch.setattr(store_probe, "probe_store", lambda *a: pytest.fail("probed the store"))
+    bad = {"MASTER_ADDR": "10.77.0.1", "MASTER_PORT": "29500", "THUNDERBOLT_SECRET": "not-a-secret"}
+    for url, env in (("env://?rank=0&world_size=2", bad), ("env://", bad | {"RANK": "0"}),
+                     ("env://?rank=0&world_size=2", bad | {"TORCHELASTIC_USE_AGENT_STORE": "True"})):
+        with pytest.raises(ConfigError, match=r"^rank 0: THUNDERBOLT_SECRET: expected a random secret"):
+            probe_url(url, 60.0, env)
+    with pytest.raises(ConfigError, match=r"^THUNDERBOLT_TRANSPORT"):  # no rank to name: the setting alone
+        probe_url("env://", None, {"THUNDERBOLT_TRANSPORT": "carrier-pigeon"})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_refused_setting_stops_every_rank_at_once(tmp_path) -> None:
+    """The same bad secret on both ranks: rank 0 stops as rank 1 does, naming the setting (it waited for
+    rank 1 to join the store for the group's whole timeout, then said only that 1 of 2 ranks joined)."""
+    results = run_ranks(program, 2, tmp_path, args=["refused_settings"], timeout=100,
+                        env={"THUNDERBOLT_SECRET": "not-a-secret"})
+    for res in results:
+        out = res.json()
+        assert out["error"] == "ConfigError", (res.rank, out)
+        assert out["message"].startswith(f"rank {res.rank}: THUNDERBOLT_SECRET: expected a random secret"), out
+        assert out["seconds"] < 30, out  # torch's wait would be the group's timeout: 600 s here
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_refused_store_is_our_error_for_every_init_method_of_ours(tmp_path) -> None:

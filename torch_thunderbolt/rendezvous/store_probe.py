@@ -51,14 +51,24 @@ def store_is_client(rank: int, env: Mapping[str, str]) -> bool:
 
 
 def probe_url(url: str, timeout: "timedelta | float | None" = None, env: Mapping[str, str] | None = None) -> None:
-    """The probe for an env://, tcp:// or thunderbolt:// rendezvous URL (as torch hands it to a handler, rank
-    in its query), on ranks whose store is a client. Anything missing is left to torch's handler, which
+    """The checks before an env://, tcp:// or thunderbolt:// rendezvous URL (as torch hands it to a handler,
+    rank in its query): on every rank, the job's settings (ConfigError naming the rank and the setting); on
+    ranks whose store is a client, the probe of the store. Anything missing is left to torch's handler, which
     names it."""
     env = os.environ if env is None else env
     parsed = urlparse(url)
     query = dict(parse_qsl(parsed.query))
+    who = query.get("rank") or env.get("RANK", "")
+    # The settings first, on every rank, rank 0 included: a rank whose settings the backend would refuse must
+    # say so before the store exists. Otherwise rank 0 serves the store and waits, in torch's C++, for every
+    # rank to join it (for the group's whole timeout, 30 minutes by default) and then reports only how many
+    # joined, while the refused rank has long stopped.
     try:
-        rank = int(query.get("rank") or env.get("RANK", ""))
+        cfg = Config.from_env(env)
+    except ConfigError as exc:
+        raise ConfigError(f"rank {who}: {exc}" if who else str(exc)) from None
+    try:
+        rank = int(who)
         host = parsed.hostname or env.get("MASTER_ADDR", "")
         port = parsed.port or int(env.get("MASTER_PORT", ""))
     except ValueError:
@@ -66,7 +76,7 @@ def probe_url(url: str, timeout: "timedelta | float | None" = None, env: Mapping
     if not host or not store_is_client(rank, env):
         return
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    probe_store(host, port, rank, Config.from_env(env), seconds)
+    probe_store(host, port, rank, cfg, seconds)
 
 
 def probe_store(host: str, port: int, rank: int, cfg: Config, timeout: float | None = None, *,

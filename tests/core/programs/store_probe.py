@@ -1,9 +1,11 @@
 """Ranks of test_store_probe.py: rank 1 of a job whose store nobody serves (MASTER_PORT refused), through
 torch's init_process_group with each init method. torch's own timeout is 10 minutes here, so only our probe
-can end it in time; gloo shows that other backends keep torch's behaviour (its timeout: 3 s here)."""
+can end it in time; gloo shows that other backends keep torch's behaviour (its timeout: 3 s here). And the
+ranks of a job whose settings the backend refuses (`refused_settings`), timed."""
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -29,5 +31,11 @@ def refused() -> None:
             "gloo": outcome("gloo", "env://", 3)})
 
 
+def refused_settings() -> None:
+    started = time.monotonic()
+    out = outcome("thunderbolt", "env://", 600)
+    result({**out, "seconds": time.monotonic() - started})
+
+
 if __name__ == "__main__":
-    main({"refused": refused})
+    main({"refused": refused, "refused_settings": refused_settings})
