@@ -20,6 +20,10 @@ from torch_thunderbolt.transport.fakeverbs import Fabric
 from ..fabric_ends import End, make_end
 
 TIMEOUT = 30.0
+# The first meeting also waits for the other process to start: importing torch alone takes 4 s on this idle
+# machine and several times that on a loaded one, so 30 s counted from the first process's arrival is not
+# enough there. (The tests' own timeouts, 120-150 s, still bound it.)
+START_TIMEOUT = 100.0
 
 
 def _publish(name: str, obj: Any = None) -> None:
@@ -28,9 +32,9 @@ def _publish(name: str, obj: Any = None) -> None:
     tmp.rename(workdir() / f"{name}.{rank()}")
 
 
-def _await(name: str, who: int) -> Any:
+def _await(name: str, who: int, timeout: float = TIMEOUT) -> Any:
     path = workdir() / f"{name}.{who}"
-    end = time.monotonic() + TIMEOUT
+    end = time.monotonic() + timeout
     while not path.exists():
         if time.monotonic() > end:
             raise TimeoutError(f"rank {rank()}: rank {who} never published {name}")
@@ -49,7 +53,7 @@ def _end(channel: bool = False) -> End:
     device = os.environ.get("TEST_DEVICE") or f"rdma_fake{rank()}"
     end = make_end(cfg.verbs, cfg.verbs_fabric, device, channel=channel, max_wr=32, sge=2)
     _publish("info", end.info)
-    end.connect(_await("info", 1 - rank()))
+    end.connect(_await("info", 1 - rank(), START_TIMEOUT))
     return end
 
 
@@ -213,9 +217,9 @@ def qp_limit() -> Exit | None:
     if me == 1:
         held = [pd.create_qp(cq, cq, 4, 4) for _ in range(3)]
         _publish("full", [q.qp_num for q in held])
-        _await("tried", 0)
+        _await("tried", 0, START_TIMEOUT)  # (rank 0 may still be starting)
         return Exit(0, hard=True)  # no clean-up: as a crash
-    _await("full", 1)
+    _await("full", 1, START_TIMEOUT)  # (rank 1 may still be starting)
     out: dict[str, Any] = {}
     try:
         pd.create_qp(cq, cq, 4, 4)
