@@ -338,10 +338,7 @@ def _await_control(records: Records, acceptor: _Acceptor, rank: int, higher: set
     check (`acceptor.fatal`), a rank still missing that gave up (the whole set-up or RDMA alone: looked for
     every LOOK_EVERY, not at the deadline only), or the deadline."""
     while not acceptor.done.wait(max(0.0, min(LOOK_EVERY, deadline - time.monotonic()))):
-        for p in sorted(p for p in higher if acceptor.conns.get((p, 0)) is None):
-            failed = records.failure(p, KIND)
-            if failed is not None:
-                raise failed
+        records.raise_failure(sorted(p for p in higher if acceptor.conns.get((p, 0)) is None), KIND)
         if time.monotonic() >= deadline:
             break
     if acceptor.fatal is not None:
@@ -400,10 +397,7 @@ def _await_hellos(rank: int, ends: "dict[int, RdmaEnd]", deadline: float, record
         now = time.monotonic()
         if now >= look:
             look = now + LOOK_EVERY
-            for p in sorted(waiting):
-                failed = records.failure(p, KIND)
-                if failed is not None:
-                    raise failed
+            records.raise_failure(sorted(waiting), KIND)
         if now > deadline:
             detail = "; ".join(f"rank {p} via {ends[p].device.name} ({_port(ends[p].device)})" for p in sorted(waiting))
             raise RdmaError(f"rank {rank}: nothing arrived over RDMA from {detail} although both ends were "

@@ -29,7 +29,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from ..errors import ConfigError, HandshakeError, PeerLostError, RdmaError, ThunderboltError
 from ..protocol import handshake as hs
@@ -195,6 +195,14 @@ class Records:
             self.publish(failed_name(self.rank), value, scope="")
         except Exception:  # noqa: BLE001
             pass
+
+    def raise_failure(self, owners: "Iterable[int]", kind: str = "") -> None:
+        """Raise the failure (`failure`) of the first of `owners` that announced one (with `kind`: or gave
+        up that kind); return when none did. For a rank waiting on several peers at once."""
+        for owner in owners:
+            failed = self.failure(owner, kind)
+            if failed is not None:
+                raise failed
 
     def failure(self, owner: int, kind: str = "") -> "ThunderboltError | None":
         """What to raise here if rank `owner` announced that it gave up the set-up (None if it did not); with

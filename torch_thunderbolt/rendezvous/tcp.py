@@ -516,10 +516,7 @@ def _wait_for_higher(acceptor: "_Acceptor", records: Records, rank: int, members
         if acceptor.fatal is not None:
             raise acceptor.fatal
         missing = _missing(acceptor, members, rank, streams)
-        for p in missing:
-            failed = records.failure(p)
-            if failed is not None:
-                raise failed
+        records.raise_failure(missing)
         now = time.monotonic()
         if now >= deadline:
             return False, None
