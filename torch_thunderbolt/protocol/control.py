@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from ..errors import ProtocolError
-from .framing import MAX_ABORT_PAYLOAD, MAX_CONTROL_PAYLOAD, AbortInfo
+from .framing import MAX_ABORT_PAYLOAD, MAX_CONTROL_PAYLOAD, AbortInfo, control_frame_header
 
 MAGIC = 0x43B7  # little-endian on the wire: 0xB7 first (never the 0 of a wake-up byte), then 0x43 ("C")
 VERSION = 1
@@ -161,6 +161,12 @@ def encode(msg: Message) -> bytes:
     """One message, head and body."""
     typ, body = _body(msg)
     return _HEAD.pack(MAGIC, VERSION, typ, len(body)) + body
+
+
+def framed(msg: Message) -> bytes:
+    """`msg` as a TCP stream carries it: one CONTROL frame (`framing.Kind.CONTROL`) whose payload is it."""
+    data = encode(msg)
+    return control_frame_header(len(data)) + data
 
 
 def _decode_op(body: bytes, name: str) -> Op:
