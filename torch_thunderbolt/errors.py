@@ -49,6 +49,31 @@ class PeerLostError(ThunderboltError, ConnectionError):
         self.address = address
 
 
+def peer_lost(rank: int, peer: int, what: str, *, cause: "BaseException | None" = None, address: str = "",
+              hint: str = "") -> PeerLostError:
+    """The user's error for a peer that is gone or cannot be reached, built here and nowhere else: "rank
+    `rank`: `what`" (what this rank expected of `peer` and did not get), then the OS error `cause` (also
+    its `__cause__`), then `hint` (what to do next). `address`: where the peer was, for tools."""
+    text = f"rank {rank}: {what}"
+    if cause is not None:
+        text += f": {cause}"
+    if hint:
+        text += f"; {hint}"
+    err = PeerLostError(text, rank=rank, peer=peer, address=address)
+    if cause is not None:
+        err.__cause__ = cause
+    return err
+
+
+def peer_shut_down(rank: int, peer: int, expected: str, *, address: str = "") -> PeerLostError:
+    """`peer` ended its process group in order (its BYE) while this rank still expected `expected` of it
+    (a send it would take, data it would send)."""
+    return peer_lost(rank, peer, f"rank {peer} has shut down its process group, but this rank still expected "
+                     f"{expected}", address=address,
+                     hint=f"rank {peer} ran fewer collectives or sends than this rank: every rank must run the "
+                     f"same ones before destroy_process_group")
+
+
 class CollectiveTimeout(ThunderboltError, TimeoutError):
     """A collective did not finish within the group's timeout. The message contains "Timed out".
     `ranks`: the ranks it blames (that never arrived or stopped sending), when it could tell."""

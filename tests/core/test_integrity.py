@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import ConfigError, IntegrityError, ProtocolError
-from torch_thunderbolt.protocol.framing import FRAME_HEADER_SIZE, Kind, Space, _parse, encode_frame_header
+from torch_thunderbolt.protocol import control
+from torch_thunderbolt.protocol.framing import FRAME_HEADER_SIZE, AbortInfo, Kind, Space, _parse, encode_frame_header
 from torch_thunderbolt.protocol.integrity import (SEALED_HEADER_SIZE, TAG_SIZE, Opener, SealedFrameDecoder, Sealer,
                                                   stream_keys)
 from torch_thunderbolt.rendezvous.group import connect
@@ -265,6 +266,21 @@ def test_a_stranger_on_the_wire_fails_the_group_on_both_ranks(what: str, at: int
         t1.close()
         for m in meddlers:
             m.close()
+
+
+def test_an_unsealed_control_message_is_refused_on_a_sealed_link() -> None:
+    """Control frames are sealed like data: an ABORT written without its MAC (a stranger, or a peer without
+    the key) is an IntegrityError, never a reason the group believes."""
+    t0, t1, _ = _sealed_pair()
+    try:
+        forged = control.framed(control.Abort(AbortInfo("MismatchError", "believe me", 1)))
+        t1.link_kind("tcp").stream(0, 0).sock.sendall(forged)
+        req = t0.irecv(1, (Space.COLL, 1, 0), memoryview(bytearray(8)))
+        with pytest.raises(IntegrityError):
+            t0.wait([req], deadline=time.monotonic() + 10)
+    finally:
+        t0.close()
+        t1.close()
 
 
 def test_sealed_transports_move_messages_of_every_size_exactly() -> None:

@@ -9,7 +9,8 @@ from torch_thunderbolt.errors import (CollectiveTimeout, HandshakeError, Mismatc
                                       PeerLostError, ProtocolError)
 from torch_thunderbolt.protocol import handshake as hs
 from torch_thunderbolt.protocol.framing import (FRAME_HEADER_SIZE, MAX_ABORT_PAYLOAD, AbortInfo, FrameDecoder, Kind,
-                                                Space, encode_abort, encode_frame_header)
+                                                Space, encode_frame_header)
+from torch_thunderbolt.protocol import control
 from torch_thunderbolt.transport.base import remote_error
 
 
@@ -67,8 +68,9 @@ def test_direct_payload_reads_are_tracked() -> None:
     (b"\x00" * FRAME_HEADER_SIZE, "magic"),
     (encode_frame_header(Kind.DATA, Space.COLL, 0, 0, 0, 10, 10, 15), "outside"),
     (encode_frame_header(Kind.DATA, Space.COLL, 0, 0, 0, 0, 0, 1 << 50), "limit"),
-    (encode_frame_header(Kind.BYE, Space.COLL, 0, 0, 0, 0, 3, 3), "BYE"),
-    (encode_frame_header(Kind.ABORT, Space.COLL, 0, 0, 0, 0, 1 << 20, 1 << 20), "ABORT"),
+    (encode_frame_header(Kind.CONTROL, Space.COLL, 0, 0, 0, 0, 3, 9), "CONTROL frame of 3 of 9"),
+    (encode_frame_header(Kind.CONTROL, Space.COLL, 0, 0, 0, 0, 1 << 20, 1 << 20), "CONTROL"),
+    (encode_frame_header(Kind.ACK, Space.COLL, 0, 0, 0, 0, 1, 1), "ACK frame carries a payload"),
 ])
 def test_bad_headers_are_protocol_errors(bad: bytes, what: str) -> None:
     dec = FrameDecoder(max_message=1 << 40)
@@ -90,9 +92,10 @@ def test_fuzz_only_protocol_errors_escape(data: bytes) -> None:
 
 def test_abort_frame_carries_the_reason() -> None:
     dec = FrameDecoder()
-    dec.feed(encode_abort(ValueError("boom"), rank=2))
+    dec.feed(control.framed(control.Abort(AbortInfo.of(ValueError("boom"), rank=2))))
     (f, payload), = drain(dec)
-    assert f.kind is Kind.ABORT and AbortInfo.decode(payload) == AbortInfo("ValueError", "boom", 2, -1, ())
+    assert f.kind is Kind.CONTROL
+    assert control.decode(payload) == control.Abort(AbortInfo("ValueError", "boom", 2, -1, ()))
 
 
 def test_abort_info_carries_the_ranks_as_data() -> None:

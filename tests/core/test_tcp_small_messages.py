@@ -20,7 +20,8 @@ import torch
 from torch_thunderbolt.algorithms.collectives import Communicator
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import MismatchError, PeerAbortedError, PeerLostError
-from torch_thunderbolt.protocol.framing import (FRAME_HEADER_SIZE, FrameDecoder, Kind, Space, encode_abort,
+from torch_thunderbolt.protocol import control
+from torch_thunderbolt.protocol.framing import (FRAME_HEADER_SIZE, AbortInfo, FrameDecoder, Kind, Space,
                                                encode_frame_header)
 from torch_thunderbolt.transport.engine import Transport
 from torch_thunderbolt.transport.tcp import EARLY_BUDGET, tcp_transport
@@ -260,7 +261,7 @@ def test_an_abort_behind_a_later_ops_small_message_is_read_at_once(pair) -> None
     and kept, so the ABORT is read too and this rank fails with the peer's reason at once, not at its own
     deadline (a parked message would hold everything behind it on the stream)."""
     t, peer = pair
-    peer.sendall(frame(bytes(400), key=(Space.COLL, TAG + 1, 0)) + encode_abort(RuntimeError("it went wrong")))
+    peer.sendall(frame(bytes(400), key=(Space.COLL, TAG + 1, 0)) + control.framed(control.Abort(AbortInfo.of(RuntimeError("it went wrong")))))
     peer.close()  # as a failing rank does after its ABORT (this rank's own ABORT then finds it gone at once)
     dest = bytearray(100)
     t0 = time.monotonic()

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from torch_thunderbolt.errors import PeerLostError
-from torch_thunderbolt.protocol.framing import Space, encode_abort
+from torch_thunderbolt.protocol import control
+from torch_thunderbolt.protocol.framing import AbortInfo, Space
 from torch_thunderbolt.testing.worlds import tcp_world
 
 pytestmark = pytest.mark.timeout(60)
@@ -23,7 +24,7 @@ def _relay(worlds) -> PeerLostError:
     # rank 1 waits for data from rank 0 (as in a ring step)
     waiting = t1.irecv(0, (Space.COLL, 1, 0), memoryview(bytearray(64)))
     news = PeerLostError("rank 2: lost the connection to rank 3 at 10.0.0.4:1234 (stream 0): reset", rank=2, peer=3)
-    t2.link_kind("tcp").stream(0, 0).sock.send(encode_abort(news))  # only rank 0 hears it directly
+    t2.link_kind("tcp").stream(0, 0).sock.send(control.framed(control.Abort(AbortInfo.of(news))))  # only rank 0 hears it directly
     with pytest.raises(PeerLostError) as first:
         t0.wait([t0.irecv(2, (Space.COLL, 1, 0), memoryview(bytearray(64)))], time.monotonic() + 10)
     assert first.value.peer == 3  # rank 0 names the dead rank

@@ -15,7 +15,8 @@ from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import ConfigError
 from torch_thunderbolt.transport import shm_ring as ring
 from torch_thunderbolt.transport import shm_segment as segs
-from torch_thunderbolt.transport.shm import BELL, BYE, ShmLink
+from torch_thunderbolt.protocol import control
+from torch_thunderbolt.transport.shm import BELL, ShmLink
 from torch_thunderbolt.rendezvous.hosts import host_identity
 from torch_thunderbolt.rendezvous.shm import ShmOptions
 
@@ -191,7 +192,7 @@ def test_a_reset_after_bye_is_an_orderly_close_not_a_lost_peer() -> None:
     ours, theirs = socket.socketpair()
     with ours:
         ours.send(BELL * 2)
-        theirs.send(BYE)
+        theirs.send(BELL + control.encode(control.Bye()) + BELL)
         theirs.shutdown(socket.SHUT_RDWR)
         theirs.close()
         ours.setblocking(False)

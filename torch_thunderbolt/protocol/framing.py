@@ -5,9 +5,12 @@ decoder is sans-IO: the I/O shell feeds it bytes and asks for events. For large 
 straight into the destination buffer (zero copy); the decoder only tracks how much of the payload is left,
 and hands out whatever payload bytes it already buffered.
 
-Why a group failed travels to the peers as an ABORT whose body is an `AbortInfo` (every kind of link
-carries the same body, each on its own wire): the error's class and message, and the ranks it names as
-numbers, so a peer rebuilds the error from data instead of parsing its text.
+What two ranks say about the connection itself (BYE, ABORT, probes) is a control message
+(`protocol/control.py`), the same on every kind of link; on a TCP stream each is the payload of one
+CONTROL frame. Why a group failed is an ABORT whose body is an `AbortInfo` (defined here, below): the
+error's class and message, and the ranks it names as numbers, so a peer rebuilds the error from data
+instead of parsing its text. ACK and RESYNC stay frame kinds of their own: they count bytes of one stream
+for its failover (`transport/failover.py`), below what the peers say to each other.
 """
 from __future__ import annotations
 
@@ -27,16 +30,14 @@ FRAME_HEADER_SIZE = _HEADER.size  # 48
 #: Defaults for what a peer may announce; anything larger is a protocol error, never an allocation.
 DEFAULT_MAX_MESSAGE = 1 << 40
 MAX_ABORT_PAYLOAD = 4096
+MAX_CONTROL_PAYLOAD = 1 << 15  # a CONTROL frame's body: one control message (control.HEAD_SIZE + MAX_BODY)
 
 
 class Kind(enum.IntEnum):
     DATA = 1
-    BYE = 2  # orderly shutdown: the peer will send nothing more
-    ABORT = 3  # the peer failed (mismatch, timeout, ...): payload = an AbortInfo (see there)
     ACK = 4  # failover: `offset` = bytes of this stream the sender of the ACK has consumed
     RESYNC = 5  # failover: stream `tag` is lost; `offset` = bytes of it the sender of the RESYNC consumed
-    PING = 6  # a waiting rank's probe (unacknowledged data, so a dead link times out; tag/sig: the op it
-    # waits for). seq != 0 answers a probe: the sender waits on rank seq - 1 in that op itself
+    CONTROL = 7  # payload = one control message (protocol/control.py: BYE, ABORT, PING, ...)
 
 
 class Space(enum.IntEnum):
@@ -83,16 +84,15 @@ def _parse(raw: bytes | memoryview, max_message: int) -> Frame:
         raise ProtocolError(f"unknown frame kind {kind} or space {space}")
     if total > max_message:
         raise ProtocolError(f"frame announces a {total}-byte message; the limit is {max_message}")
-    if kind_e in (Kind.ACK, Kind.RESYNC, Kind.PING):
+    if kind_e is Kind.ACK or kind_e is Kind.RESYNC:
         if length or total:
             raise ProtocolError(f"{kind_e.name} frame carries a payload")
         return Frame(kind_e, space_e, sig, tag, seq, offset, 0, 0)
     if offset + length > total:
         raise ProtocolError(f"frame part [{offset}, {offset + length}) lies outside its {total}-byte message")
-    if kind_e is Kind.BYE and (length or total):
-        raise ProtocolError("BYE frame carries a payload")
-    if kind_e is Kind.ABORT and total > MAX_ABORT_PAYLOAD:
-        raise ProtocolError(f"ABORT frame of {total} bytes (limit {MAX_ABORT_PAYLOAD})")
+    if kind_e is Kind.CONTROL and (total > MAX_CONTROL_PAYLOAD or length != total):
+        raise ProtocolError(f"CONTROL frame of {length} of {total} bytes (one whole message of at most "
+                            f"{MAX_CONTROL_PAYLOAD})")
     return Frame(kind_e, space_e, sig, tag, seq, offset, length, total)
 
 
@@ -112,11 +112,8 @@ class FrameDecoder:
         self._pos = 0
         self._max_message = max_message
         self.payload_remaining = 0
-        self.closed = False
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        if self.closed:
-            raise ProtocolError("data after BYE")
         if self._pos and self._pos == len(self._buf):
             self._buf.clear()
             self._pos = 0
@@ -134,10 +131,7 @@ class FrameDecoder:
         frame = _parse(memoryview(self._buf)[self._pos : self._pos + FRAME_HEADER_SIZE], self._max_message)
         self._pos += FRAME_HEADER_SIZE
         self.payload_remaining = frame.length
-        if frame.kind is Kind.BYE:
-            self.closed = True
         return frame
-
 
     def take_buffered(self, n: int) -> bytes:
         """Up to `n` payload bytes of the current frame that are already buffered."""
@@ -170,8 +164,13 @@ class FrameDecoder:
 
 
 def encode_control(kind: Kind, offset: int, stream: int = 0) -> bytes:
-    """An ACK, RESYNC or PING frame (header only)."""
+    """An ACK or RESYNC frame (header only)."""
     return encode_frame_header(kind, Space.COLL, 0, stream, 0, offset, 0, 0)
+
+
+def control_frame_header(nbytes: int) -> bytes:
+    """The header of a CONTROL frame whose payload is one control message of `nbytes`."""
+    return encode_frame_header(Kind.CONTROL, Space.COLL, 0, 0, 0, 0, nbytes, nbytes)
 
 
 @dataclass(frozen=True)
@@ -224,9 +223,3 @@ class AbortInfo:
                 and all(type(r) is int for r in (info.rank, info.peer, *info.ranks))):
             raise ProtocolError("malformed ABORT body (a field of the wrong type)")
         return info
-
-
-def encode_abort(error: BaseException, rank: int = -1) -> bytes:
-    """An ABORT frame telling a peer why `rank` failed with `error`."""
-    body = AbortInfo.of(error, rank).encode()
-    return encode_frame_header(Kind.ABORT, Space.COLL, 0, 0, 0, 0, len(body), len(body)) + body

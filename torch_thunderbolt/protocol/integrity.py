@@ -21,7 +21,7 @@ import hashlib
 import hmac
 
 from ..errors import IntegrityError
-from .framing import FRAME_HEADER_SIZE, FrameDecoder, Frame, Kind, _parse
+from .framing import FRAME_HEADER_SIZE, FrameDecoder, Frame, _parse
 
 TAG_SIZE = 16
 SEALED_HEADER_SIZE = FRAME_HEADER_SIZE + 2 * TAG_SIZE
@@ -115,8 +115,6 @@ class SealedFrameDecoder(FrameDecoder):
         frame = _parse(sealed[:FRAME_HEADER_SIZE], self._max_message)
         self._pos += SEALED_HEADER_SIZE
         self.payload_remaining = frame.length
-        if frame.kind is Kind.BYE:
-            self.closed = True
         if not frame.length:
             self.opener.check(b"")
         return frame

@@ -39,7 +39,7 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from ..config import Config
-from ..errors import ConfigError, HandshakeError, PeerLostError, RdmaError
+from ..errors import ConfigError, HandshakeError, RdmaError, peer_lost
 from ..platform import Platform, current
 from ..transport.engine import Transport
 from ..transport.netif import choose_addresses, network_of
@@ -345,8 +345,8 @@ def _await_control(records: Records, acceptor: _Acceptor, rank: int, higher: set
         raise acceptor.fatal
     missing = sorted(p for p in higher if acceptor.conns.get((p, 0)) is None)
     if missing:
-        raise PeerLostError(f"rank {rank}: timed out waiting for ranks {missing} to open their RDMA control "
-                            f"connections", rank=rank, peer=missing[0])
+        raise peer_lost(rank, missing[0], f"timed out waiting for ranks {missing} to open their RDMA control "
+                        f"connections")
 
 
 def _barrier(records: Records, socks: dict[int, socket.socket], byte: bytes, rank: int, deadline: float) -> None:
@@ -378,7 +378,7 @@ def _left(records: Records, rank: int, peer: int, exc: OSError) -> BaseException
         failed = records.failure(peer, KIND)
     if failed is not None:
         return failed
-    return PeerLostError(f"rank {rank}: rank {peer} left the RDMA set-up ({exc})", rank=rank, peer=peer)
+    return peer_lost(rank, peer, f"rank {peer} left the RDMA set-up ({exc})")
 
 
 def _await_hellos(rank: int, ends: "dict[int, RdmaEnd]", deadline: float, records: Records) -> None:

@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from ..errors import ConfigError, HandshakeError, PeerLostError, RdmaError, ThunderboltError
+from ..errors import ConfigError, HandshakeError, RdmaError, ThunderboltError, peer_lost
 from ..protocol import handshake as hs
 
 SECRET_HINT = ("every rank of the job needs the same THUNDERBOLT_SECRET (`torch-thunderbolt launch` gives all "
@@ -176,9 +176,9 @@ class Records:
                 raise failed
             left = self.deadline - time.monotonic()
             if left <= 0:
-                raise PeerLostError(f"rank {self.rank}: timed out waiting for rank {owner} to publish "
-                                    f"{what or 'record'} {name} in the rendezvous store: did rank {owner} start? "
-                                    f"(THUNDERBOLT_CONNECT_TIMEOUT)", rank=self.rank, peer=owner)
+                raise peer_lost(self.rank, owner, f"timed out waiting for rank {owner} to publish "
+                                f"{what or 'record'} {name} in the rendezvous store: did rank {owner} start? "
+                                f"(THUNDERBOLT_CONNECT_TIMEOUT)")
             time.sleep(min(wait, left))
             wait = min(wait * 2, _POLL_MAX)
 
@@ -218,10 +218,10 @@ class Records:
             return None
         if gave_up is None:
             return None
-        text = f"rank {self.rank}: rank {owner} gave up setting up {kind} links: {gave_up.message}"
+        what = f"rank {owner} gave up setting up {kind} links: {gave_up.message}"
         if gave_up.error == "RdmaError":  # still RDMA's fault: the device, and the rank whose device it is
-            return RdmaError(text, device=gave_up.device, rank=gave_up.origin)
-        return PeerLostError(text, rank=self.rank, peer=owner)
+            return RdmaError(f"rank {self.rank}: {what}", device=gave_up.device, rank=gave_up.origin)
+        return peer_lost(self.rank, owner, what)
 
     def _group_failure(self, owner: int) -> "ThunderboltError | None":
         """What to raise here if rank `owner` announced that it gave up the set-up (`announce`)."""
@@ -245,12 +245,13 @@ class Records:
             return None  # another group's (a replay): not ours to report
         name_, why, message = str(info.get("error", "")), str(info.get("why", "")), str(info.get("message", ""))
         verb = "failed its handshake" if why == "mac" else "gave up during set-up"
-        text = f"rank {self.rank}: rank {owner} {verb}: {name_}: {message}"
+        what = f"rank {owner} {verb}: {name_}: {message}"
+        text = f"rank {self.rank}: {what}"
         if name_ == "ConfigError":
             return ConfigError(text)
         if name_ in ("HandshakeError", "ProtocolError", "IntegrityError"):
             return HandshakeError(text, why=why)
-        return PeerLostError(text, rank=self.rank, peer=owner)
+        return peer_lost(self.rank, owner, what)
 
     # -- one kind of link given up -------------------------------------------------------------------------
     def give_up(self, kind: str, exc: BaseException) -> None:

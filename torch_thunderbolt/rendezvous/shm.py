@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..config import Config
-from ..errors import ConfigError, HandshakeError, PeerLostError
+from ..errors import ConfigError, HandshakeError, peer_lost
 from ..transport import shm_ring as ring
 from ..transport import shm_segment as segs
 from ..transport.engine import Transport
@@ -94,8 +94,7 @@ def _connect(rank: int, peer: int, path: str, token: bytes, deadline: float) -> 
         except BaseException:
             sock.close()
             raise
-    raise PeerLostError(f"rank {rank}: could not connect to rank {peer}'s shm doorbell at {path}: {last}",
-                        rank=rank, peer=peer, address=path)
+    raise peer_lost(rank, peer, f"could not connect to rank {peer}'s shm doorbell at {path}: {last}", address=path)
 
 
 def _accept(lst: socket.socket, rank: int, higher: set[int], token: bytes, deadline: float,
@@ -105,8 +104,7 @@ def _accept(lst: socket.socket, rank: int, higher: set[int], token: bytes, deadl
         left = deadline - time.monotonic()
         missing = sorted(higher - set(got))
         if left <= 0:
-            raise PeerLostError(f"rank {rank}: timed out waiting for ranks {missing} to attach over shared memory",
-                                rank=rank, peer=missing[0])
+            raise peer_lost(rank, missing[0], f"timed out waiting for ranks {missing} to attach over shared memory")
         lst.settimeout(min(left, 0.25))
         try:
             sock, _ = lst.accept()

@@ -29,7 +29,7 @@ from typing import Callable, Mapping
 from urllib.parse import parse_qsl, urlparse
 
 from ..config import Config
-from ..errors import ConfigError, PeerLostError
+from ..errors import ConfigError, PeerLostError, peer_lost
 from ..platform import LOCAL_NETWORK_SETTING, Platform, current
 from .tcp import LOCAL_NETWORK_ERRNOS, LOCAL_NETWORK_TRIES
 
@@ -142,12 +142,12 @@ def _unreachable(rank: int, host: str, port: int, loopback: bool, waited: float,
         f"; that {host} is rank 0's address on a network this Mac is on (ping {host}); that the firewall of "
         f"rank 0's Mac lets its python accept incoming connections (System Settings › Network › Firewall); and "
         f"that the app this python runs under has the Local Network permission ({LOCAL_NETWORK_SETTING})")
-    return PeerLostError(
-        f"rank {rank}: could not connect to the rendezvous store at {host}:{port} (MASTER_ADDR:MASTER_PORT, "
+    return peer_lost(
+        rank, 0, f"could not connect to the rendezvous store at {host}:{port} (MASTER_ADDR:MASTER_PORT, "
         f"served by rank 0, or by torchrun on the first node) within {waited:.0f}s: {what}. Check that rank 0 "
         f"is running and has reached init_process_group, with the same MASTER_ADDR and MASTER_PORT{across}. "
         f"{DOCTOR_HINT.format(host=host, port=port)}; THUNDERBOLT_CONNECT_TIMEOUT sets this wait",
-        rank=rank, peer=0, address=f"{host}:{port}")
+        address=f"{host}:{port}")
 
 
 def local_network_denied_store(rank: int, host: str, port: int, exc: OSError) -> ConfigError:

@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable
 
 from ..config import Config
-from ..errors import ConfigError, HandshakeError, PeerLostError, ThunderboltError
+from ..errors import ConfigError, HandshakeError, PeerLostError, ThunderboltError, peer_lost
 from ..platform import (DARWIN_TCP_RXT_CONNDROPTIME, LINUX_TCP_USER_TIMEOUT, LOCAL_NETWORK_SETTING,  # noqa: F401
                         Platform, current)
 from ..protocol import handshake as hs
@@ -383,11 +383,11 @@ PROBE_EVERY = 0.25
 def died_in_setup(rank: int, peer: int, target: tuple[str, int], refused_for: float,
                   exc: BaseException) -> PeerLostError:
     """What a rank reports when `peer`'s published endpoint refuses connections: it is gone."""
-    return PeerLostError(
-        f"rank {rank}: rank {peer} died (or gave up) during set-up: it published its endpoint "
+    return peer_lost(
+        rank, peer, f"rank {peer} died (or gave up) during set-up: it published its endpoint "
         f"{target[0]}:{target[1]}, which has refused connections for {refused_for:.1f}s ({exc}). Look at "
         f"rank {peer}'s output and exit status; every rank must be restarted",
-        rank=rank, peer=peer, address=f"{target[0]}:{target[1]}")
+        address=f"{target[0]}:{target[1]}")
 
 
 def _refuses(target: tuple[str, int]) -> BaseException | None:
@@ -465,9 +465,8 @@ def _dial(rank: int, peer: int, stream: int, target: tuple[str, int], source: st
             else:
                 refused_since = None
             time.sleep(0.1)
-    err = PeerLostError(f"rank {rank}: could not connect to rank {peer} at {target[0]}:{target[1]}: {last}",
-                        rank=rank, peer=peer, address=f"{target[0]}:{target[1]}")
-    raise err from last
+    raise peer_lost(rank, peer, f"could not connect to rank {peer} at {target[0]}:{target[1]}", cause=last,
+                    address=f"{target[0]}:{target[1]}")
 
 
 def stream_routes(my_addrs: list[str], my_nets: list[str], peer_eps: list, peer_nets: list[str],
@@ -604,15 +603,13 @@ def connect_tcp_links(setup: SetUp) -> TcpLinks:
                                             for p, why in sorted(bad.items())) + f"; {SECRET_HINT}"
             if dead is not None:  # known dead: no point waiting for the deadline
                 why = str(dead).split(": ", 1)[1]
-                raise PeerLostError(f"rank {rank}: gave up waiting for ranks {missing} to connect (listening on "
-                                    f"{endpoints}): {why}{refused}", rank=rank, peer=dead.peer,
-                                    address=dead.address)
+                raise peer_lost(rank, dead.peer, f"gave up waiting for ranks {missing} to connect (listening on "
+                                f"{endpoints}): {why}{refused}", address=dead.address)
             err_cls = HandshakeError if bad else PeerLostError
-            message = (f"rank {rank}: timed out waiting for ranks {missing} to connect (listening on {endpoints})"
-                       f"{refused}")
+            what = f"timed out waiting for ranks {missing} to connect (listening on {endpoints}){refused}"
             if err_cls is HandshakeError:
-                raise HandshakeError(message, why="mac")
-            raise PeerLostError(message, rank=rank, peer=missing[0] if missing else -1)
+                raise HandshakeError(f"rank {rank}: {what}", why="mac")
+            raise peer_lost(rank, missing[0] if missing else -1, what)
         for (p, s), sock in sorted(acceptor.conns.items()):
             conns.setdefault(p, []).append(sock)
             sessions.setdefault(p, []).append(acceptor.sessions[(p, s)])

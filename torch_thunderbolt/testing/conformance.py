@@ -354,7 +354,7 @@ def _expect_abort(ctx: Ctx, make: Callable[[], BaseException], check: Callable[[
 def check_abort_lost(ctx: Ctx) -> None:
     """An ABORT's details arrive as data: rank 0 fails because it lost the last rank; the others fail with
     PeerLostError naming that rank (not rank 0, the messenger)."""
-    from torch_thunderbolt.errors import PeerLostError
+    from torch_thunderbolt.errors import PeerLostError, peer_lost
 
     lost = ctx.world - 1
 
@@ -363,8 +363,7 @@ def check_abort_lost(ctx: Ctx) -> None:
         assert exc.peer == lost, f"names rank {exc.peer}, not the lost rank {lost}: {exc}"
         assert "the cable is gone" in str(exc), f"the reason did not arrive: {exc}"
 
-    _expect_abort(ctx, lambda: PeerLostError(f"rank 0: lost the connection to rank {lost}: the cable is gone",
-                                             rank=0, peer=lost), check)
+    _expect_abort(ctx, lambda: peer_lost(0, lost, f"lost the connection to rank {lost}: the cable is gone"), check)
 
 
 def check_abort_timeout(ctx: Ctx) -> None:

@@ -13,7 +13,8 @@ import socket
 import threading
 from typing import Any, Iterable, Sequence
 
-from ..errors import CollectiveTimeout, IntegrityError, MismatchError, PeerAbortedError, PeerLostError, ProtocolError
+from ..errors import (CollectiveTimeout, IntegrityError, MismatchError, PeerAbortedError, PeerLostError, ProtocolError,
+                      peer_lost)
 from ..protocol.framing import AbortInfo, Frame, Space
 
 Key = tuple[int, int, int]  # (space, tag, seq)
@@ -79,8 +80,9 @@ class Link(abc.ABC):
 
     A link moves the bytes of posted requests and hands arriving parts to the engine's Matcher
     (`engine.matcher.match` / `part_done`, then `engine.signal()` when that completed a request); it
-    reports what goes wrong to the engine (`engine.fail(engine.lost(...))`, an ABORT's body to
-    `engine.peer_aborted`), which owns BROKEN and tells the other peers.
+    reports what goes wrong to the engine (`engine.fail(engine.lost(...))`, an ABORT's AbortInfo to
+    `engine.peer_aborted`), which owns BROKEN and tells the other peers. What a link says to its peer about
+    the connection (BYE, ABORT, probes) is a control message (protocol/control.py), on the kind's own wire.
 
     Five calls every kind writes (`post_send`, `pump`, `gone`, `abort`, `close`); the rest have defaults
     that suit a link which never holds data back and has nothing to poll."""
@@ -125,9 +127,9 @@ class Link(abc.ABC):
 
     # -- the end ----------------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def abort(self, err: BaseException, body: "bytes | None") -> "Farewell | None":
+    def abort(self, err: BaseException, body: "AbortInfo | None") -> "Farewell | None":
         """The group broke with `err`: every send not fully written gets `err` and is dropped. With `body`
-        (an ABORT's: an encoded AbortInfo), tell the peer why, after the rest of any message part it is
+        (what an ABORT says), tell the peer why in a control ABORT, after the rest of any message part it is
         half-way through reading: what is left of that (the engine drives it at most ABORT_GRACE seconds,
         then closes the link), or None when it is done or there is no one to tell."""
 
@@ -244,6 +246,7 @@ class LinkKind:
     links: "dict[int, Link]"
     engine: "Any"
     threads: "Sequence[threading.Thread]" = ()  # the kind's own threads: the engine joins them after release
+    probes = False  # the kind sends and answers PINGs: the engine's MismatchDetector must see every post
 
     def attach(self, engine: "Any") -> None:
         """Called once by the engine that owns these links."""
@@ -253,7 +256,7 @@ class LinkKind:
 
     def note_post(self, key: Key, sig: int) -> None:
         """A message `key` of the op with signature `sig` is being posted (under the lock): publish what op
-        this rank is in, if the kind can."""
+        this rank is in, if the kind can (the engine calls only a kind that overrides this)."""
 
     def after_pump(self) -> None:
         """After a round of pumping or posting: e.g. ring the doorbells of peers that now have work."""
@@ -304,22 +307,6 @@ def close_control(sock: socket.socket, bye: "bytes | None") -> None:
     close_socket(sock)
 
 
-OPS_REMEMBERED = 256  # a PING names an op the peer waits for now: one this far behind us is long settled
-
-
-def note_op_signature(kind: "Any", key: Key, sig: int) -> None:
-    """`note_post` of a kind whose links answer a peer's PING naming the collective op it waits for (TCP,
-    RDMA: the kind checks the signature the PING names against its own): remember the op's signature in
-    `kind.op_sigs` by tag the first time this rank posts a message of it, and forget the op OPS_REMEMBERED
-    before. A kind takes it as its method (`note_post = note_op_signature`): it runs on every post."""
-    if key[0] == Space.COLL and sig:
-        tag = key[1]
-        op_sigs = kind.op_sigs
-        if tag not in op_sigs:
-            op_sigs[tag] = sig
-            op_sigs.pop(tag - OPS_REMEMBERED, None)
-
-
 def bytes_view(buf: memoryview | bytearray | bytes) -> memoryview:
     mv = buf if isinstance(buf, memoryview) else memoryview(buf)
     if mv.format != "B" or mv.ndim != 1:
@@ -339,7 +326,7 @@ def remote_error(rank: int, peer: int, info: AbortInfo) -> BaseException:
         f"{info.error}: {info.reason}")
     message = f"rank {rank}: rank {peer} aborted the group: {reason or info.error}"
     if cls is PeerLostError:  # the rank that was actually lost, not the messenger
-        return PeerLostError(message, rank=rank, peer=info.peer if info.peer >= 0 else peer)
+        return peer_lost(rank, info.peer if info.peer >= 0 else peer, message.partition(": ")[2])
     if cls is CollectiveTimeout:  # the ranks the peer blamed, not the peer
         return CollectiveTimeout(message, ranks=list(info.ranks) or [peer])
     err = cls(message)

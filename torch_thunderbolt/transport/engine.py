@@ -19,7 +19,6 @@ links; the in-memory transport of the tests is one more kind of link.
 """
 from __future__ import annotations
 
-import errno
 import select
 import socket
 import threading
@@ -27,11 +26,13 @@ import time
 from collections import defaultdict
 from typing import Callable, Iterable, Sequence
 
-from ..errors import BackendClosedError, CollectiveTimeout, MismatchError, PeerLostError, ProtocolError
+from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerLostError, peer_lost,
+                      peer_shut_down)
 from ..protocol.framing import AbortInfo, Space
 from ..protocol.signature import describe_sig
 from .base import ANY_SOURCE, CountedCondition, Farewell, Key, Link, LinkKind, Request, bytes_view, remote_error
 from .matching import Matcher
+from .mismatch import MismatchDetector
 from .names import RankNames
 from .spin import SpinGuard
 from .window import WindowMemory
@@ -68,9 +69,9 @@ class Transport:
         # What a link calls (lock held) when it completed a request: wakes the threads asleep waiting for
         # one (a single test when nobody sleeps). Links never take or hold the engine's lock themselves.
         self.signal = self._cv.signal
-        # What peers said about whom they wait on (peer -> (op tag, rank)), told by a kind that can ask
-        # (TCP's probe answers); a timeout then blames the end of the chain.
-        self.peer_waits: dict[int, tuple[int, int]] = {}
+        # What peers say about the op they are in, whichever kind carries it: mismatches are decided there,
+        # and whom a peer waits on (a timeout then blames the end of the chain).
+        self.ops = MismatchDetector(rank, self.matcher)
         self._p2p_send_seq: dict[tuple[int, int], int] = defaultdict(int)
         # Memory this host's ranks of the group read directly, for the collectives designed for it; a kind
         # that has some (shm, memory) sets it when it attaches.
@@ -85,6 +86,11 @@ class Transport:
                 self._route[peer] = link
             kind.attach(self)
         self._links = [self._route[p] for p in sorted(self._route)]
+        # Who hears of every message posted (it runs on every post: only the hooks a kind wrote, and the
+        # detector's only where a kind answers probes with it).
+        self._noters = [k.note_post for k in self.kinds if type(k).note_post is not LinkKind.note_post]
+        if any(k.probes for k in self.kinds):
+            self._noters.append(self.ops.note_post)
         self._by_fd: dict[int, Link] = {}
         self._progress_lock = threading.Lock()
         # A doorbell for the driving thread while it sleeps in poll(): other threads ring it when they post
@@ -136,8 +142,8 @@ class Transport:
         receive-only exchange too): its Request, or None for one its link wrote at once (`send_now`)."""
         with self._lock:
             self.check_usable()
-            for kind in self.kinds:
-                kind.note_post(op, sig)
+            for note in self._noters:
+                note(op, sig)
             out = [self._route[p].send_now(key, sig, buf) for p, key, buf in sends]
             self._quiet = False
             for kind in self.kinds:
@@ -153,8 +159,8 @@ class Transport:
         req = Request(peer, key, sig, bytes_view(buf), is_send=False)
         with self._lock:
             self.check_usable()
-            for kind in self.kinds:
-                kind.note_post(req.key, req.sig)
+            for note in self._noters:
+                note(req.key, req.sig)
             try:
                 self.matcher.post(req)  # it may match a message that arrived before the peer said BYE
             except MismatchError as exc:  # an early message of another type: nothing was copied into `buf`
@@ -167,8 +173,8 @@ class Transport:
                 kind.after_pump()
             if not req.done and self.broken is None and peer != ANY_SOURCE and self._route[peer].gone():
                 self.matcher.posted.pop((peer, req.key), None)
-                raise PeerLostError(f"rank {self.rank}: rank {peer} has shut down its process group",
-                                    rank=self.rank, peer=peer, address=self.peer_address(peer))
+                raise peer_shut_down(self.rank, peer, f"data for this receive ({req.describe()})",
+                                     address=self.peer_address(peer))
             if req.done:
                 self._cv.signal()
             elif self._polling:
@@ -437,10 +443,7 @@ class Transport:
     def lost(self, peer: int, where: str, exc: BaseException, address: str = "") -> PeerLostError:
         """What a broken connection to `peer` becomes, with the OS error as its cause: the one place a
         socket error turns into the error the user sees."""
-        err = PeerLostError(f"rank {self.rank}: lost the connection to rank {peer} {where}: {exc}",
-                            rank=self.rank, peer=peer, address=address)
-        err.__cause__ = exc
-        return err
+        return peer_lost(self.rank, peer, f"lost the connection to rank {peer} {where}", cause=exc, address=address)
 
     def fail(self, err: BaseException, tell_peers: bool = True) -> None:
         """Enter BROKEN for good: every pending and queued request gets `err` at once, later operations get
@@ -457,7 +460,7 @@ class Transport:
             self.broken = err
             for r in self.matcher.pending():
                 r.error = err
-            body = AbortInfo.of(err, self.rank).encode() if tell_peers else None
+            info = AbortInfo.of(err, self.rank) if tell_peers else None
             # The ranks a timeout blames took nothing from us for the whole timeout: waiting ABORT_GRACE for
             # them to read the ABORT would only add that much to every timeout (10 s became 12 s). They get
             # one try, the others the grace.
@@ -465,7 +468,7 @@ class Transport:
             farewells: list[Farewell] = []
             once: list[Farewell] = []
             for link in self._links:
-                farewell = link.abort(err, body)
+                farewell = link.abort(err, info)
                 if farewell is not None:
                     (once if link.peer in stuck else farewells).append(farewell)
             self._cv.signal()
@@ -474,21 +477,17 @@ class Transport:
                 link.close(bye=False)
             self._cv.signal()
 
-    def peer_aborted(self, peer: int, body: bytes) -> None:
-        """`peer` told us why it failed (an ABORT's body: an AbortInfo): fail with its reason, and forward it
-        (our closing connections must not reach a peer before the reason does)."""
-        try:
-            err = remote_error(self.rank, peer, AbortInfo.decode(body))
-        except ProtocolError as exc:
-            err = ProtocolError(f"rank {self.rank}: rank {peer} sent an ABORT: {exc}")
-        self.fail(err)
+    def peer_aborted(self, peer: int, info: AbortInfo) -> None:
+        """`peer` told us why it failed (an ABORT's AbortInfo): fail with its reason, and forward it (our
+        closing connections must not reach a peer before the reason does)."""
+        self.fail(remote_error(self.rank, peer, info))
 
     def peer_left(self, peer: int, where: str) -> None:
         """`peer` said BYE (on all its streams): fine unless we still expect data from it."""
-        if any(r.peer == peer and not r.is_send for r in self.matcher.pending()):
-            exc = ConnectionAbortedError(errno.ECONNABORTED, "the peer shut down its process group while this "
-                                         "rank still expected data from it")
-            self.fail(self.lost(peer, where, exc, self.peer_address(peer)))
+        waiting = [r for r in self.matcher.pending() if r.peer == peer and not r.is_send]
+        if waiting:
+            self.fail(peer_shut_down(self.rank, peer, f"data from it {where} ({waiting[0].describe()})",
+                                     address=self.peer_address(peer)))
 
     def close(self) -> None:
         if self.closed:
@@ -546,11 +545,6 @@ class Transport:
         if not 0 <= peer < self.world or peer == self.rank or peer not in self._route:
             raise ValueError(f"rank {self.rank}: invalid peer rank {peer} (group size {self.world})")
 
-    def _waits_on(self, peer: int, tags: "set[int]") -> int | None:
-        """The rank `peer` said it waits on in one of the ops `tags`, if it said so."""
-        known = self.peer_waits.get(peer)
-        return known[1] if known is not None and known[0] in tags else None
-
     def _timeout_error(self, reqs: Sequence[Request], what: object, arrived: Iterable[int] = ()) -> CollectiveTimeout:
         waiting = [r for r in reqs if not r.done]
         # A rank that sent us anything for this op has arrived; it may only be waiting on someone else.
@@ -565,7 +559,7 @@ class Transport:
         # A rank we wait on may only be waiting on another one itself (it said so, answering our probe):
         # blame that one, not the rank stuck behind it.
         tags = {r.key[1] for r in waiting if r.key[0] == Space.COLL}
-        via = {p: b for p in named if (b := self._waits_on(p, tags)) is not None and b not in (p, self.rank)}
+        via = {p: b for p in named if (b := self.ops.waits_on(p, tags)) is not None and b not in (p, self.rank)}
         culprits = sorted({via.get(p, p) for p in named})
         if via:
             behind = "; ".join(f"rank {p} is itself waiting on rank {b}" for p, b in sorted(via.items()))

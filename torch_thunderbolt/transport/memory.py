@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..errors import PeerLostError
-from ..protocol.framing import Frame, Kind, Space
+from ..errors import peer_lost
+from ..protocol.framing import AbortInfo, Frame, Kind, Space
 from .base import CountedCondition, Link, LinkKind, Request
 from .engine import Transport
 from .window import BUFFERS, WindowMemory
@@ -38,8 +38,7 @@ class MemoryHub:
         with self.cv:
             for t in self.transports:
                 if t.rank != rank and t.broken is None:
-                    t.fail(PeerLostError(f"rank {t.rank}: lost rank {rank}", rank=t.rank, peer=rank),
-                           tell_peers=False)
+                    t.fail(peer_lost(t.rank, rank, f"lost rank {rank} (its thread died)"), tell_peers=False)
             self.transports[rank].closed = True
             self.cv.signal()
 
@@ -60,7 +59,8 @@ class MemoryLink(Link):
         me = self.engine
         dst = self.hub.transports[self.peer]
         if dst.closed:
-            raise PeerLostError(f"rank {me.rank}: rank {self.peer} is gone", rank=me.rank, peer=self.peer)
+            raise peer_lost(me.rank, self.peer, f"rank {self.peer} is gone (its transport closed) before this "
+                            f"rank's send ({req.describe()})")
         space, tag, seq = req.key
         frame = Frame(Kind.DATA, Space(space), req.sig, tag, seq, 0, req.nbytes, req.nbytes)
         try:
@@ -82,7 +82,7 @@ class MemoryLink(Link):
     def gone(self) -> bool:
         return self.hub.transports[self.peer].closed
 
-    def abort(self, err: BaseException, body: bytes | None) -> None:
+    def abort(self, err: BaseException, body: "AbortInfo | None") -> None:
         """Sends are eager (none is ever queued); the ABORT is delivered at once, like a send."""
         dst = self.hub.transports[self.peer]
         if body is not None and not dst.closed:

@@ -57,14 +57,13 @@ from ctypes import c_void_p
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..errors import MismatchError, PeerLostError, ProtocolError, RdmaError, ThunderboltError
+from ..errors import PeerLostError, ProtocolError, RdmaError, ThunderboltError, peer_shut_down
 from ..platform import Platform, current, macos_version
-from ..protocol.framing import Frame, Kind, Space
-from ..protocol.signature import describe_sig
+from ..protocol import control
+from ..protocol.framing import AbortInfo, Frame, Kind, Space
 from . import verbs as v
 from .verbs import WC, WC_BYTES
-from .base import (ANY_SOURCE, Key, Link, LinkKind, QuickReceive, Request, SocketFarewell, close_control,
-                   note_op_signature)
+from .base import Key, Link, LinkKind, QuickReceive, Request, SocketFarewell, close_control
 
 log = logging.getLogger("torch_thunderbolt.rdma")
 
@@ -99,11 +98,10 @@ QUIET_CAP = 0.02  # the same once a whole sleep passed with nothing to do
 CHANNEL_CAP = 0.05  # with a working completion channel: a lost event costs at most this
 BACKOFF_FIRST = 0.0002  # first sleep of the bounded backoff (poll() rounds up to a millisecond)
 
-# The control connection: one byte of type, a u32 length, the body.
-C_BYE, C_ABORT, C_PING, C_ANSWER, C_READY = b"B", b"A", b"P", b"Q", b"R"
-CTL = struct.Struct("<cI")
-COUNTS = struct.Struct("<QQ")  # a BYE: frames sent on the message and the bulk lane
-PROBE = struct.Struct("<qQqQQQQQQ")  # tag, sig, waits-on rank + 1, sent, received, posted (message, bulk)
+# The control connection carries control messages (protocol/control.py): a BYE's `sent` is the frames sent
+# on the message and the bulk lane; a probe's counters are frames sent, received and receives posted, each
+# message lane then bulk lane (RdmaLink.counters).
+BYE_COUNTS, PROBE_COUNTERS = 2, 6
 
 
 def frame_limit(port_max_msg: int, plat: Platform | None = None, os_version: "tuple[int, ...] | None" = None) -> int:
@@ -457,7 +455,7 @@ class RdmaLink(Link):
         self.peer_starving = False  # the peer's last frame said it waits for our credits
         self.expect: "RdmaReceive | None" = None
         self._quick = RdmaReceive(self)  # the one quick receive of this link (see quick_receive)
-        self.ctl = bytearray()
+        self.ctl = control.ControlConnection()  # what this end and the peer said on the control connection
         self.eof = False
         self.bye: tuple[int, int] | None = None  # the peer's BYE: frames it sent on each lane
         self.left = False
@@ -469,8 +467,8 @@ class RdmaLink(Link):
     # -- posting --------------------------------------------------------------------------------------------
     def post_send(self, req: Request) -> None:
         if self.eof or self.bye is not None:
-            raise PeerLostError(f"rank {self.engine.rank}: rank {self.peer} has shut down its process group",
-                                rank=self.engine.rank, peer=self.peer, address=self.address)
+            raise peer_shut_down(self.engine.rank, self.peer, f"to send it data ({req.describe()})",
+                                 address=self.address)
         self.sendq.append([req, 0])
         if len(self.sendq) == 1:
             self._guarded(self._flush)
@@ -858,8 +856,7 @@ class RdmaLink(Link):
                         errno.ECONNRESET, "its process is gone (the control connection closed without BYE)"),
                         self.address))
                 return
-            self.ctl += data
-            self._parse_control()
+            self._parse_control(data)
 
     @property
     def _ctl_where(self) -> str:
@@ -868,31 +865,28 @@ class RdmaLink(Link):
         except OSError:
             return "(RDMA control connection)"
 
-    def _parse_control(self) -> None:
-        buf, engine = self.ctl, self.engine
-        i = 0
+    def _parse_control(self, data: bytes) -> None:
+        engine = self.engine
         try:
-            while len(buf) - i >= CTL.size and engine.broken is None:
-                typ, n = CTL.unpack_from(buf, i)
-                if len(buf) - i - CTL.size < n:
-                    break
-                body = bytes(buf[i + CTL.size : i + CTL.size + n])
-                i += CTL.size + n
-                if typ == C_ABORT:
-                    engine.peer_aborted(self.peer, body)
-                elif typ == C_BYE and n == COUNTS.size:
-                    self.bye = COUNTS.unpack(body)
+            self.ctl.receive_data(data)
+            while engine.broken is None and (msg := self.ctl.next_event()) is not None:
+                if isinstance(msg, control.Abort):
+                    engine.peer_aborted(self.peer, msg.info)
+                elif isinstance(msg, control.Bye) and len(msg.sent) == BYE_COUNTS:
+                    self.bye = (msg.sent[0], msg.sent[1])
                     self._poll()  # what it sent before leaving has most likely arrived
                     self._check_bye()
-                elif typ in (C_PING, C_ANSWER) and n == PROBE.size:
-                    self.kind.on_probe(self, typ == C_PING, PROBE.unpack(body))
+                elif isinstance(msg, (control.Ping, control.Answer)) and len(msg.op.counters) == PROBE_COUNTERS:
+                    self.kind.on_probe(self, isinstance(msg, control.Ping), msg.op)
                 else:
-                    raise ProtocolError(f"rank {self.peer} sent an unknown control message {typ!r} ({n} bytes)")
+                    raise ProtocolError(f"sent {msg}, which no RDMA link of this version takes (the ranks run "
+                                        f"different versions)")
         except RdmaError as exc:
             self._failed(exc)
+        except ProtocolError as exc:
+            engine.fail(ProtocolError(f"rank {engine.rank}: rank {self.peer} {self._ctl_where}: {exc}"))
         except ThunderboltError as exc:
             engine.fail(exc)
-        del buf[:i]
 
     def _check_bye(self) -> None:
         """The peer said BYE after `bye` frames: once they are all in, it has left in order."""
@@ -902,34 +896,37 @@ class RdmaLink(Link):
             self.left = True
             self.engine.peer_left(self.peer, self.where)
 
-    def send_control(self, typ: bytes, body: bytes) -> bool:
+    def send_control(self, said: control.Message) -> bool:
         """One control message, if the socket takes it whole now (probes may be dropped; the next one comes)."""
-        msg = CTL.pack(typ, len(body)) + body
+        if self.ctl.ours is not None:
+            return False  # this end said BYE or ABORT: nothing more
+        msg = self.ctl.send(said)
         try:
             return self.sock.send(msg) == len(msg)
         except OSError:
             return False
 
     # -- the end --------------------------------------------------------------------------------------------
-    def abort(self, err: BaseException, body: bytes | None) -> SocketFarewell | None:
+    def abort(self, err: BaseException, body: AbortInfo | None) -> SocketFarewell | None:
         """Queued sends fail; the ABORT goes on the control connection (the RDMA path may be what broke)."""
         for req, _ in self.sendq:
             req.error = err
         self.sendq.clear()
-        if body is None or self.eof:
+        if body is None or self.eof or self.ctl.ours is not None:
             return None
-        return SocketFarewell([(self.sock, [memoryview(CTL.pack(C_ABORT, len(body)) + body)])])
+        return SocketFarewell([(self.sock, [memoryview(self.ctl.send(control.Abort(body)))])])
 
     def close(self, bye: bool) -> None:
         self.sendq.clear()
         self._quick.dest = _NO_DEST  # (one the engine gave up on: a view of a buffer the engine may free next)
         msg = None
-        if bye and not self.eof:
+        if bye and not self.eof and self.ctl.ours is None:
             self.read_control()  # a peer that left already reads nothing more: no frame to see off
             if self.bye is None and not self.eof:
                 with contextlib.suppress(RdmaError):
                     self._drain_sends(time.monotonic() + 0.5)
-            msg = CTL.pack(C_BYE, COUNTS.size) + COUNTS.pack(self.msg.sent, self.bulk.sent if self.bulk else 0)
+            if self.ctl.ours is None:  # (what it read may have been an ABORT: this end said ABORT then)
+                msg = self.ctl.send(control.Bye((self.msg.sent, self.bulk.sent if self.bulk else 0)))
         close_control(self.sock, msg)
         self.eof = True
 
@@ -985,6 +982,7 @@ class RdmaLinks(LinkKind):
     ops this rank posted (to answer PINGs)."""
 
     name = "rdma"
+    probes = True
 
     def __init__(self, verbs: v.Verbs, devices: Sequence[v.Device], ends: "dict[int, RdmaEnd]",
                  socks: "dict[int, socket.socket]", *, spin_us: int = 0, link_timeout: float = 3.0) -> None:
@@ -999,14 +997,11 @@ class RdmaLinks(LinkKind):
         self.probe_after = max(0.2, link_timeout / 3)
         self._backoff = BACKOFF_FIRST
         self._traffic = 0.0
-        self.op_sigs: dict[int, int] = {}
         self.quick_messages = 0
         self.credit_frames = 0
         self.probes_sent = 0
 
     # -- engine hooks -------------------------------------------------------------------------------------
-    note_post = note_op_signature  # into self.op_sigs, what on_probe compares a PING with
-
     def ready(self) -> bool:
         """Polling a completion queue is the look (no system call): always worth a pump while spinning."""
         return True
@@ -1049,21 +1044,19 @@ class RdmaLinks(LinkKind):
                     return
         if now - engine.last_traffic < self.probe_after:
             return
-        pending = engine.matcher.pending()
-        peers = set(self.links) if any(r.peer == ANY_SOURCE for r in pending) else {r.peer for r in pending}
-        waiting = {r.peer: r for r in pending if not r.is_send and r.key[0] == Space.COLL and r.sig}
+        wanted = engine.ops.probes(self.links)
         for link in self._list:
-            if (link.peer in peers or link.sendq) and not link.eof and now - link.last_probe >= self.probe_after:
+            op = wanted.get(link.peer)
+            if (op is not None or link.sendq) and not link.eof and now - link.last_probe >= self.probe_after:
                 link.last_probe = now
-                req = waiting.get(link.peer)
-                tag, sig = (req.key[1], req.sig) if req is not None else (-1, 0)
-                if link.send_control(C_PING, PROBE.pack(tag, sig, 0, *link.counters())):
+                op = op or control.Op()
+                if link.send_control(control.Ping(control.Op(op.space, op.tag, op.sig, -1, link.counters()))):
                     self.probes_sent += 1
 
-    def on_probe(self, link: RdmaLink, question: bool, fields: tuple[int, ...]) -> None:
+    def on_probe(self, link: RdmaLink, question: bool, op: control.Op) -> None:
         """A peer's PING (`question`) or its answer to ours: its counters repair our credits and tell what it
         sent us; a PING names the op it waits for (a mismatch with ours is found here, not at the timeout)."""
-        tag, sig, behind, sent_m, sent_b, _rx_m, _rx_b, posted_m, posted_b = fields
+        sent_m, sent_b, _rx_m, _rx_b, posted_m, posted_b = op.counters
         msg, bulk = link.msg, link.bulk
         msg.peer_posted = max(msg.peer_posted, posted_m)
         if bulk is not None:
@@ -1077,33 +1070,12 @@ class RdmaLinks(LinkKind):
                 link.claim = (sent_m, sent_b, now)  # (an unmet older claim keeps its time)
         else:
             link.claim = None
-        rank = self.engine.rank
         if not question:
-            if behind:
-                self.engine.peer_waits[link.peer] = (tag, behind - 1)
+            self.engine.ops.peer_waits_on(link.peer, op)
             return
-        mine = self.op_sigs.get(tag) if sig else None
-        if mine is not None and mine != sig:
-            raise MismatchError(
-                f"rank {rank}: mismatched operation with rank {link.peer} (op #{tag}): rank {link.peer} waits "
-                f"for rank {rank}'s part of {describe_sig(sig)}, but rank {rank} ran {describe_sig(mine)} "
-                f"(different roots, collectives or order)")
-        waits_on = self._waiting_on(tag, link.peer) if sig else None
-        link.send_control(C_ANSWER, PROBE.pack(tag, sig, 0 if waits_on is None else waits_on + 1, *link.counters()))
-
-    def _waiting_on(self, tag: int, asker: int) -> int | None:
-        """The rank this rank waits on in collective op `tag` (other than `asker`), or the one that rank said
-        it waits on: the end of the chain as far as we know it (as the TCP kind answers)."""
-        engine = self.engine
-        waiting = [r for r in engine.matcher.collective_waits() if r.peer != asker]
-        peers = sorted({r.peer for r in waiting if r.key[1] == tag}) or sorted(
-            {r.peer for r in waiting if r.key[1] < tag})
-        for p in peers:
-            known = engine.peer_waits.get(p)
-            far = known[1] if known is not None and known[0] == tag else None
-            if far is not None and far not in (engine.rank, asker, p):
-                return far
-        return peers[0] if peers else None
+        waits_on = self.engine.ops.peer_waits_for(link.peer, op)  # MismatchError: we ran that op otherwise
+        link.send_control(control.Answer(control.Op(op.space, op.tag, op.sig, -1 if waits_on is None else waits_on,
+                                                    link.counters())))
 
     def release(self) -> None:
         """Close the devices (queue pairs first, then regions, queues, channels, domains), then the buffers."""

@@ -12,10 +12,14 @@ doorbell sockets; a peer that publishes a slot to it, or frees a slot it waits f
 sees the flag (a full fence on both sides orders flag and ring accesses). Each sleep is capped (2 ms, 20 ms
 once idle) so even a lost wake-up would cost at most that, never a hang.
 
-The control wire (the Unix socket) carries doorbell bytes, BYE (an orderly close) and ABORT texts (why a
-group failed); EOF without BYE means the peer process died, kill -9 included. Each rank also publishes the
-collective op it is in (tag and signature) on an op board in its segment header, so a peer waiting for
-another op's data finds the mismatch instead of timing out.
+The control wire (the Unix socket) carries control messages (protocol/control.py: BYE, the orderly close;
+ABORT, why a group failed) and doorbell bytes; EOF without BYE means the peer process died, kill -9
+included. A doorbell is a bare 0 byte between messages, not a control message: it says nothing but "look
+at the rings", is written from the hot path (one send of one byte, which a full socket may drop: the
+sleeper has bells to read anyway), and any number of them may be read as one; no control message starts
+with 0, so the ControlConnection (`wake=0`) drops them. Each rank also publishes the collective op it is in
+(tag and signature) on an op board in its segment header; a peer that slept through a whole poll hands
+what it reads there to the engine's MismatchDetector, which finds a mismatch instead of a timeout.
 """
 from __future__ import annotations
 
@@ -24,12 +28,11 @@ import logging
 import os
 import select
 import socket
-import struct
 from collections import deque
 
-from ..errors import MismatchError, PeerLostError, ProtocolError, ThunderboltError
-from ..protocol.framing import Frame, Kind, Space
-from ..protocol.signature import describe_sig
+from ..errors import ProtocolError, ThunderboltError, peer_shut_down
+from ..protocol import control
+from ..protocol.framing import AbortInfo, Frame, Kind, Space
 from . import shm_ring as ring
 from .base import Key, Link, LinkKind, Request, SocketFarewell, close_control
 from .engine import Transport
@@ -39,8 +42,7 @@ from .shm_window import ShmWindowMemory, area_bytes
 log = logging.getLogger("torch_thunderbolt.shm")
 BLOCK_CAP = 0.002  # longest single poll while sleeping (bounds the cost of a lost wake-up)
 QUIET_CAP = 0.02  # the same once a whole poll passed with nothing to do (an idle wait costs ~50 wake-ups/s)
-BELL, BYE, ABORT = b"\x00", b"B", b"A"  # the control wire's messages
-LEN = struct.Struct("<I")  # length prefix of an ABORT text
+BELL = b"\x00"  # a doorbell: a wake-up byte between control messages (see the module docstring)
 
 
 def _always(frame: Frame) -> bool:
@@ -65,7 +67,7 @@ class ShmLink(Link):
         self.writer, self.reader, self.flag = writer, reader, flag
         self.sendq: deque[list] = deque()  # [request, next offset]
         self.held = False  # the head slot waits for its receive to be posted (parked)
-        self.ctl = bytearray()  # partial control message from the socket
+        self.ctl = control.ControlConnection(wake=BELL[0])  # what this end and the peer said on the socket
         self.bye = False
         self.eof = False
         self.address = f"shm pid {pid}"
@@ -75,8 +77,8 @@ class ShmLink(Link):
 
     def post_send(self, req: Request) -> None:
         if self.bye or self.eof:
-            raise PeerLostError(f"rank {self.engine.rank}: rank {self.peer} has shut down its process group",
-                                rank=self.engine.rank, peer=self.peer, address=self.address)
+            raise peer_shut_down(self.engine.rank, self.peer, f"to send it data ({req.describe()})",
+                                 address=self.address)
         self.sendq.append([req, 0])
         if len(self.sendq) == 1:
             self._flush()
@@ -183,35 +185,26 @@ class ShmLink(Link):
                 if not self.bye:
                     self._fail(ConnectionResetError(errno.ECONNRESET, f"process {self.pid} is gone"))
                 return
-            if self.ctl or data.strip(BELL):  # plain doorbells need no parsing
-                self.ctl += data
-                self._parse_control()
+            if self.ctl.buffered or data.strip(BELL):  # plain doorbells need no parsing
+                try:
+                    self.ctl.receive_data(data)
+                    while engine.broken is None and (msg := self.ctl.next_event()) is not None:
+                        self._heard(msg)
+                except ProtocolError as exc:
+                    engine.fail(ProtocolError(f"rank {engine.rank}: rank {self.peer} {self._where}: {exc}"))
+                    return
 
-    def _parse_control(self) -> None:
-        buf = self.ctl
+    def _heard(self, msg: control.Message) -> None:
         engine = self.engine
-        i = 0
-        while i < len(buf):
-            c = buf[i : i + 1]
-            if c == BELL:
-                i += 1
-            elif c == BYE:
-                i += 1
-                self.bye = True
-                self._read()  # what it sent before leaving is in the ring already
-                engine.peer_left(self.peer, self._where)
-            elif c == ABORT:
-                if len(buf) < i + 5:
-                    break
-                (n,) = LEN.unpack_from(buf, i + 1)
-                if len(buf) < i + 5 + n:
-                    break
-                engine.peer_aborted(self.peer, bytes(buf[i + 5 : i + 5 + n]))
-                i += 5 + n
-            else:
-                engine.fail(ProtocolError(f"rank {self.peer} sent an unknown control byte {c!r}"))
-                return
-        del buf[:i]
+        if isinstance(msg, control.Bye):
+            self.bye = True
+            self._read()  # what it sent before leaving is in the ring already
+            engine.peer_left(self.peer, self._where)
+        elif isinstance(msg, control.Abort):
+            engine.peer_aborted(self.peer, msg.info)
+        else:  # probes and membership go over the op board and the window here, not this wire
+            raise ProtocolError(f"sent {type(msg).__name__.upper()}, which no shared-memory link of this "
+                                f"version acts on (the ranks run different versions)")
 
     @property
     def _where(self) -> str:
@@ -226,19 +219,20 @@ class ShmLink(Link):
         except OSError:
             pass  # full buffer: it has bells to read anyway; a dead peer shows up as EOF
 
-    def abort(self, err: BaseException, body: bytes | None) -> SocketFarewell | None:
+    def abort(self, err: BaseException, body: AbortInfo | None) -> SocketFarewell | None:
         """The ABORT goes on the control wire (the rings may be full, and a peer reads them only for data it
         expects); slots already published stay valid for the peer to read or drop."""
         for req, _ in self.sendq:
             req.error = err
         self.sendq.clear()
-        if body is None or self.eof:
+        if body is None or self.eof or self.ctl.ours is not None:
             return None
-        return SocketFarewell([(self.sock, [memoryview(ABORT + LEN.pack(len(body)) + body)])])
+        return SocketFarewell([(self.sock, [memoryview(self.ctl.send(control.Abort(body)))])])
 
     def close(self, bye: bool) -> None:
         self.sendq.clear()
-        close_control(self.sock, BYE if bye and not self.eof else None)
+        close_control(self.sock, self.ctl.send(control.Bye()) if bye and not self.eof and self.ctl.ours is None
+                      else None)
         self.eof = True
 
 
@@ -332,21 +326,22 @@ class ShmLinks(LinkKind):
 
     # -- mismatch checks while quiet ------------------------------------------------------------------------
     def _check_peer_ops(self) -> None:
-        """Nothing moved for a whole poll: does a peer we wait for run this op with another signature?"""
+        """Nothing moved for a whole poll: tell the engine's MismatchDetector what op each peer we wait
+        for says it is in (a torn read, the tag changing under us, says nothing)."""
         engine = self.engine
-        for req in engine.matcher.collective_waits():
-            board = self._boards.get(req.peer)
-            if board is None or not req.sig:
+        for peer in sorted({r.peer for r in engine.matcher.collective_waits() if r.sig}):
+            board = self._boards.get(peer)
+            if board is None:
                 continue
             tag = board[0]
             ring.publish_fence()
             sig = board[1]
-            if tag == req.key[1] and board[0] == tag and sig and sig != req.sig:
-                engine.fail(MismatchError(
-                    f"rank {engine.rank}: mismatched operation with rank {req.peer} (op #{tag}): rank {req.peer} "
-                    f"runs {describe_sig(sig)}, but rank {engine.rank} waits for its part of "
-                    f"{describe_sig(req.sig)} (different roots, collectives or order)"))
-                return
+            if board[0] == tag:
+                try:
+                    engine.ops.peer_runs(peer, tag, sig)
+                except ThunderboltError as exc:
+                    engine.fail(exc)
+                    return
 
     # -- the end --------------------------------------------------------------------------------------------
     def release(self) -> None:

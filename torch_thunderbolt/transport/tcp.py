@@ -8,9 +8,11 @@ the receive arrives, so TCP flow control holds the bytes and nothing is copied t
 Any socket error or EOF breaks the whole group, except a link error on one of a peer's streams while
 others over another cable live: then the stream is dropped and its unconsumed bytes are sent again on the
 others (bookkeeping in failover.py). With failover on, a keeper thread acknowledges and answers RESYNCs
-while no thread waits. A rank that only waits to receive sends PING probes after a quiet spell; each names
-the op it waits for, so a peer that ran that op differently (another root or collective) detects the
-mismatch, and its answer says whom it waits on itself (a timeout then blames the end of the chain).
+while no thread waits. What the peers say about the connection (BYE, ABORT, probes) is a control message
+(protocol/control.py) in a CONTROL frame, one ControlConnection per stream. A rank that only waits to
+receive sends PING probes after a quiet spell; each names the op it waits for, so a peer that ran that op
+differently (another root or collective) detects the mismatch (the engine's MismatchDetector decides), and
+its ANSWER says whom it waits on itself (a timeout then blames the end of the chain).
 With THUNDERBOLT_INTEGRITY=mac a peer's link is a SealedTcpLink: every frame carries MACs
 (protocol/integrity.py), sealed when its first byte is about to be written and checked before it is acted on.
 """
@@ -25,21 +27,20 @@ import time
 from collections import deque
 from typing import Any, Sequence
 
-from ..errors import MismatchError, ProtocolError, ThunderboltError
+from ..errors import ProtocolError, ThunderboltError
 from ..platform import SOCKET_IO_CAP, Platform, current
-from ..protocol.framing import (FRAME_HEADER_SIZE, Frame, FrameDecoder, Kind, Space, encode_control,
-                                encode_frame_header)
+from ..protocol import control
+from ..protocol.framing import (FRAME_HEADER_SIZE, AbortInfo, Frame, FrameDecoder, Kind, Space, control_frame_header,
+                                encode_control, encode_frame_header)
 from ..protocol.integrity import SEALED_HEADER_SIZE, Opener, SealedFrameDecoder, Sealer
-from ..protocol.signature import describe_sig
-from .base import (ANY_SOURCE, Key, Link, LinkKind, QuickReceive, Request, SocketFarewell, close_socket,
-                   note_op_signature)
+from .base import Key, Link, LinkKind, QuickReceive, Request, SocketFarewell, close_socket
 from .engine import Transport
 from .failover import Fields, RxCount, StreamLog, is_link_failure
 
 log = logging.getLogger("torch_thunderbolt.tcp")
 WINDOW_LOOK = 0.1  # seconds between looks at a blocked stream's peer window (a getsockopt each)
 _STAGING = 1 << 16
-ABORT_PAYLOAD = object()  # marks an inbound ABORT payload
+CONTROL_PAYLOAD = object()  # marks an inbound CONTROL frame's payload (one control message)
 
 
 STRIPE_ALIGN = 4096  # striped parts start on page boundaries where the message allows it
@@ -79,14 +80,21 @@ class Outgoing:
 
 
 def _control_frame(hdr: bytes) -> Outgoing:
+    """An ACK or RESYNC (a header, no payload)."""
     return Outgoing(hdr, memoryview(b""), None)
+
+
+def _said(c: "Stream", msg: control.Message) -> Outgoing:
+    """Control message `msg` as a CONTROL frame on stream `c` (its ControlConnection checks it may be said)."""
+    body = c.ctl.send(msg)
+    return Outgoing(control_frame_header(len(body)), memoryview(body), None)
 
 
 class Stream:
     """One socket to a peer and what is in flight on it."""
 
     __slots__ = ("sock", "fd", "peer", "stream", "addr", "local", "decoder", "sendq", "inbound", "parked", "bye",
-                 "staging", "dead", "log", "rx", "lifted", "window_at", "emptied", "sealer", "opener")
+                 "staging", "dead", "log", "rx", "lifted", "window_at", "emptied", "sealer", "opener", "ctl")
 
     def __init__(self, sock: socket.socket, peer: int, stream: int, max_message: int) -> None:
         sock.setblocking(False)
@@ -97,6 +105,7 @@ class Stream:
         except OSError:
             self.addr = self.local = "?"
         self.decoder = FrameDecoder(max_message)
+        self.ctl = control.ControlConnection()  # what this end and the peer said on this stream
         self.sendq: deque[Outgoing] = deque()
         self.inbound: list | None = None  # [dest view, target, frame, bytes done]
         self.parked: Frame | None = None
@@ -338,7 +347,7 @@ class TcpLink(Link):
                 self.kind.set_link_timeout(c, lifted=False)
             if out.sent == 0 and k and c.log is not None:  # its first byte is on this stream now
                 if out.fields is None:
-                    c.log.control(hl)
+                    c.log.control(hl + len(out.payload))
                 else:
                     out.entry = c.log.started(out.fields, hl, out.payload, out)
             out.sent += k
@@ -349,7 +358,7 @@ class TcpLink(Link):
                 c.log.completed(out.entry)
             if out.req is not None:
                 self._part_written(out.req, len(out.payload))
-            else:
+            elif out.fields is not None:  # a resent part (a control message is no payload)
                 self.kind.bytes_sent += len(out.payload)
         return moved
 
@@ -383,20 +392,12 @@ class TcpLink(Link):
                     moved = True
                     continue
                 c.parked = None
-                if frame.kind is Kind.PING:
-                    self.kind.check_probe(self, c, frame)
+                if frame.kind is Kind.CONTROL:
+                    c.inbound = [memoryview(bytearray(frame.length)), CONTROL_PAYLOAD, frame, 0]
                     continue
                 if frame.kind is Kind.ACK or frame.kind is Kind.RESYNC:
                     self._control(c, frame)
                     continue
-                if frame.kind is Kind.ABORT:
-                    c.inbound = [memoryview(bytearray(frame.length)), ABORT_PAYLOAD, frame, 0]
-                    continue
-                if frame.kind is Kind.BYE:
-                    c.bye = True
-                    if self.gone():
-                        engine.peer_left(self.peer, c.where)
-                    return True
                 if frame.space == Space.COLL and frame.tag <= engine.retired:
                     raise engine.stray(c.peer, frame.sig, frame.tag)  # no receive can be waiting for it
                 target = engine.matcher.match(c.peer, frame, park=None if self.no_park else self._park)
@@ -444,13 +445,35 @@ class TcpLink(Link):
         if c.opener is not None:
             c.opener.check(dest)  # before the bytes count as received
         engine = self.engine
-        if target is ABORT_PAYLOAD:
-            engine.peer_aborted(c.peer, bytes(dest))
-            return None
+        if target is CONTROL_PAYLOAD:
+            return self._heard(c, c.ctl.receive(bytes(dest)))
         self.kind.bytes_received += frame.length
         if engine.matcher.part_done(c.peer, frame.key, target, frame.length):
             engine.signal()
         return True
+
+    def _heard(self, c: Stream, msg: control.Message) -> "bool | None":
+        """What the peer said on stream `c`: True to read on, None to stop reading the stream."""
+        engine = self.engine
+        if isinstance(msg, control.Ping):
+            behind = engine.ops.peer_waits_for(c.peer, msg.op)  # MismatchError when we ran that op otherwise
+            if behind is not None:
+                op = msg.op
+                self.enqueue(c, _said(c, control.Answer(control.Op(op.space, op.tag, op.sig, behind))), front=True)
+            return True
+        if isinstance(msg, control.Answer):
+            engine.ops.peer_waits_on(c.peer, msg.op)
+            return True
+        if isinstance(msg, control.Abort):
+            engine.peer_aborted(c.peer, msg.info)
+            return None
+        if isinstance(msg, control.Bye):
+            c.bye = True
+            if self.gone():
+                engine.peer_left(self.peer, c.where)
+            return None
+        raise ProtocolError(f"rank {engine.rank}: rank {c.peer} sent {type(msg).__name__.upper()} {c.where}, "
+                            f"which no group of this version acts on (the ranks run different versions)")
 
     def _eof(self, c: Stream) -> None:
         self._fail(c, ConnectionResetError(errno.ECONNRESET, "connection closed by peer"))
@@ -489,7 +512,7 @@ class TcpLink(Link):
             c.rx.consumed = self._checked(c)
         elif c.inbound is not None:  # payload bytes already in place count: the resend starts after them
             dest, target, frame, got = c.inbound
-            if target is not ABORT_PAYLOAD and got and self.engine.matcher.part_done(c.peer, frame.key, target, got):
+            if target is not CONTROL_PAYLOAD and got and self.engine.matcher.part_done(c.peer, frame.key, target, got):
                 self.engine.signal()
         c.inbound, c.parked = None, None
         unstarted = [o for o in c.sendq if o.entry is None and o.fields is not None]
@@ -533,7 +556,7 @@ class TcpLink(Link):
             self.enqueue(survivors[i % len(survivors)], out, front=True)
 
     # -- ending ---------------------------------------------------------------------------------------------
-    def abort(self, err: BaseException, body: bytes | None) -> SocketFarewell | None:
+    def abort(self, err: BaseException, body: AbortInfo | None) -> SocketFarewell | None:
         """The ABORT on every live stream, after the rest of the frame being written there (the peer would
         read an ABORT written in the middle of a frame as payload)."""
         for c in self.streams:
@@ -543,7 +566,6 @@ class TcpLink(Link):
         for entry in self.unsent:
             entry[0].error = err
         self.unsent.clear()
-        hdr = None if body is None else encode_frame_header(Kind.ABORT, Space.COLL, 0, 0, 0, 0, len(body), len(body))
         writes = []
         for c in self.streams:
             bufs: list[memoryview] = []
@@ -554,18 +576,21 @@ class TcpLink(Link):
             elif c.sendq and c.sealer is not None and len(c.sendq[0].hdr) != FRAME_HEADER_SIZE:
                 c.sealer.unseal(c.sendq[0].hdr)  # sealed, never written: the ABORT takes its number
             c.sendq.clear()
-            if hdr is not None and not c.dead:
-                abort = memoryview(hdr + body if c.sealer is None else c.sealer.seal(hdr, body) + body)
+            if body is not None and not c.dead and c.ctl.ours is None:
+                msg = c.ctl.send(control.Abort(body))
+                hdr = control_frame_header(len(msg))
+                abort = memoryview(hdr + msg if c.sealer is None else c.sealer.seal(hdr, msg) + msg)
                 writes.append((c.sock, bufs + [abort]))
         return SocketFarewell(writes) if writes else None
 
     def close(self, bye: bool) -> None:
         if bye:
-            msg = encode_frame_header(Kind.BYE, Space.COLL, 0, 0, 0, 0, 0, 0)
             for c in self.streams:
-                if not c.sendq and not c.dead:
+                if not c.sendq and not c.dead and c.ctl.ours is None:
+                    msg = c.ctl.send(control.Bye())
+                    hdr = control_frame_header(len(msg))
                     try:
-                        c.sock.send(msg if c.sealer is None else c.sealer.seal(msg, b""))
+                        c.sock.send((hdr if c.sealer is None else c.sealer.seal(hdr, msg)) + msg)
                     except OSError:
                         pass
         self.unsent.clear()
@@ -653,10 +678,11 @@ class StreamReceive(QuickReceive):
 
 
 class TcpLinks(LinkKind):
-    """The TCP links of one engine and what they share: the ops this rank posted (to answer PINGs), the
-    peers' answers, probe timing, failover counters and the keeper thread."""
+    """The TCP links of one engine and what they share: probe timing, failover counters and the keeper
+    thread (what the probes say goes to the engine's MismatchDetector)."""
 
     name = "tcp"
+    probes = True
 
     def __init__(self, conns: dict[int, list[socket.socket]], *, stripe_bytes: int = 256 << 10,
                  early_bytes: int = 64 << 10, max_message: int = 1 << 40, spin_us: int = 0, probe_after: float = 1.5,
@@ -684,9 +710,6 @@ class TcpLinks(LinkKind):
         self.probe_after = probe_after
         self._last_probe = time.monotonic()
         self.probes_sent = 0
-        # The signature of each recent collective op this rank posted messages for (tag -> sig), to answer
-        # the op a peer's PING says it waits for.
-        self.op_sigs: dict[int, int] = {}
         self.threads: list[threading.Thread] = []  # the failover keeper, if any
 
     def attach(self, engine: Transport) -> None:
@@ -732,61 +755,21 @@ class TcpLinks(LinkKind):
             time.sleep(0.05)
             self.engine.pump_if_idle()
 
-    note_post = note_op_signature  # into self.op_sigs, what check_probe compares a PING with
-
     def idle(self, slept: bool) -> None:
-        """Probe the peers we wait on once nothing moved for `probe_after` seconds."""
+        """Probe the peers we wait on once nothing moved for `probe_after` seconds: each PING names the
+        collective op we wait for from that peer (tag and signature). A peer that ran that op differently
+        (another root, another collective) sends us nothing for it and would otherwise only be found by the
+        group timeout; its MismatchDetector compares and fails the group."""
         now = time.monotonic()
         if now - max(self.engine.last_traffic, self._last_probe) < self.probe_after:
             return
         self._last_probe = now
-        pending = self.engine.matcher.pending()
-        peers = set(self.links) if any(r.peer == ANY_SOURCE for r in pending) else {r.peer for r in pending}
-        # Each PING names the collective op we wait for from that peer (tag and signature): a peer that ran
-        # that op differently (another root, another collective) answers nothing, since it sends us nothing,
-        # and would otherwise only be found by the group timeout. The peer compares and fails the group.
-        waiting = {r.peer: r for r in pending if not r.is_send and r.key[0] == Space.COLL and r.sig}
-        for p in peers & set(self.links):
+        for p, op in self.engine.ops.probes(self.links).items():
             link = self.links[p]
-            live = [c for c in link.streams if not c.dead and not c.bye]
+            live = [c for c in link.streams if not c.dead and not c.bye and c.ctl.ours is None]
             if live:
                 self.probes_sent += 1
-                req = waiting.get(p)
-                hdr = (encode_frame_header(Kind.PING, Space.COLL, req.sig, req.key[1], 0, 0, 0, 0) if req is not None
-                       else encode_control(Kind.PING, 0))
-                link.enqueue(live[0], _control_frame(hdr))
-
-    def check_probe(self, link: TcpLink, c: Stream, frame: Frame) -> None:
-        """A peer waits for our part of collective op `frame.tag` with signature `frame.sig`: if we ran that
-        op with another signature, neither of us will ever send the other anything for it."""
-        rank = self.engine.rank
-        mine = self.op_sigs.get(frame.tag) if frame.sig else None
-        if mine is not None and mine != frame.sig:
-            raise MismatchError(
-                f"rank {rank}: mismatched operation with rank {c.peer} (op #{frame.tag}): rank {c.peer} waits "
-                f"for rank {rank}'s part of {describe_sig(frame.sig)}, but rank {rank} ran "
-                f"{describe_sig(mine)} (different roots, collectives or order)")
-        if frame.seq:  # an answer to our probe: the peer waits on rank seq - 1 in that op itself
-            self.engine.peer_waits[c.peer] = (frame.tag, frame.seq - 1)
-        elif frame.sig:  # a probe: if we wait on another rank in that op ourselves, say on whom
-            behind = self._waiting_on(frame.tag, c.peer)
-            if behind is not None:
-                hdr = encode_frame_header(Kind.PING, Space.COLL, frame.sig, frame.tag, behind + 1, 0, 0, 0)
-                link.enqueue(c, _control_frame(hdr), front=True)
-
-    def _waiting_on(self, tag: int, asker: int) -> int | None:
-        """The rank this rank waits on in collective op `tag` (other than `asker`), or the one that rank
-        said it waits on: the end of the chain as far as we know it."""
-        waiting = [r for r in self.engine.matcher.collective_waits() if r.peer != asker]
-        peers = sorted({r.peer for r in waiting if r.key[1] == tag})
-        if not peers:  # still stuck in an earlier op, so not in the asker's yet: whoever holds us up there
-            peers = sorted({r.peer for r in waiting if r.key[1] < tag})
-        for p in peers:
-            known = self.engine.peer_waits.get(p)
-            far = known[1] if known is not None and known[0] == tag else None
-            if far is not None and far not in (self.engine.rank, asker, p):
-                return far
-        return peers[0] if peers else None
+                link.enqueue(live[0], _said(live[0], control.Ping(op)))
 
 
 def _header(f: Fields) -> bytes:

@@ -3,8 +3,9 @@
 A small kind of link written the way every kind is (a Link per peer and a LinkKind for what they share), to
 show what the engine asks of one; tests run it through the conformance checks like the real kinds. It keeps
 only what every kind must: frames of protocol/framing.py in the order posted, a collective message whose
-receive is not posted yet *parked* (not read until it is: the socket's buffer holds it), the ABORT after
-the rest of a frame in flight, BYE on an orderly close. No striping, failover, probes or fast paths.
+receive is not posted yet *parked* (not read until it is: the socket's buffer holds it), and the control
+protocol every kind speaks (protocol/control.py: its messages in CONTROL frames): the ABORT after the rest
+of a frame in flight, BYE on an orderly close. No striping, failover, probes or fast paths.
 """
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ import select
 import socket
 from collections import deque
 
-from ...errors import PeerLostError, ProtocolError, ThunderboltError
-from ...protocol.framing import Frame, FrameDecoder, Kind, Space, encode_frame_header
+from ...errors import ProtocolError, ThunderboltError, peer_shut_down
+from ...protocol import control
+from ...protocol.framing import AbortInfo, Frame, FrameDecoder, Kind, Space, control_frame_header, encode_frame_header
 from ...transport.base import Link, LinkKind, Request, SocketFarewell, close_socket
 
 log = logging.getLogger("torch_thunderbolt.sock")
-_ABORT = object()  # marks an inbound ABORT's payload
+_CONTROL = object()  # marks an inbound CONTROL frame's payload
 
 
 def _park(frame: Frame) -> bool:
@@ -48,6 +50,7 @@ class SockLink(Link):
         self.kind, self.peer, self.sock = kind, peer, sock
         self.address = f"unix socket to rank {peer}"
         self.decoder = FrameDecoder()
+        self.ctl = control.ControlConnection()
         self.sendq: deque[_Out] = deque()
         self.inbound: list | None = None  # [destination, target, frame, bytes in]
         self.held: Frame | None = None  # a parked collective frame
@@ -57,8 +60,8 @@ class SockLink(Link):
     # -- moving data ----------------------------------------------------------------------------------------
     def post_send(self, req: Request) -> None:
         if self.bye or self.eof:
-            raise PeerLostError(f"rank {self.engine.rank}: rank {self.peer} has shut down its process group",
-                                rank=self.engine.rank, peer=self.peer, address=self.address)
+            raise peer_shut_down(self.engine.rank, self.peer, f"to send it data ({req.describe()})",
+                                 address=self.address)
         space, tag, seq = req.key
         hdr = encode_frame_header(Kind.DATA, space, req.sig, tag, seq, 0, req.nbytes, req.nbytes)
         self.sendq.append(_Out(hdr, req.buf, req))
@@ -89,21 +92,20 @@ class SockLink(Link):
         return self.held if self.held is not None and self.held.space == Space.COLL else None
 
     # -- the end --------------------------------------------------------------------------------------------
-    def abort(self, err: BaseException, body: bytes | None) -> SocketFarewell | None:
+    def abort(self, err: BaseException, body: AbortInfo | None) -> SocketFarewell | None:
         rest = self.sendq[0].rest() if self.sendq and self.sendq[0].sent else []  # finish the frame in flight
         for out in self.sendq:
             if out.req is not None:
                 out.req.error = err
         self.sendq.clear()
-        if body is None or self.eof:
+        if body is None or self.eof or self.ctl.ours is not None:
             return None
-        abort = encode_frame_header(Kind.ABORT, Space.COLL, 0, 0, 0, 0, len(body), len(body)) + body
-        return SocketFarewell([(self.sock, [*rest, memoryview(abort)])])
+        return SocketFarewell([(self.sock, [*rest, memoryview(self._said(control.Abort(body)))])])
 
     def close(self, bye: bool) -> None:
-        if bye and not self.sendq and not self.eof:
+        if bye and not self.sendq and not self.eof and self.ctl.ours is None:
             try:
-                self.sock.send(encode_frame_header(Kind.BYE, Space.COLL, 0, 0, 0, 0, 0, 0))
+                self.sock.send(self._said(control.Bye()))
             except OSError:
                 pass
         self.sendq.clear()
@@ -111,6 +113,11 @@ class SockLink(Link):
         self.eof = True
 
     # -- inside ---------------------------------------------------------------------------------------------
+    def _said(self, msg: control.Message) -> bytes:
+        """A CONTROL frame carrying `msg`."""
+        body = self.ctl.send(msg)
+        return control_frame_header(len(body)) + body
+
     def _flush(self) -> bool:
         moved = False
         while self.sendq:
@@ -152,12 +159,8 @@ class SockLink(Link):
                         return True
                     self.decoder.feed(memoryview(self.staging)[:k])
                     moved = True
-                elif frame.kind is Kind.ABORT:
-                    self.inbound = [memoryview(bytearray(frame.length)), _ABORT, frame, 0]
-                elif frame.kind is Kind.BYE:
-                    self.bye = True
-                    engine.peer_left(self.peer, f"({self.address})")
-                    return True
+                elif frame.kind is Kind.CONTROL:
+                    self.inbound = [memoryview(bytearray(frame.length)), _CONTROL, frame, 0]
                 elif frame.kind is Kind.DATA:
                     target = engine.matcher.match(self.peer, frame, park=_park)
                     if target is None:
@@ -190,8 +193,15 @@ class SockLink(Link):
             if got < len(dest):
                 return True
         self.inbound = None
-        if target is _ABORT:
-            self.engine.peer_aborted(self.peer, bytes(dest))
+        if target is _CONTROL:
+            msg = self.ctl.receive(bytes(dest))
+            if isinstance(msg, control.Abort):
+                self.engine.peer_aborted(self.peer, msg.info)
+            elif isinstance(msg, control.Bye):
+                self.bye = True
+                self.engine.peer_left(self.peer, f"({self.address})")
+            else:
+                raise ProtocolError(f"rank {self.peer} sent {type(msg).__name__.upper()} on a sock link")
             return False
         self.kind.bytes_received += frame.length
         if self.engine.matcher.part_done(self.peer, frame.key, target, frame.length):

@@ -14,7 +14,7 @@ import struct
 import tempfile
 import time
 
-from ...errors import HandshakeError, PeerLostError
+from ...errors import HandshakeError, peer_lost
 from ...config import Config
 from ...rendezvous.hosts import recv_exact
 from ...rendezvous.setup import SetUp
@@ -55,8 +55,8 @@ def connect_sock_links(setup: SetUp) -> SockLinks:
             try:
                 s, _ = listener.accept()
             except socket.timeout:
-                raise PeerLostError(f"rank {rank}: ranks {sorted(higher)} never connected", rank=rank,
-                                    peer=min(higher)) from None
+                raise peer_lost(rank, min(higher), f"ranks {sorted(higher)} never connected to this rank's "
+                                f"socket within the set-up's deadline: did they start?") from None
             s.settimeout(max(0.1, deadline - time.monotonic()))
             who, theirs = _HELLO.unpack(recv_exact(s, _HELLO.size))
             if theirs != token or who not in higher:

@@ -1,0 +1,185 @@
+"""The control protocol (protocol/control.py) without any I/O: the codec and the state machine."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torch_thunderbolt.errors import ProtocolError
+from torch_thunderbolt.protocol import control as c
+from torch_thunderbolt.protocol.framing import AbortInfo
+
+u64 = st.integers(0, (1 << 64) - 1)
+counters = st.lists(u64, max_size=c.MAX_COUNTERS).map(tuple)
+ops = st.builds(c.Op, space=st.integers(0, 255), tag=st.integers(-1, (1 << 63) - 1), sig=u64,
+                waits_on=st.integers(-1, 1 << 20), counters=counters)
+infos = st.builds(AbortInfo, error=st.text(max_size=40), reason=st.text(max_size=200), rank=st.integers(-1, 99),
+                  peer=st.integers(-1, 99), ranks=st.lists(st.integers(0, 99), max_size=5).map(tuple))
+messages = st.one_of(
+    st.builds(c.Bye, sent=counters), st.builds(c.Abort, info=infos), st.builds(c.Ping, op=ops),
+    st.builds(c.Answer, op=ops), st.builds(c.Leave, epoch=u64),
+    st.builds(c.Shrink, epoch=u64, ranks=st.sets(st.integers(0, 1 << 20), min_size=1, max_size=50).map(
+        lambda s: tuple(sorted(s)))))
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages)
+def test_every_message_survives_a_round_trip(msg: c.Message) -> None:
+    data = c.encode(msg)
+    assert c.decode(data) == msg
+    assert c.parse(b"junk" + data, 4) == (msg, 4 + len(data))
+
+
+@settings(max_examples=200, deadline=None)
+@given(messages, st.data())
+def test_a_truncated_message_is_incomplete_or_refused_never_misread(msg: c.Message, data: st.DataObject) -> None:
+    raw = c.encode(msg)
+    cut = data.draw(st.integers(0, len(raw) - 1))
+    assert c.parse(raw[:cut]) is None  # incomplete on a stream: wait for more
+    with pytest.raises(ProtocolError):
+        c.decode(raw[:cut])  # a whole frame's body that is cut short
+    with pytest.raises(ProtocolError):
+        c.decode(raw + b"\0")  # and one with bytes left over
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_garbage_is_refused_with_protocol_error_only(junk: bytes) -> None:
+    try:
+        c.parse(junk)
+    except ProtocolError:
+        pass
+    conn = c.ControlConnection()
+    conn.receive_data(junk)
+    try:
+        while conn.next_event() is not None:
+            pass
+    except ProtocolError:
+        assert conn.state is c.State.ERROR
+
+
+@pytest.mark.parametrize("raw, what", [
+    (b"\x00" * 8, "magic 0x0000"),
+    (bytes([0xB7, 0x43, 2, 1, 0, 0, 0, 0]), "version 2"),
+    (bytes([0xB7, 0x43, 1, 99, 0, 0, 0, 0]), "unknown control message type 99"),
+    (bytes([0xB7, 0x43, 1, 1]) + (1 << 30).to_bytes(4, "little"), "limit"),
+    (bytes([0xB7, 0x43, 1, 1, 3, 0, 0, 0]) + b"\x05ab", "BYE of 3 bytes"),
+    (c.encode(c.Shrink(1, (0, 1)))[:-8] + (1).to_bytes(4, "little") + (1).to_bytes(4, "little"), "increasing"),
+])
+def test_refusals_say_what_is_wrong(raw: bytes, what: str) -> None:
+    with pytest.raises(ProtocolError, match=what):
+        c.decode(raw)
+
+
+def test_encoding_refuses_what_it_cannot_carry() -> None:
+    for bad in (c.Bye(tuple(range(c.MAX_COUNTERS + 1))), c.Ping(c.Op(sig=1 << 64)), c.Shrink(1, (2, 1)),
+                c.Shrink(1, ())):
+        with pytest.raises(ProtocolError):
+            c.encode(bad)
+
+
+def test_the_wire_head_is_fixed() -> None:
+    """Head: magic (first byte never 0, the shm wake-up byte), version, type, body length."""
+    assert c.encode(c.Leave(7)) == bytes([0xB7, 0x43, 1, 5, 8, 0, 0, 0]) + (7).to_bytes(8, "little")
+
+
+# -- the state machine ---------------------------------------------------------------------------------------
+def pair() -> tuple[c.ControlConnection, c.ControlConnection]:
+    return c.ControlConnection(), c.ControlConnection()
+
+
+def test_bye_both_ways_closes() -> None:
+    a, b = pair()
+    b.receive(a.send(c.Bye((3, 4))))
+    assert a.state is c.State.CLOSING and b.state is c.State.PEER_CLOSING
+    a.receive(b.send(c.Bye()))
+    assert a.state is b.state is c.State.CLOSED
+
+
+@pytest.mark.parametrize("after", [c.Ping(c.Op()), c.Leave(1), c.Shrink(1, (0,)), c.Bye()])
+def test_nothing_but_abort_after_ones_own_bye(after: c.Message) -> None:
+    a, _ = pair()
+    a.send(c.Bye())
+    with pytest.raises(ProtocolError, match="after its BYE"):
+        a.send(after)
+    assert a.state is c.State.ERROR
+    with pytest.raises(ProtocolError, match="failed earlier"):
+        a.send(c.Abort(AbortInfo("X", "y")))
+
+
+def test_a_message_after_the_peers_bye_is_an_error() -> None:
+    a, b = pair()
+    b.receive(a.send(c.Bye()))
+    b.receive_data(c.encode(c.Ping(c.Op(tag=3))))
+    with pytest.raises(ProtocolError, match="PING after its BYE"):
+        b.next_event()
+    assert b.state is c.State.ERROR
+
+
+def test_an_answer_needs_a_ping() -> None:
+    a, b = pair()
+    with pytest.raises(ProtocolError, match="ANSWER to no PING"):
+        a.receive(b.send(c.Answer(c.Op())))
+    a, b = pair()
+    b.receive(a.send(c.Ping(c.Op(tag=5, sig=9))))
+    assert a.receive(b.send(c.Answer(c.Op(tag=5, sig=9, waits_on=2)))) == c.Answer(c.Op(0, 5, 9, 2))
+    assert a.state is c.State.OPEN
+
+
+def test_aborts_may_cross_and_end_the_connection() -> None:
+    a, b = pair()
+    to_b, to_a = a.send(c.Abort(AbortInfo("MismatchError", "x", 0))), b.send(c.Abort(AbortInfo("CollectiveTimeout", "y", 1)))
+    assert b.receive(to_b).info.error == "MismatchError" and a.receive(to_a).info.rank == 1
+    assert a.state is b.state is c.State.ABORTED
+    with pytest.raises(ProtocolError, match="second ABORT"):
+        a.send(c.Abort(AbortInfo("X", "")))
+
+
+def test_the_peer_may_not_talk_after_its_abort() -> None:
+    a, b = pair()
+    a.receive(b.send(c.Abort(AbortInfo("X", ""))))
+    with pytest.raises(ProtocolError, match="after its ABORT"):
+        a.receive(c.encode(c.Ping(c.Op())))
+
+
+def test_leave_then_only_bye() -> None:
+    a, b = pair()
+    b.receive(a.send(c.Leave(3)))
+    assert b.left and b.state is c.State.OPEN
+    with pytest.raises(ProtocolError, match="after LEAVE"):
+        b.receive(c.encode(c.Ping(c.Op())))
+    a2, b2 = pair()
+    b2.receive(a2.send(c.Leave(3)))
+    b2.receive(a2.send(c.Bye()))
+    assert b2.state is c.State.PEER_CLOSING
+
+
+def test_shrink_epochs_only_grow() -> None:
+    a, b = pair()
+    b.receive(a.send(c.Shrink(4, (0, 2))))
+    b.receive(a.send(c.Shrink(5, (0,))))
+    with pytest.raises(ProtocolError, match="epoch 5 after epoch 5"):
+        b.receive(c.encode(c.Shrink(5, (0,))))
+
+
+def test_a_stream_split_anywhere_gives_the_same_messages_and_drops_wake_bytes() -> None:
+    msgs = [c.Ping(c.Op(0, 7, 99, -1, (1, 2, 3))), c.Abort(AbortInfo("PeerLostError", "gone", 0, 2))]
+    a = c.ControlConnection()
+    raw = b"\0\0" + a.send(msgs[0]) + b"\0" + a.send(msgs[1])
+    for step in (1, 3, 8, len(raw)):
+        b = c.ControlConnection(wake=0)
+        got = []
+        for i in range(0, len(raw), step):
+            b.receive_data(raw[i : i + step])
+            while (m := b.next_event()) is not None:
+                got.append(m)
+        assert got == msgs and b.state is c.State.ABORTED
+
+
+def test_a_wake_byte_inside_no_message_and_none_without_wake() -> None:
+    b = c.ControlConnection()
+    b.receive_data(b"\0")
+    with pytest.raises(ProtocolError, match="first byte 0x00"):
+        b.next_event()
+    with pytest.raises(ValueError):
+        c.ControlConnection(wake=0xB7)
