@@ -54,7 +54,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("THUNDERBOLT_COMPRESSION_BLOCK", ADVANCED, "256"),
     Setting("THUNDERBOLT_SHM_SLOT", ADVANCED, "1M"),
     Setting("THUNDERBOLT_SHM_SLOTS", ADVANCED, "8"),
-    Setting("THUNDERBOLT_SHM_WINDOW", ADVANCED, "(by rank count)"),
+    Setting("THUNDERBOLT_SHM_WINDOW", ADVANCED, "1M (4M when ranks outnumber cores)"),
     Setting("THUNDERBOLT_SHM_DIR", ADVANCED, "(POSIX shared memory)"),
     Setting("THUNDERBOLT_VERBS", ADVANCED, "system"),
     Setting("THUNDERBOLT_AUTOLOAD", ADVANCED, "1"),
