@@ -32,7 +32,7 @@ from torch_thunderbolt.testing.ranks import LOOPBACK, run_ranks  # noqa: E402
 def _time_fake_callbacks() -> list[float]:
     """Make every callback of the fake provider add the seconds it takes to the returned cell (patched
     before the group creates its provider)."""
-    from torch_thunderbolt.transport import fakeverbs
+    from torch_thunderbolt.testing.fake_verbs import provider as fakeverbs
 
     spent = [0.0]
     original = fakeverbs.FakeProvider._guard

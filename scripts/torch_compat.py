@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         # No RDMA here: the rdma column runs over a fake verbs fabric, two devices per rank (a test's groups
         # each take a device's queue pairs, about 10 per device), removed at the end.
         sys.path.insert(0, args.pythonpath)
-        from torch_thunderbolt.transport.fakeverbs import Fabric
+        from torch_thunderbolt.testing.fake_verbs import Fabric
 
         fabric_dir = tempfile.mkdtemp(prefix="torch-compat-fabric-")
         count = 2 * max(worlds)

@@ -1,6 +1,8 @@
 """Configuration from environment variables, parsed by one pure function.
 
-Every knob is documented in the README's configuration table; bad values raise ConfigError naming the
+SETTINGS lists every variable the package reads, each marked for a user (what a few Macs cabled together
+need) or advanced (tuning knobs, test and lab plumbing); docs/configuration.md documents each in that
+table (tests/core/test_configuration_doc.py holds them together). Bad values raise ConfigError naming the
 variable and what was expected.
 """
 from __future__ import annotations
@@ -20,6 +22,49 @@ TRANSPORTS = ("auto", "tcp", "shm", "rdma")
 COMPRESSIONS = ("none", "int8", "fp16", "bf16")
 INTEGRITY_MODES = ("none", "mac")
 DEFAULT_COMPRESSION_BLOCK = 256
+USER, ADVANCED = "user", "advanced"
+MAX_USER_SETTINGS = 10  # what a user must read stays one short table
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    audience: str  # USER or ADVANCED: the table of docs/configuration.md that documents it
+    default: str  # as docs/configuration.md's "default" column shows it
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("THUNDERBOLT_TRANSPORT", USER, "auto"),
+    Setting("THUNDERBOLT_IFNAME", USER, "(the interface towards MASTER_ADDR)"),
+    Setting("THUNDERBOLT_SECRET", USER, "(unset)"),
+    Setting("THUNDERBOLT_INTEGRITY", USER, "none"),
+    Setting("THUNDERBOLT_PORT", USER, "0"),
+    Setting("THUNDERBOLT_CONNECT_TIMEOUT", USER, "120"),
+    Setting("THUNDERBOLT_STREAMS", USER, "2"),
+    Setting("THUNDERBOLT_COMPRESSION", USER, "none"),
+    Setting("THUNDERBOLT_DEBUG", USER, "0"),
+    Setting("THUNDERBOLT_LINK_TIMEOUT_MS", ADVANCED, "3000"),
+    Setting("THUNDERBOLT_LISTEN_ALL", ADVANCED, "0"),
+    Setting("THUNDERBOLT_ALGO", ADVANCED, "auto"),
+    Setting("THUNDERBOLT_SMALL", ADVANCED, "64K"),
+    Setting("THUNDERBOLT_CHUNK", ADVANCED, "1M"),
+    Setting("THUNDERBOLT_STRIPE", ADVANCED, "256K"),
+    Setting("THUNDERBOLT_SOCKET_BUFFER", ADVANCED, "4M"),
+    Setting("THUNDERBOLT_CC", ADVANCED, "(the system's)"),
+    Setting("THUNDERBOLT_COMPRESSION_BLOCK", ADVANCED, "256"),
+    Setting("THUNDERBOLT_SHM_SLOT", ADVANCED, "1M"),
+    Setting("THUNDERBOLT_SHM_SLOTS", ADVANCED, "8"),
+    Setting("THUNDERBOLT_SHM_WINDOW", ADVANCED, "1M (4M when ranks outnumber cores)"),
+    Setting("THUNDERBOLT_SHM_DIR", ADVANCED, "(POSIX shared memory)"),
+    Setting("THUNDERBOLT_VERBS", ADVANCED, "system"),
+    Setting("THUNDERBOLT_AUTOLOAD", ADVANCED, "1"),
+    Setting("THUNDERBOLT_LAB_STATE_DIR", ADVANCED, "/run/torch-thunderbolt"),
+)
+SETTING_NAMES = frozenset(s.name for s in SETTINGS)
+
+# Where a THUNDERBOLT_VERBS=NAME:ARG provider lives: transport/providers.py imports the module by this name
+# only when a job names it, as it would a plugin, so the runtime holds no import of testing/.
+VERBS_PROVIDERS: dict[str, str] = {"fake": "torch_thunderbolt.testing.fake_verbs"}
 
 
 def parse_size(text: str, name: str = "size") -> int:
@@ -90,21 +135,23 @@ class Config:
     compression: str = "none"  # THUNDERBOLT_COMPRESSION (lossy, float all_reduce only)
     compression_block: int = DEFAULT_COMPRESSION_BLOCK  # THUNDERBOLT_COMPRESSION_BLOCK: int8 values per scale
     congestion_control: str = ""  # THUNDERBOLT_CC: per-socket TCP congestion control (Linux), e.g. cubic
-    spin_us: int = 200  # THUNDERBOLT_SPIN_US: busy-poll this long before sleeping (0 = never); a 2-rank
-    # ping-pong over loopback TCP waits ~70 µs per round trip, so a shorter spin ends in a wake-up each time
+    # Busy-poll this long before sleeping (0 = never), no setting: a 2-rank ping-pong over loopback TCP waits
+    # ~70 µs per round trip, so a shorter spin ends in a wake-up each time, and the set-up turns it off where
+    # a host has more ranks than cores (rendezvous/tcp.py, rendezvous/rdma.py).
+    spin_us: int = 200
     link_timeout_ms: int = 3000  # THUNDERBOLT_LINK_TIMEOUT_MS: data unacknowledged this long = link lost
     debug: bool = False  # THUNDERBOLT_DEBUG=1: full per-op signature checks and verbose logs
     # Shared-memory transport (read by rendezvous/shm.py from the Config it is given):
     shm_slot_bytes: int = 1 << 20  # THUNDERBOLT_SHM_SLOT: payload bytes per ring slot (multiple of 4K, 4K-1G)
     shm_slots: int = 8  # THUNDERBOLT_SHM_SLOTS: slots per directed pair (2-1024)
-    shm_spin_us: int | None = None  # THUNDERBOLT_SHM_SPIN_US: spin before blocking; None = automatic (100 µs,
-    # or 0 when ranks outnumber cores: see shm.default_spin), so it depends on the rank count, known later
+    shm_spin_us: int | None = None  # spin before blocking, no setting; None = automatic (100 µs, or 0 when
+    # ranks outnumber cores: see shm.default_spin), so it depends on the rank count, known later
     shm_window_bytes: int | None = None  # THUNDERBOLT_SHM_WINDOW: bytes per shared-window buffer; None =
     # automatic by rank count (rendezvous.shm.default_window_bytes), 0 = no window (collectives use the rings)
     shm_dir: str = ""  # THUNDERBOLT_SHM_DIR: existing writable directory for file-backed segments ("" = POSIX shm)
     # THUNDERBOLT_VERBS: where the RDMA verbs come from: "system" (librdma.dylib on macOS, libibverbs.so.1 on
     # Linux) or "fake" with verbs_fabric = the fake fabric's directory (THUNDERBOLT_VERBS=fake:/path), the
-    # test provider of transport/fakeverbs.py; never a measure of RDMA speed.
+    # test double of VERBS_PROVIDERS["fake"]; never a measure of RDMA speed.
     verbs: str = "system"
     verbs_fabric: str = ""
     autoload: bool = True  # THUNDERBOLT_AUTOLOAD=0: `import torch` does not register the backend
@@ -144,8 +191,6 @@ class Config:
         kw.update(_shm_fields(get))
         kw["autoload"] = parse_autoload(env)
         kw["verbs"], kw["verbs_fabric"] = parse_verbs(get("THUNDERBOLT_VERBS"))
-        if get("THUNDERBOLT_SPIN_US"):
-            kw["spin_us"] = _int(get("THUNDERBOLT_SPIN_US"), "THUNDERBOLT_SPIN_US", 0, 1_000_000)
         if get("THUNDERBOLT_LINK_TIMEOUT_MS"):
             kw["link_timeout_ms"] = _int(get("THUNDERBOLT_LINK_TIMEOUT_MS"), "THUNDERBOLT_LINK_TIMEOUT_MS", 500,
                                          600_000)
@@ -203,11 +248,11 @@ def job_settings(cfg: Config) -> dict[str, str]:
 
     Left out, because each rank may set them for itself: interfaces, addresses and ports (IFNAME, PORT,
     LISTEN_ALL: where this rank listens), the set-up and link timeouts (CONNECT_TIMEOUT, LINK_TIMEOUT_MS:
-    how long this rank waits, or its kernel's limit for its own sockets), spinning (SPIN_US, SHM_SPIN_US),
-    socket buffers and congestion control (SOCKET_BUFFER, CC: this rank's sockets), SHM_DIR (peers map a
-    segment by the path its creator published), DEBUG (logging only), AUTOLOAD and VERBS (where this rank
-    loads its RDMA library from). THUNDERBOLT_SECRET must agree too, but the set-up compares it without
-    publishing it (its records' MACs and the handshake)."""
+    how long this rank waits, or its kernel's limit for its own sockets), socket buffers and congestion
+    control (SOCKET_BUFFER, CC: this rank's sockets), SHM_DIR (peers map a segment by the path its creator
+    published), DEBUG (logging only), AUTOLOAD and VERBS (where this rank loads its RDMA library from).
+    THUNDERBOLT_SECRET must agree too, but the set-up compares it without publishing it (its records' MACs
+    and the handshake)."""
     out = {"THUNDERBOLT_TRANSPORT": cfg.transport, "THUNDERBOLT_ALGO": cfg.algo,
            "THUNDERBOLT_SMALL": _human(cfg.small_bytes), "THUNDERBOLT_CHUNK": _human(cfg.chunk_bytes),
            "THUNDERBOLT_COMPRESSION": cfg.compression}
@@ -301,17 +346,22 @@ def parse_autoload(env: Mapping[str, str]) -> bool:
 
 def parse_verbs(text: str, name: str = "THUNDERBOLT_VERBS") -> tuple[str, str]:
     """(provider, fabric directory) from THUNDERBOLT_VERBS: unset or `system` -> ("system", ""); `fake:DIR`
-    -> ("fake", DIR), DIR holding a fabric (its fabric.json; testing/fake_verbs.py creates one)."""
+    -> ("fake", DIR), DIR holding a fabric (its fabric.json; testing/fake_verbs creates one)."""
     if text in ("", "system"):
         return "system", ""
     kind, _, where = text.partition(":")
-    if kind != "fake" or not where:
+    if kind not in VERBS_PROVIDERS or not where:
         raise ConfigError(f"{name}: expected 'system' or 'fake:/path/to/fabric', got {text!r}")
     fabric = os.path.abspath(os.path.expanduser(where))
     if not os.path.isfile(os.path.join(fabric, "fabric.json")):
         raise ConfigError(f"{name}={text}: {fabric} holds no fake verbs fabric (no fabric.json); create one with "
                           f"`python -m torch_thunderbolt.testing.fake_verbs create {fabric}`")
     return "fake", fabric
+
+
+def lab_state_dir(env: Mapping[str, str], default: str) -> str:
+    """THUNDERBOLT_LAB_STATE_DIR: where the lab tool keeps its state files (`default` when unset)."""
+    return env.get("THUNDERBOLT_LAB_STATE_DIR", "").strip() or default
 
 
 def _shm_fields(get: "Callable[[str], str]") -> dict:
@@ -323,8 +373,6 @@ def _shm_fields(get: "Callable[[str], str]") -> dict:
         kw["shm_window_bytes"] = _pages(get("THUNDERBOLT_SHM_WINDOW"), "THUNDERBOLT_SHM_WINDOW", zero_ok=True)
     if get("THUNDERBOLT_SHM_SLOTS"):
         kw["shm_slots"] = _int(get("THUNDERBOLT_SHM_SLOTS"), "THUNDERBOLT_SHM_SLOTS", 2, 1024)
-    if get("THUNDERBOLT_SHM_SPIN_US"):
-        kw["shm_spin_us"] = _int(get("THUNDERBOLT_SHM_SPIN_US"), "THUNDERBOLT_SHM_SPIN_US", 0, 10_000_000)
     if get("THUNDERBOLT_SHM_DIR"):
         kw["shm_dir"] = _shm_dir(get("THUNDERBOLT_SHM_DIR"), "THUNDERBOLT_SHM_DIR")
     return kw

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .config import Config
+from .config import ADVANCED, SETTING_NAMES, SETTINGS, USER, Config
 from .errors import ConfigError
 from .platform import LOCAL_NETWORK_SETTING, RDMA_CTL, SYSCTL, Platform, current, macos_version
 
@@ -81,7 +81,7 @@ def run_checks(f: Facts) -> list[Finding]:
     out.append(_check_tested(f))
     try:
         cfg = Config.from_env(f.env)
-        out.append(Finding(OK, "configuration", "THUNDERBOLT_* variables parse"))
+        out.append(_check_settings(f.env))
     except ConfigError as exc:
         out.append(Finding(FAIL, "configuration", str(exc), "fix or unset the variable"))
         return out
@@ -122,6 +122,22 @@ def _check_tested(f: Facts) -> Finding:
     if f.torch and f.torch.split("+")[0] != TESTED_TORCH:
         return Finding(WARN, "tested versions", f"torch {f.torch} here; {detail}", "")
     return Finding(OK, "tested versions", detail)
+
+
+def _check_settings(env: dict[str, str]) -> Finding:
+    """The THUNDERBOLT_* variables set, by audience as config.SETTINGS (and docs/configuration.md) class
+    them; names only, never values (one may be the secret). A name that is no setting is ignored by every
+    job, so a misspelt one would otherwise go unnoticed."""
+    named = sorted(k for k in env if k.startswith("THUNDERBOLT_"))
+    unknown = [k for k in named if k not in SETTING_NAMES]
+    if unknown:
+        return Finding(WARN, "configuration", f"{', '.join(unknown)}: no setting of this version, so ignored",
+                       "correct the name or unset it; docs/configuration.md lists every setting")
+    by = {aud: [s.name for s in SETTINGS if s.audience == aud and s.name in env] for aud in (USER, ADVANCED)}
+    if not named:
+        return Finding(OK, "configuration", "no THUNDERBOLT_* variable set: the defaults")
+    parts = [f"{aud}: {', '.join(names)}" for aud, names in by.items() if names]
+    return Finding(OK, "configuration", f"THUNDERBOLT_* variables parse; set ({'; '.join(parts)})")
 
 
 def _check_choice(f: Facts, cfg: Config) -> Finding:

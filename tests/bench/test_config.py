@@ -102,8 +102,9 @@ def test_the_backend_config_is_parsed_by_config_py_with_the_transport_flag_on_to
 
     assert c.backend_config(parse(), {}) == Config()  # the backend's own defaults
     assert c.backend_config(parse(), {"THUNDERBOLT_STREAMS": " 8 "}).streams == 8
-    ours = c.backend_config(parse("--transport", "shm"), {"THUNDERBOLT_TRANSPORT": "tcp", "THUNDERBOLT_SPIN_US": "5"})
-    assert (ours.transport, ours.spin_us) == ("shm", 5)
+    ours = c.backend_config(parse("--transport", "shm"), {"THUNDERBOLT_TRANSPORT": "tcp",
+                                                           "THUNDERBOLT_LINK_TIMEOUT_MS": "5000"})
+    assert (ours.transport, ours.link_timeout_ms) == ("shm", 5000)
     for bad in ("0", "four", "65"):  # the backend's own limits (1-64), not bench's
         with pytest.raises(ConfigError, match="THUNDERBOLT_STREAMS"):
             c.backend_config(parse(), {"THUNDERBOLT_STREAMS": bad})

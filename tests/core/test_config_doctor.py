@@ -45,7 +45,7 @@ BAD_VALUES = [(var, text) for var in SIZE_VARS for text in ("inf", "-inf", "1e40
     ("THUNDERBOLT_SHM_DIR", "/proc"), ("THUNDERBOLT_SHM_DIR", "/nonexistent-thunderbolt-dir"),
     ("THUNDERBOLT_SHM_DIR", str(REPO / "pyproject.toml")),  # a file, not a directory
     ("THUNDERBOLT_SHM_SLOTS", "1"), ("THUNDERBOLT_SHM_SLOTS", "many"), ("THUNDERBOLT_SHM_SLOT", "1000"),
-    ("THUNDERBOLT_SHM_SPIN_US", "-1"), ("THUNDERBOLT_SHM_WINDOW", "2G"),
+    ("THUNDERBOLT_SHM_WINDOW", "2G"),
     ("THUNDERBOLT_AUTOLOAD", "garbage"),
     ("THUNDERBOLT_COMPRESSION", "int9"), ("THUNDERBOLT_COMPRESSION_BLOCK", "0"),
     ("THUNDERBOLT_COMPRESSION_BLOCK", "2000000"),
@@ -75,10 +75,10 @@ def test_doctor_reports_one_shm_slot_as_an_error() -> None:
 def test_size_ranges_and_shm_fields_accept_good_values(tmp_path) -> None:
     cfg = Config.from_env({"THUNDERBOLT_SOCKET_BUFFER": "64K", "THUNDERBOLT_CHUNK": "1G", "THUNDERBOLT_SMALL": "0",
                            "THUNDERBOLT_SHM_SLOT": "256K", "THUNDERBOLT_SHM_SLOTS": "4",
-                           "THUNDERBOLT_SHM_SPIN_US": "0", "THUNDERBOLT_SHM_WINDOW": "0",
+                           "THUNDERBOLT_SHM_WINDOW": "0",
                            "THUNDERBOLT_SHM_DIR": str(tmp_path), "THUNDERBOLT_AUTOLOAD": "0"})
     assert (cfg.socket_buffer, cfg.chunk_bytes, cfg.small_bytes) == (64 << 10, 1 << 30, 0)
-    assert (cfg.shm_slot_bytes, cfg.shm_slots, cfg.shm_spin_us, cfg.shm_window_bytes) == (256 << 10, 4, 0, 0)
+    assert (cfg.shm_slot_bytes, cfg.shm_slots, cfg.shm_window_bytes) == (256 << 10, 4, 0)
     assert cfg.shm_dir == str(tmp_path) and not cfg.autoload
     assert list(tmp_path.iterdir()) == []  # the writability probe leaves nothing behind
     assert Config.from_env({"THUNDERBOLT_SOCKET_BUFFER": str((1 << 31) - 1)}).socket_buffer == (1 << 31) - 1

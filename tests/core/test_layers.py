@@ -91,3 +91,39 @@ def test_module_level_imports_have_no_cycle() -> None:
     real = [c for c in cycles if not all(m == c[0] or m.startswith(c[0] + ".") or c[0].startswith(m + ".")
                                          for m in c)]
     assert not real, real
+
+
+def _every_import(path: Path) -> set[str]:
+    """Package modules `path` imports anywhere: module level, in functions, under TYPE_CHECKING, or by a
+    literal name through importlib.import_module / __import__."""
+    tree = ast.parse(path.read_text())
+    pkg = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        pkg = pkg[:-1]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = pkg[: len(pkg) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            found.add(mod)
+            found.update(f"{mod}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and ast.unparse(node.func) in ("importlib.import_module", "import_module", "__import__")):
+            found.add(str(node.args[0].value))
+    return {m for m in found if m.startswith("torch_thunderbolt")}
+
+
+def test_no_module_outside_testing_imports_it_even_inside_a_function() -> None:
+    """testing/ holds the test doubles (the fake verbs fabric among them): the runtime and the tools reach
+    the fake only through the provider name config.py maps (VERBS_PROVIDERS), never through an import."""
+    testing = "torch_thunderbolt.testing"
+    seen = {_module_name(p): _every_import(p) for p in PKG.rglob("*.py")}
+    # The reader sees imports inside functions (else this test could pass on an empty reading).
+    assert "torch_thunderbolt.transport.providers" in seen["torch_thunderbolt.rendezvous.rdma"]
+    assert "torch_thunderbolt.testing.fake_verbs.fabric" in seen["torch_thunderbolt.testing.fake_verbs"]
+    bad = [f"{name} imports {dep}" for name, deps in seen.items()
+           if not (name == testing or name.startswith(testing + "."))
+           for dep in deps if dep == testing or dep.startswith(testing + ".")]
+    assert not bad, "\n".join(sorted(bad))

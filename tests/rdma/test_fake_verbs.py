@@ -1,7 +1,7 @@
 """The fake verbs fabric keeps Apple's rules and injects faults, driven through the real binding.
 
 Two providers in one process stand for the two Macs (the fabric is files; tests across processes are in
-test_fake_verbs_processes.py). Each rule's breach gives the behaviour documented in transport/fakeverbs.py.
+test_fake_verbs_processes.py). Each rule's breach gives the behaviour documented in testing/fake_verbs/provider.py.
 """
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ import pytest
 
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.errors import ConfigError, RdmaError
-from torch_thunderbolt.testing.fake_verbs import fabric_env, fake_fabric
+from torch_thunderbolt.testing.fake_verbs import Fabric, fabric_env, fake_fabric
 from torch_thunderbolt.transport import verbs as v
 from torch_thunderbolt.transport.providers import load_verbs, verbs_from_config
-from torch_thunderbolt.transport.fakeverbs import Fabric
 
 from .fabric_ends import End, make_end, pair, raw_send
 

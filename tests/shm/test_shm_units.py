@@ -1,6 +1,7 @@
 """Single-process pieces of the shm transport: ring layout, options, segments and the stale-segment janitor."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -59,7 +60,7 @@ def test_layout_offsets_do_not_overlap() -> None:
 
 
 @pytest.mark.parametrize("env", [{"THUNDERBOLT_SHM_SLOT": "1000"}, {"THUNDERBOLT_SHM_SLOTS": "1"},
-                                 {"THUNDERBOLT_SHM_SPIN_US": "x"}, {"THUNDERBOLT_SHM_SLOT": "lots"},
+                                 {"THUNDERBOLT_SHM_SLOT": "lots"},
                                  {"THUNDERBOLT_SHM_WINDOW": "1000"}, {"THUNDERBOLT_SHM_WINDOW": "2G"}])
 def test_bad_options_raise_config_error_naming_the_variable(env) -> None:
     with pytest.raises(ConfigError, match=next(iter(env))):
@@ -67,9 +68,8 @@ def test_bad_options_raise_config_error_naming_the_variable(env) -> None:
 
 
 def test_options_parse() -> None:
-    o = ShmOptions.from_env({"THUNDERBOLT_SHM_SLOT": "256K", "THUNDERBOLT_SHM_SLOTS": "8",
-                             "THUNDERBOLT_SHM_SPIN_US": "0"})
-    assert (o.slot_bytes, o.slots, o.spin_us) == (256 << 10, 8, 0)
+    o = ShmOptions.from_env({"THUNDERBOLT_SHM_SLOT": "256K", "THUNDERBOLT_SHM_SLOTS": "8"})
+    assert (o.slot_bytes, o.slots, o.spin_us) == (256 << 10, 8, None)  # the spin is no setting: automatic
     assert ShmOptions.from_env({}) == ShmOptions()
     assert ShmOptions.from_env({"THUNDERBOLT_SHM_WINDOW": "0"}).window_bytes == 0
     assert ShmOptions.from_env({"THUNDERBOLT_SHM_WINDOW": "4M"}).window_bytes == 4 << 20
@@ -77,8 +77,8 @@ def test_options_parse() -> None:
 
 def test_options_come_from_the_config() -> None:
     """The shm settings are Config fields (one parser, also the doctor's); the transport reads its Config."""
-    cfg = Config.from_env({"THUNDERBOLT_SHM_SLOT": "64K", "THUNDERBOLT_SHM_SLOTS": "3",
-                           "THUNDERBOLT_SHM_SPIN_US": "7", "THUNDERBOLT_SHM_WINDOW": "8K"})
+    cfg = dataclasses.replace(Config.from_env({"THUNDERBOLT_SHM_SLOT": "64K", "THUNDERBOLT_SHM_SLOTS": "3",
+                                               "THUNDERBOLT_SHM_WINDOW": "8K"}), shm_spin_us=7)
     assert ShmOptions.from_config(cfg) == ShmOptions(slot_bytes=64 << 10, slots=3, spin_us=7, window_bytes=8 << 10)
     assert ShmOptions.from_config(Config()) == ShmOptions()  # same defaults, automatic ones still None
 

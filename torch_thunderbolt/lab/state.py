@@ -11,17 +11,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Mapping
 
+from ..config import lab_state_dir
 from ..errors import ConfigError
 from .blueprint import Cable, LabPlan, Route, check_name
 
 DEFAULT_STATE_DIR = "/run/torch-thunderbolt"
-STATE_DIR_ENV = "THUNDERBOLT_LAB_STATE_DIR"
 _FORMAT = 1
 
 
 def state_dir(explicit: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
-    return Path(explicit or env.get(STATE_DIR_ENV) or DEFAULT_STATE_DIR)
+    return Path(explicit or lab_state_dir(env, DEFAULT_STATE_DIR))
 
 
 def state_path(name: str, directory: str | os.PathLike | None = None) -> Path:

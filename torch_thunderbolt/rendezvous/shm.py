@@ -4,11 +4,11 @@ Every rank creates its inbound segment and a Unix-socket listener, publishes bot
 under `tbshm/<rank>` (a set-up record, checked with the job's key when there is one: records.py), connects
 a doorbell socket to every lower rank (authenticated with a per-group token from the store) and accepts one
 from every higher rank, maps every peer's segment, and waits until all ranks have mapped theirs. Then each unlinks its segment and listener path: from here on a crash, even
-kill -9, leaves nothing behind. Options come from the Config (THUNDERBOLT_SHM_SLOT, _SLOTS, _SPIN_US,
-_WINDOW and _DIR, parsed and checked in config.py): slot payload bytes (default 1M), slots per directed pair
-(default 8), spin before blocking (default 100 µs, or 0 when ranks outnumber cores), bytes per buffer of the
-shared window the shared-memory collectives use (default 1M, or 4M when ranks outnumber cores; 0 = none, the
-collectives then run over the rings) and where file-backed segments live.
+kill -9, leaves nothing behind. Options come from the Config (THUNDERBOLT_SHM_SLOT, _SLOTS, _WINDOW and
+_DIR, parsed and checked in config.py): slot payload bytes (default 1M), slots per directed pair (default 8),
+bytes per buffer of the shared window the shared-memory collectives use (default 1M, or 4M when ranks
+outnumber cores; 0 = none, the collectives then run over the rings) and where file-backed segments live;
+the spin before blocking is no setting (Config.shm_spin_us: 100 µs, or 0 when ranks outnumber cores).
 """
 from __future__ import annotations
 

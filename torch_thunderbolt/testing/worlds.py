@@ -107,7 +107,7 @@ def tcp_world(world: int, cfg: Config | None = None, timeout: float = 30.0) -> I
 
 @contextlib.contextmanager
 def rdma_world(world: int, fabric: Any, cfg: Config | None = None, timeout: float = 30.0) -> Iterator[list[Transport]]:
-    """`world` connected RDMA transports over the fake fabric `fabric` (a transport.fakeverbs.Fabric, or its
+    """`world` connected RDMA transports over the fake fabric `fabric` (a testing.fake_verbs.Fabric, or its
     directory), one thread each, closed when the block ends. `cfg`: settings besides the fabric."""
     import dataclasses
 

@@ -10,7 +10,7 @@ What is where:
 - Structures carry the C names (`ibv_sge`, `ibv_send_wr`, `ibv_wc`, ...) and C field names (`wr_id`,
   `sg_list`, `qp_num`, ...), so they can be held against the header; constants too (`IBV_QPT_UC`, ...).
 - A *provider* is where the functions come from: `NativeProvider` dlopens `librdma.dylib` (macOS 26.2+) or
-  `libibverbs.so.1` (Linux, rdma-core); `transport/fakeverbs.py` is a provider in Python for tests (it
+  `libibverbs.so.1` (Linux, rdma-core); `testing/fake_verbs/` is a provider in Python for tests (it
   builds the same contexts and ops tables out of ctypes callbacks). Everything above the provider is the
   same code for both: `Verbs` makes a foreign function of each symbol's address with the prototypes below.
 - The data path (`ibv_post_send`, `ibv_post_recv`, `ibv_poll_cq`, `ibv_req_notify_cq`) is `static inline`
@@ -135,7 +135,8 @@ def wc_status_name(status: int) -> str:
 # --- structures (verbs.h; LP64) ------------------------------------------------------------------------
 # Fields up to the first pthread member are all this module reads of the objects a provider allocates
 # (ibv_context, ibv_qp, ibv_cq); the pthread members' sizes differ by system and are only needed by a
-# provider that allocates those objects itself (fakeverbs), so they come from `pthread_sizes`.
+# provider that allocates those objects itself (the fake fabric, testing/fake_verbs), so they come from
+# `pthread_sizes`.
 
 def pthread_sizes(plat: Platform | None = None) -> tuple[int, int]:
     """(sizeof(pthread_mutex_t), sizeof(pthread_cond_t)) on `plat`: macOS arm64 64/48 (libSystem's

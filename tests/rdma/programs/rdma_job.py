@@ -13,7 +13,7 @@ import torch_thunderbolt  # noqa: F401 - registers the backend
 from tests.core.collective_checks import ExactChecks
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.testing.program import main, outcome, pretend_hosts, rank, result, world
-from torch_thunderbolt.transport.fakeverbs import Fabric
+from torch_thunderbolt.testing.fake_verbs import Fabric
 
 
 def _init() -> None:

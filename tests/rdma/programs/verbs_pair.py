@@ -15,7 +15,7 @@ from torch_thunderbolt.errors import RdmaError
 from torch_thunderbolt.testing.program import Exit, main, rank, result, workdir
 from torch_thunderbolt.transport import verbs as v
 from torch_thunderbolt.transport.providers import verbs_from_config
-from torch_thunderbolt.transport.fakeverbs import Fabric
+from torch_thunderbolt.testing.fake_verbs import Fabric
 
 from ..fabric_ends import End, make_end
 

@@ -1,52 +1,13 @@
-"""Fake verbs fabrics for tests and scripts: create one, point processes at it, inject faults, remove it.
-
-    with fake_fabric(devices={"rdma_fake0": "10.201.0.1", "rdma_fake1": "10.201.0.2"}, max_qp=4) as fabric:
-        run_ranks(program, 2, tmp_path, env=fabric_env(fabric))   # THUNDERBOLT_VERBS=fake:<dir>
-        fabric.set_fault("rdma_fake1", "port_up", 0)              # from here, any time, any process
-
-The fabric itself (rules, faults, file layout) is `torch_thunderbolt.transport.fakeverbs`; a process
-selects it with THUNDERBOLT_VERBS=fake:/path (parsed by config.py, like every setting). From a shell:
-
-    python -m torch_thunderbolt.testing.fake_verbs create /tmp/fab [--device rdma_fake0=10.201.0.1 ...]
-                                                                    [--limit max_qp=4 ...]
-    python -m torch_thunderbolt.testing.fake_verbs fault /tmp/fab rdma_fake0 port_up 0
-    python -m torch_thunderbolt.testing.fake_verbs reboot /tmp/fab rdma_fake0
-
-Nothing measured on a fake fabric is RDMA speed: its delivery is memory copies and Python.
-"""
+"""`python -m torch_thunderbolt.testing.fake_verbs`: create fake verbs fabrics and inject faults into them."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Mapping
 
-from torch_thunderbolt.transport.fakeverbs import DEFAULT_LIMITS, FAULTS, Fabric
-
-ENV = "THUNDERBOLT_VERBS"
-
-
-def fabric_env(fabric: Fabric) -> dict[str, str]:
-    """The environment that makes a process use `fabric`."""
-    return {ENV: f"fake:{fabric.path}"}
-
-
-@contextlib.contextmanager
-def fake_fabric(path: str | Path | None = None, devices: Mapping[str, str | None] | None = None,
-                **limits: Any) -> Iterator[Fabric]:
-    """A new fabric (in `path`, else a fresh temporary directory), removed with everything in it when the
-    block ends, even on failure. `devices`: name -> IPv4 address or None; `limits`: DEFAULT_LIMITS keys."""
-    root = Path(path) if path is not None else Path(tempfile.mkdtemp(prefix="tbverbs-"))
-    fabric = Fabric.create(root, devices, **limits)
-    try:
-        yield fabric
-    finally:
-        fabric.close()
-        shutil.rmtree(root, ignore_errors=True)
+from . import ENV
+from .fabric import DEFAULT_LIMITS, FAULTS, Fabric
 
 
 def _pairs(items: list[str], what: str) -> dict[str, str]:
