@@ -432,3 +432,35 @@ def _flag(text: str, name: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
     raise ConfigError(f"{name}: expected 0 or 1, got {text!r}")
+
+
+SELFCHECK_FAULTS = ("wrong", "hang")
+
+
+@dataclass(frozen=True)
+class Injection:
+    """A fault `selfcheck --inject` plants on purpose, to test the selfcheck itself (never for real jobs):
+    `wrong` makes rank `rank` corrupt its result of op family `op` (so that op's line must turn to FAIL);
+    `hang` makes it stop answering at op family `op` (any op family when `op` is "", so the first check with
+    collectives), which the selfcheck must name."""
+
+    fault: str
+    rank: int
+    op: str = ""
+
+
+def parse_injections(items: "list[str] | tuple[str, ...]", op_families: "tuple[str, ...]",
+                     name: str = "--inject") -> tuple[Injection, ...]:
+    """`wrong:RANK:OP` / `hang:RANK[:OP]` items (test-only faults of `selfcheck`)."""
+    out = []
+    for item in items:
+        parts = item.strip().split(":")
+        if len(parts) not in (2, 3) or parts[0] not in SELFCHECK_FAULTS or not parts[1].isdigit():
+            raise ConfigError(f"{name} {item!r}: expected wrong:RANK:OP or hang:RANK[:OP] (RANK a whole number)")
+        op = parts[2] if len(parts) == 3 else ""
+        if parts[0] == "wrong" and not op:
+            raise ConfigError(f"{name} {item!r}: wrong needs the op family, e.g. wrong:1:all_reduce")
+        if op and op not in op_families:
+            raise ConfigError(f"{name} {item!r}: no op family {op!r} (have: {', '.join(op_families)})")
+        out.append(Injection(parts[0], int(parts[1]), op))
+    return tuple(out)

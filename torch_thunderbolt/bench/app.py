@@ -133,6 +133,14 @@ def run_rank(cfg: BenchConfig, env: RankEnv, out: TextIO = sys.stdout, err: Text
         dist.destroy_process_group()
 
 
+def run_in_groups(cfg: BenchConfig, env: RankEnv, backend: Config, groups: list[Any], out: TextIO = sys.stdout,
+                  err: TextIO = sys.stderr) -> int:
+    """The benchmark inside a job a tool already set up (the default group initialised, one group per
+    `measured_backends(cfg)` made by the caller): how `selfcheck` runs it among its other checks."""
+    validate_for_world(cfg, env.world_size)
+    return _Session(cfg, env, backend, groups, out, err, None).run()
+
+
 class _Session:
     def __init__(self, cfg: BenchConfig, env: RankEnv, backend: Config, groups: list[Any], out: TextIO,
                  err: TextIO, op_table: Mapping[str, Any] | None) -> None:

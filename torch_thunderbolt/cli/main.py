@@ -27,6 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "lab": ("torch_thunderbolt.cli.lab", "an emulated N-Mac cluster from Linux network namespaces"),
     "launch": ("torch_thunderbolt.cli.launch", "start ranks on several hosts (torchrun-compatible env)"),
     "doctor": ("torch_thunderbolt.cli.doctor", "check this machine's setup for torch-thunderbolt"),
+    "selfcheck": ("torch_thunderbolt.cli.selfcheck", "check everything (ops, links, bench, faults) and write a report"),
 }
 
 
