@@ -10,6 +10,7 @@ import pytest
 
 from torch_thunderbolt.config import ADVANCED, MAX_USER_SETTINGS, SETTING_NAMES, SETTINGS, USER, Config
 from torch_thunderbolt.doctor import OK, WARN, run_checks
+from torch_thunderbolt.transport.netif import loopback_ifname
 
 from .test_config_doctor import by_check, facts
 
@@ -75,6 +76,8 @@ RAW_READS = {
     "torch_thunderbolt_autoload.py": {"THUNDERBOLT_AUTOLOAD"},
     # the launcher hands the user's secret (value or @file) on to the ranks; config.parse_secret judges it
     "torch_thunderbolt/cli/launch.py": {"THUNDERBOLT_SECRET"},
+    # selfcheck's local ranks, like launch's, get the user's secret or a fresh one; the ranks' config judges it
+    "torch_thunderbolt/selfcheck/local.py": {"THUNDERBOLT_SECRET"},
 }
 
 
@@ -113,7 +116,7 @@ def test_spinning_is_no_setting_but_still_a_config_field() -> None:
 
 @pytest.mark.parametrize("env, status, words", [
     ({}, OK, ["the defaults"]),
-    ({"THUNDERBOLT_IFNAME": "lo", "THUNDERBOLT_CHUNK": "2M"}, OK,
+    ({"THUNDERBOLT_IFNAME": loopback_ifname(), "THUNDERBOLT_CHUNK": "2M"}, OK,
      ["user: THUNDERBOLT_IFNAME", "advanced: THUNDERBOLT_CHUNK"]),
     ({"THUNDERBOLT_TRANSPROT": "tcp"}, WARN, ["THUNDERBOLT_TRANSPROT", "no setting", "docs/configuration.md"]),
     ({"THUNDERBOLT_SPIN_US": "0"}, WARN, ["THUNDERBOLT_SPIN_US"]),
