@@ -259,8 +259,8 @@ class Selfcheck:
 
         line = self.check("doctor on every host", part)
         if self.lead:
-            self.doctor = {h["hostname"]: json.loads(self.store.get(f"selfcheck/doctor/{h['rank']}"))
-                           for h in self.hosts if self.store.check([f"selfcheck/doctor/{h['rank']}"])}
+            keys = {f"{h['hostname']} (rank {h['rank']})": f"selfcheck/doctor/{h['rank']}" for h in self.hosts}
+            self.doctor = {name: json.loads(self.store.get(k)) for name, k in keys.items() if self.store.check([k])}
         if line.status == OK:
             line.detail = f"{sum(len(d['findings']) for d in getattr(self, 'doctor', {}).values()) or 'all'} " \
                           f"findings ok on {len({h['host'] for h in self.hosts})} host(s)"
