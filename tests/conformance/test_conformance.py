@@ -1,12 +1,14 @@
 """Every kind of link passes the conformance checks of torch_thunderbolt.testing.conformance, and the checks
 catch a kind broken on purpose (a dropped message, two sent out of order, a swallowed ABORT).
 
-The in-memory kind runs on thread ranks; tcp, shm, rdma (over a fake verbs fabric, a device per rank) and
-sock (the example kind of testing/kinds, added to the table as any kind is) on real rank processes set up as
-a job sets them up (every pair forced onto the kind). Each kind runs the whole suite once (a module
-fixture); each check is its own test."""
+The in-memory kind runs on thread ranks; tcp (plain, and sealed: THUNDERBOLT_INTEGRITY=mac, every frame
+carrying MACs), shm, rdma (over a fake verbs fabric, a device per rank) and sock (the example kind of
+testing/kinds, added to the table as any kind is) on real rank processes set up as a job sets them up (every
+pair forced onto the kind). Each kind runs the whole suite once (a module fixture); each check is its own
+test."""
 from __future__ import annotations
 
+import secrets
 from typing import Callable
 
 import pytest
@@ -38,6 +40,10 @@ def _memory(world: int):
 KINDS = {
     "memory": lambda tmp: run_on_threads(_memory, WORLD),
     "tcp": lambda tmp: run_in_processes("tcp", WORLD, tmp),
+    # (each check fails unless the links really are the sealed ones)
+    "tcp-sealed": lambda tmp: run_in_processes("tcp", WORLD, tmp, env={
+        "THUNDERBOLT_INTEGRITY": "mac", "THUNDERBOLT_SECRET": secrets.token_hex(32),
+        "TB_CONFORMANCE_LINK": "SealedTcpLink"}),
     # small rings (4K slots, two per pair): every large message laps them many times
     "shm": lambda tmp: run_in_processes("shm", WORLD, tmp, setup=SHM),
     "sock": lambda tmp: run_in_processes("sock", WORLD, tmp),
@@ -60,6 +66,7 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str,
 
 @pytest.mark.parametrize("check", list(CHECKS))
 @pytest.mark.parametrize("kind", ["memory", pytest.param("tcp", marks=MULTIPROCESS),
+                                  pytest.param("tcp-sealed", marks=MULTIPROCESS),
                                   pytest.param("shm", marks=MULTIPROCESS), pytest.param("sock", marks=MULTIPROCESS),
                                   pytest.param("rdma", marks=MULTIPROCESS)])
 def test_every_kind_passes_every_check(kind: str, check: str, suite) -> None:

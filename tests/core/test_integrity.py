@@ -28,7 +28,7 @@ from torch_thunderbolt.protocol.framing import FRAME_HEADER_SIZE, AbortInfo, Kin
 from torch_thunderbolt.protocol.integrity import (SEALED_HEADER_SIZE, TAG_SIZE, Opener, SealedFrameDecoder, Sealer,
                                                   stream_keys)
 from torch_thunderbolt.rendezvous.group import connect
-from torch_thunderbolt.transport.tcp import SealedTcpLink, StreamReceive, TcpLink, tcp_transport
+from torch_thunderbolt.transport.tcp import SealedTcpLink, TcpLink, tcp_transport
 from torch_thunderbolt.algorithms.collectives import Communicator
 from torch_thunderbolt.testing.worlds import on_threads
 
@@ -120,11 +120,10 @@ def test_stream_keys_differ_per_direction_and_connection() -> None:
 def test_the_small_message_path_has_no_integrity_work_when_the_mode_is_off() -> None:
     """The latency-critical path of plain links must not pay for this mode: the sealed link overrides it,
     so the plain one never looks at a sealer (the checks live only where a frame is queued or completed)."""
-    for fn in (TcpLink.send_now, TcpLink.quick_receive, TcpLink._write_whole, StreamReceive.step,
-               StreamReceive.hand_back):
+    for fn in (TcpLink.send, TcpLink.take, TcpLink._write_whole, TcpLink._give_back):
         src = inspect.getsource(fn)
         assert "seal" not in src and "opener" not in src, fn
-    for name in ("send_now", "quick_receive", "_write_whole"):
+    for name in ("take", "_write_whole"):
         assert getattr(SealedTcpLink, name) is not getattr(TcpLink, name)
 
 

@@ -47,13 +47,12 @@ def test_the_answer_names_the_end_of_the_chain() -> None:
     assert d.waits_on(3, {5}) is None
 
 
-def test_an_op_board_that_shows_another_op_is_a_mismatch() -> None:
-    d = detector((1, 9, SIG))
-    d.peer_runs(1, 9, SIG)
-    d.peer_runs(1, 8, OTHER)  # another tag: an op it has not reached, or has left
-    d.peer_runs(2, 9, OTHER)  # a peer this rank does not wait for
-    with pytest.raises(MismatchError, match="rank 1 runs"):
-        d.peer_runs(1, 9, OTHER)
+def test_a_ping_for_an_op_this_rank_waits_in_with_another_signature_is_a_mismatch() -> None:
+    """A receive this rank posted is noted as its op too: a peer waiting for that op run otherwise is found."""
+    d = detector()
+    d.note_post((Space.COLL, 9, 0), SIG)  # (what the engine does for every receive it posts)
+    with pytest.raises(MismatchError, match=r"rank 2 waits for rank 0's part of"):
+        d.peer_waits_for(2, Op(Space.COLL, 9, OTHER))
 
 
 def test_probes_name_the_op_waited_for_each_peer() -> None:

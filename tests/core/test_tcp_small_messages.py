@@ -1,6 +1,6 @@
-"""Small collective messages over TCP: `Transport.exchange` and the link's quick receive (transport/tcp.py,
-StreamReceive), which reads an op's messages straight off the stream and hands everything else back to the
-general path exactly as it arrived; and the read-ahead of a small message of a later op, which keeps the
+"""Small collective messages over TCP: `Transport.exchange` and the link's `take` (transport/tcp.py), which
+reads an op's messages straight off the stream and gives everything else back to the general path exactly
+as it arrived; and the read-ahead of a small message of a later op, which keeps the
 stream readable (a peer's probes and ABORT behind it) within a budget, and is still a mismatch if its op
 ends without taking it.
 
@@ -24,7 +24,9 @@ from torch_thunderbolt.protocol import control
 from torch_thunderbolt.protocol.framing import (FRAME_HEADER_SIZE, AbortInfo, FrameDecoder, Kind, Space,
                                                encode_frame_header)
 from torch_thunderbolt.transport.engine import Transport
-from torch_thunderbolt.transport.tcp import EARLY_BUDGET, tcp_transport
+from torch_thunderbolt.transport.base import NOT_YET, REFUSED, TAKEN
+from torch_thunderbolt.transport.matching import EARLY_BUDGET
+from torch_thunderbolt.transport.tcp import tcp_transport
 from torch_thunderbolt.testing.worlds import on_threads, tcp_world
 
 pytestmark = pytest.mark.timeout(60)
@@ -90,23 +92,22 @@ def test_a_message_in_pieces_is_read_piece_by_piece(pair) -> None:
     payload = bytes(range(200))
     data = frame(payload)
     link = t.kinds[0].links[1]
-    dest = bytearray(len(payload))
-    q = link.quick_receive((Space.COLL, TAG, 0), SIG, memoryview(dest))
-    assert q is not None
+    dest = memoryview(bytearray(len(payload)))
+    key = (Space.COLL, TAG, 0)
     # Cut inside the header, at its end, and inside the payload.
     pieces = [data[:20], data[20:FRAME_HEADER_SIZE], data[FRAME_HEADER_SIZE:FRAME_HEADER_SIZE + 100],
               data[FRAME_HEADER_SIZE + 100:]]
     with t._lock:
-        assert q.step() is False  # nothing yet
+        assert link.take(key, SIG, dest) == NOT_YET  # nothing yet
         for i, piece in enumerate(pieces):
             peer.sendall(piece)
             settle()
-            assert q.step() is (i == len(pieces) - 1), i
-    assert q.done and dest == payload
+            assert link.take(key, SIG, dest) == (TAKEN if i == len(pieces) - 1 else NOT_YET), i
+    assert dest == payload
 
 
 def test_another_frame_first_is_handed_back_and_both_arrive(pair) -> None:
-    """A point-to-point message written before the collective one: the quick receive finds its header,
+    """A point-to-point message written before the collective one: the take finds its header,
     gives back every byte it read, and the general path delivers both, each to its own receive."""
     t, peer = pair
     p2p, coll = b"p2p-bytes" * 30, bytes(range(250)) * 4
@@ -149,7 +150,7 @@ def test_a_message_that_comes_after_the_spin_is_received(pair) -> None:
 
 def test_another_ops_message_is_still_a_mismatch(pair) -> None:
     """The same op number with another signature (a peer in another collective): the header differs, the
-    general path reads it and names the mismatch, as it would without the quick receive."""
+    general path reads it and names the mismatch, as it would without the take."""
     t, peer = pair
     payload = bytes(400)
     peer.sendall(frame(payload, sig=SIG ^ 0xFF))
@@ -189,12 +190,12 @@ def test_two_messages_from_one_peer_go_the_general_way(pair) -> None:
 
 
 def test_a_message_of_the_striping_size_goes_the_general_way(pair) -> None:
-    """A peer with several streams stripes it (pieces whose headers the quick receive would not match, each
+    """A peer with several streams stripes it (pieces whose headers the take would not match, each
     byte read then copied again), and it would outlast the spin: the general path receives it."""
     t, peer = pair
     n = t.kinds[0].stripe_bytes
     payload = bytes(range(256)) * (n // 256)
-    assert t.kinds[0].links[1].quick_receive((Space.COLL, TAG, 0), SIG, memoryview(bytearray(n))) is None
+    assert t.kinds[0].links[1].take((Space.COLL, TAG, 0), SIG, memoryview(bytearray(n))) == REFUSED
     sender = threading.Thread(target=lambda: peer.sendall(frame(payload)), daemon=True)
     sender.start()
     dest = bytearray(n)
@@ -224,7 +225,7 @@ def test_the_sends_are_ordinary_frames(pair) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_small_collectives_over_tcp_take_the_quick_receive_and_give_exact_results(world: int) -> None:
     """Over real TCP between threads: small all_reduce (direct), broadcast and all_gather give the reference
-    bits on every rank, and their messages are read by the quick receive (most of them: a message that
+    bits on every rank, and their messages are read by the take (most of them: a message that
     arrives after the spin goes the general way)."""
     n, ops = 1000, 30
     with tcp_world(world, Config(streams=2)) as ts:

@@ -17,6 +17,7 @@ from torch_thunderbolt.rendezvous.agree import DONE
 from torch_thunderbolt.rendezvous.rdma import connect_rdma
 from torch_thunderbolt.testing.fake_verbs import fake_fabric
 from torch_thunderbolt.testing.worlds import SetUpOnThreads, _threads_connected, on_threads, rdma_world
+from torch_thunderbolt.transport.base import NOT_YET
 from torch_thunderbolt.transport.rdma import RdmaLink
 
 pytestmark = pytest.mark.timeout(120)
@@ -120,7 +121,8 @@ def test_credits_hold_a_sender_until_parked_frames_are_taken(tmp_path: Path) -> 
                 return []
             time.sleep(0.5)
             t.progress(0.01)  # takes what arrived: the receive slots hold it, the sender waits for credits
-            parked = t.parked_collective([0])
+            held = t.held(0)
+            parked = None if held is None else (0, held.sig)
             outs = [torch.zeros(100 + k, dtype=torch.uint8) for k in range(1, count + 1)]
             outs += [torch.zeros(70000, dtype=torch.uint8) for _ in range(1, 12)]
             keys = [(Space.COLL, k, 0) for k in range(1, count + 1)] + [(Space.COLL, 100 + k, 0) for k in range(1, 12)]
@@ -138,14 +140,15 @@ def test_credits_hold_a_sender_until_parked_frames_are_taken(tmp_path: Path) -> 
         assert ts[1].link_kind("rdma").credit_frames > 0
 
 
-def test_a_quick_receive_the_engine_gave_up_on_leaves_the_message_to_the_general_path(tmp_path: Path) -> None:
-    """Transport.exchange may make a quick receive for one peer and then receive from every peer the general
-    way (another peer's link could not take it): the message must reach the posted receive, not the buffer
-    of a quick receive that never looks again."""
+def test_a_take_the_engine_gave_up_on_leaves_the_message_to_the_general_path(tmp_path: Path) -> None:
+    """Transport.exchange may look for one peer's message with `take` and then receive from every peer the
+    general way (another peer's link refused): the message must reach the posted receive, not the buffer
+    of a look that is over."""
     with fake_fabric(tmp_path / "fab", devices=DEVICES) as fab, rdma_world(2, fab) as ts:
         key = (Space.COLL, 5, 0)
         dest = torch.zeros(64, dtype=torch.uint8)
-        assert _link(ts[1], 0).quick_receive(key, SIG, memoryview(dest.numpy())) is not None
+        with ts[1]._lock:
+            assert _link(ts[1], 0).take(key, SIG, memoryview(dest.numpy())) == NOT_YET
 
         def body(r: int) -> None:
             if r == 0:
@@ -162,14 +165,14 @@ def test_a_quick_receive_the_engine_gave_up_on_leaves_the_message_to_the_general
 def _until_held(t, peer: int, seconds: float = 20.0) -> None:
     """Drive `t` until a message of `peer` is held back in a receive slot (it has no receive posted)."""
     end = time.monotonic() + seconds
-    while not _link(t, peer).has_unread():
+    while _link(t, peer).held() is None:
         assert time.monotonic() < end, "the message was never held back"
         t.progress(0.01)
 
 
-def test_a_message_held_back_before_its_op_is_taken_by_the_quick_receive(tmp_path: Path) -> None:
+def test_a_message_held_back_before_its_op_is_taken(tmp_path: Path) -> None:
     """A peer a step ahead: its message arrives before this rank runs the op and waits in its receive slot;
-    the op's exchange reads it from there (the quick receive, bytes intact, the slot posted again). One of
+    the op's exchange reads it from there (`take`, bytes intact, the slot posted again). One of
     another size held back the same way still fails the op as a mismatch (the general path's check)."""
     with fake_fabric(tmp_path / "fab", devices=DEVICES) as fab, rdma_world(2, fab) as ts:
         key = (Space.COLL, 3, 0)
@@ -180,7 +183,7 @@ def test_a_message_held_back_before_its_op_is_taken_by_the_quick_receive(tmp_pat
         out = torch.zeros(1000, dtype=torch.uint8)
         ts[1].exchange([], [(0, key, memoryview(out.numpy()))], SIG, time.monotonic() + 20)
         assert torch.equal(out, _data(1000, 5))
-        assert kind.quick_messages == quick + 1 and link.msg.posted == posted + 1 and not link.has_unread()
+        assert kind.quick_messages == quick + 1 and link.msg.posted == posted + 1 and link.held() is None
 
         key = (Space.COLL, 4, 0)
         ts[0].wait([ts[0].isend(1, key, memoryview(_data(1000, 6).numpy()), SIG)], time.monotonic() + 20)

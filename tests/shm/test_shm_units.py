@@ -162,28 +162,25 @@ def test_host_identity_is_stable() -> None:
     assert host_identity().split("|")[0]
 
 
-class _Engine:
-    """The least of an engine that a shm link's control wire needs, to drive `on_event` by hand."""
+class _Sink:
+    """The least of a sink (transport/base.py) that a shm link's control wire needs, to pump it by hand."""
 
     def __init__(self) -> None:
-        self.rank, self.broken, self.failed = 0, None, None
-        self.matcher = SimpleNamespace(pending=lambda: [])
+        self.rank, self.broken, self.posts, self.error = 0, None, 0, None
+        self.heard: list = []
 
-    def fail(self, err, tell_peers=True) -> None:
-        self.failed = err
+    def failed(self, peer, exc, where="", address="") -> None:
+        self.error = exc
 
-    def lost(self, peer, where, exc, address=""):
-        return exc
-
-    def peer_left(self, peer, where) -> None:
-        pass
+    def said(self, peer, msg) -> None:
+        self.heard.append(msg)
 
 
-def _link(sock: socket.socket) -> tuple[ShmLink, _Engine]:
+def _link(sock: socket.socket) -> tuple[ShmLink, _Sink]:
     kind = SimpleNamespace(slot_bytes=0, to_ring=set())
     link = ShmLink(kind, 1, sock, 1, None, None, SimpleNamespace(pending=lambda: False), None)
-    link.engine = _Engine()
-    return link, link.engine
+    link.sink = _Sink()
+    return link, link.sink
 
 
 def test_a_reset_after_bye_is_an_orderly_close_not_a_lost_peer() -> None:
@@ -197,8 +194,8 @@ def test_a_reset_after_bye_is_an_orderly_close_not_a_lost_peer() -> None:
         theirs.close()
         ours.setblocking(False)
         pe, wire = _link(ours)
-        pe.on_event(ours.fileno())
-        assert pe.bye and pe.eof and wire.failed is None
+        pe.pump(woken=True)
+        assert pe.bye and pe.eof and wire.error is None
 
 
 def test_a_reset_without_bye_is_a_lost_peer() -> None:
@@ -208,5 +205,5 @@ def test_a_reset_without_bye_is_a_lost_peer() -> None:
         theirs.close()
         ours.setblocking(False)
         pe, wire = _link(ours)
-        pe.on_event(ours.fileno())
-        assert wire.failed is not None
+        pe.pump(woken=True)
+        assert wire.error is not None

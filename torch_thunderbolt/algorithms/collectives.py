@@ -260,14 +260,12 @@ class Communicator:
         what.seq = self.seq
         if self.cfg.debug:
             log.debug("rank %d: op #%d %s %s, signature %016x", self.rank, self.seq, describe_sig(small.sig),
-                      _HOW["direct"] if small.retires else "on the shared window (one-shot)", small.sig)
+                      _HOW["direct"] if small.engine else "on the shared window (one-shot)", small.sig)
         try:
             small.run(x, self.seq, time.monotonic() + self.timeout)
         except BaseException as exc:
             self.t.abort(exc)  # peers may be waiting on this rank's next step: tell them why it won't come
             raise
-        if small.retires:
-            self.t.retire(self.seq)
         if op == "avg":
             x.div_(self.world)
 

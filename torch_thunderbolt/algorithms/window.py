@@ -21,6 +21,7 @@ import time
 from typing import Iterable
 
 from ..errors import CollectiveTimeout, MismatchError
+from ..protocol.framing import Space
 from ..protocol.signature import describe_sig
 from ..transport.engine import Transport
 from ..transport.window import BUFFERS, WindowMemory
@@ -109,16 +110,15 @@ class Window:
         would have posted the step we wait for before sending anything later (counters only grow). So its
         counter is read again *after* its ring data was seen: a post that came first shows by then."""
         counter = self.memory.counter
-        behind = [self.members[p] for p in peers if counter(p) < value]
-        stray = self.engine.parked_collective(behind) if behind else None
-        if stray is None:
-            return
-        self.memory.fence()  # the ring was read first: the counter load must not move before it
-        if counter(self._position[stray[0]]) < value:
-            peer, sig = stray
-            raise MismatchError(
-                f"rank {self.engine.rank}: mismatched operation with rank {peer}: rank {peer} sent data of "
-                f"{describe_sig(sig)}, but rank {self.engine.rank} is in {what}")
+        for peer in [self.members[p] for p in peers if counter(p) < value]:
+            held = self.engine.held(peer)
+            if held is None or held.space != Space.COLL:
+                continue
+            self.memory.fence()  # the ring was read first: the counter load must not move before it
+            if counter(self._position[peer]) < value:
+                raise MismatchError(
+                    f"rank {self.engine.rank}: mismatched operation with rank {peer}: rank {peer} sent data of "
+                    f"{describe_sig(held.sig)}, but rank {self.engine.rank} is in {what}")
 
     def started_beyond(self, owner: int) -> bool:
         """`owner` has posted a step of a round this rank has not started (between ops only: it has begun
@@ -136,7 +136,7 @@ class Window:
             if owner is None or owner == self.rank or not self.started_beyond(owner):
                 continue
             # The counter was read first: ring writes made before that post show now.
-            if not engine.has_unread(req.peer):
+            if engine.held(req.peer) is None:
                 engine.fail(MismatchError(
                     f"rank {engine.rank}: mismatched operation with rank {req.peer}: rank {req.peer} has begun "
                     f"a shared-memory collective while rank {engine.rank} waits for its data in "

@@ -172,7 +172,7 @@ class OneShotAllReduce:
     `what` names the op in errors (the Communicator numbers it)."""
 
     __slots__ = ("win", "bufs", "combine", "sig", "word", "what")
-    retires = False  # its steps are window posts: nothing of it goes through the engine's matching
+    engine = False  # its steps are window posts: nothing of it goes through the engine
 
     def __init__(self, win: Window, count: int, dtype: torch.dtype, combine: Combiner, sig: int,
                  what: object) -> None:

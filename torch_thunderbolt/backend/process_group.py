@@ -42,6 +42,7 @@ _COLLECTIVES = ("all_gather", "all_gather_coalesced", "all_gather_into_tensor", 
                 "gather", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced",
                 "scatter", "sparse_all_reduce")
 MONITORED_BARRIER_TAG = -0x6D62  # a point-to-point tag of our own: user tags are not negative
+_SUM = dist.ReduceOp.SUM
 
 
 def _timeout_s(opts: Any, default: float) -> float:
@@ -145,23 +146,20 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
 
     # -- reducing collectives (through the worker, in issue order) -------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
-        op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        if len(tensors) == 1 and not tensors[0].is_sparse:
-            flat = flat_view(tensors[0])
-            if flat is not None and not self._compress(flat, op):
-                # One contiguous CPU tensor (a DDP bucket, most direct calls): reduced in place, with no
-                # staging to copy back and no device check, the steps that dominate a small op.
-                what = self._whats["all_reduce"]
-                if not self._devices.idle:
-                    self._devices.complete_ready()
-                if self._inline_ok(flat.numel() * flat.element_size(), opts):
-                    ran, exc = self._worker.run_if_idle(self._all_reduce_flat, opts, flat, op, factor)
-                    if ran:
-                        return Work.completed(what, tensors, exc)
-                return self._worker.submit(Work(what, tensors),
-                                           functools.partial(self._all_reduce_flat, opts, flat, op, factor))
+        if len(tensors) == 1:
+            x = tensors[0]
+            # One contiguous CPU tensor (a DDP bucket, most direct calls): reduced in place, with no staging to
+            # copy back and no device check, the steps that dominate a small op. (is_sparse first: a sparse
+            # tensor has no is_contiguous.)
+            if not x.is_sparse and x.is_cpu and x.is_contiguous():
+                rop = opts.reduceOp if opts is not None else _SUM
+                op, factor = ("sum", None) if rop == _SUM else reduce_op(rop)
+                flat = x if x.dim() == 1 and not x.requires_grad and x.stride(0) == 1 else flat_view(x)
+                if flat is not None and not self._compress(flat, op):
+                    return self._all_reduce_one(tensors, flat, op, factor, opts)
         if on_device(tensors):
             return self._devices.run(tensors, lambda s: self.allreduce(s.read_write(tensors), opts))
+        op, factor = reduce_op(opts.reduceOp if opts is not None else _SUM)
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, op, opts)
         staged = [Staged(t) for t in tensors]
@@ -181,6 +179,24 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
 
         return self._submit("all_reduce", run, tensors, sum(t.numel() * t.element_size() for t in tensors),
                             opts=opts)
+
+    def _all_reduce_one(self, tensors: list[torch.Tensor], flat: torch.Tensor, op: str, factor: object,
+                        opts: Any) -> Work:
+        """The all_reduce of one flat CPU tensor, in the caller's thread when it may run inline (the group's
+        turn taken once, and the finished Work made after the op), else on the worker."""
+        if not self._devices.idle:
+            self._devices.complete_ready()  # this thread's device ops whose bytes are in (device.py)
+        what = self._whats["all_reduce"]
+        if ((flat.numel() * flat.element_size() <= self._cfg.small_bytes or (opts is not None and opts.asyncOp is False))
+                and self._worker.try_inline()):
+            try:
+                self._all_reduce_flat(opts, flat, op, factor)
+            except BaseException as exc:  # noqa: BLE001 - delivered through the work
+                return Work.completed(what, tensors, exc)
+            finally:
+                self._worker.end_inline()
+            return Work.completed(what, tensors)
+        return self._worker.submit(Work(what, tensors), functools.partial(self._all_reduce_flat, opts, flat, op, factor))
 
     def _all_reduce_flat(self, opts: Any, flat: torch.Tensor, op: str, factor: object) -> None:
         # The op's timeout is set by the thread that runs it, just before it: the caller may not touch it

@@ -74,6 +74,13 @@ def encode_frame_header(
                         length, total)
 
 
+def pack_frame_header(into: bytearray, kind: Kind, space: int, sig: int, tag: int, seq: int, offset: int, length: int,
+                      total: int) -> None:
+    """`encode_frame_header`, written into `into` (FRAME_HEADER_SIZE bytes): a buffer kept and reused."""
+    _HEADER.pack_into(into, 0, MAGIC, kind, space, sig & 0xFFFFFFFF, tag, seq & 0xFFFFFFFF, (sig >> 32) & 0xFFFFFFFF,
+                      offset, length, total)
+
+
 def _parse(raw: bytes | memoryview, max_message: int) -> Frame:
     magic, kind, space, sig_lo, tag, seq, sig_hi, offset, length, total = _HEADER.unpack(raw)
     sig = (sig_hi << 32) | sig_lo

@@ -131,10 +131,10 @@ def check_order(ctx: Ctx) -> None:
     seen: list[tuple[int, tuple]] = []
     match = t.matcher.match
 
-    def recording(peer: int, frame: Any, park: Any = None) -> Any:
+    def recording(peer: int, frame: Any, early: int = -1) -> Any:
         if frame.offset == 0:
             seen.append((peer, frame.key))
-        return match(peer, frame, park)
+        return match(peer, frame, early)
 
     t.matcher.match = recording  # type: ignore[method-assign]
     plan = [("p2p", 7, 1), ("coll", 1, 100), ("p2p", 3, 0), ("p2p", 7, 4096), ("coll", 2, 33), ("p2p", 9, 2000),
@@ -439,7 +439,7 @@ def check_stray(ctx: Ctx) -> None:
         ctx.wait_flag("sent")
         deadline = ctx.deadline()
         # until the engine holds it: read ahead (the Matcher keeps it) or held back by the link (parked)
-        while t.parked_collective([0]) is None and not any(p == 0 for p, _ in t.matcher.unexpected):
+        while t.held(0) is None and not any(p == 0 for p, _ in t.matcher.unexpected):
             assert time.monotonic() < deadline, "the message never reached rank 1"
             t.progress(0.01)
         try:
@@ -701,7 +701,10 @@ def _process_rank(kind: str, names: Sequence[str]) -> None:
         if mutant:
             mutate(t, mutant)
         ctx = Ctx(r, w, t, sub, die, name, alive=list(alive), wait=wait)
+        links = sorted({type(link).__name__ for k in t.kinds for link in k.links.values()})
         error = run_check(name, ctx) if t.kind == kind else f"the group runs over {t.kind!r} links, not {kind!r}"
+        if error is None and os.environ.get("TB_CONFORMANCE_LINK") not in (None, *links):
+            error = f"the group's links are {links}, not {os.environ['TB_CONFORMANCE_LINK']}"
         t.close()
         alive = ctx.alive
         emit("CHECK", {"check": name, "rank": r, "error": error})
@@ -714,19 +717,19 @@ def _process_rank(kind: str, names: Sequence[str]) -> None:
 # -- mutants: kinds broken on purpose, which the checks must catch ----------------------------------------------
 def _drop(link: Any) -> None:
     """The link loses the third message it is given: it says it went, and it never goes."""
-    send, count = link.send_now, [0]
+    send, count = link.send, [0]
 
-    def send_now(key: Any, sig: int, buf: memoryview) -> Any:
+    def dropping(key: Any, sig: int, buf: memoryview) -> Any:
         count[0] += 1
         return None if count[0] == 3 else send(key, sig, buf)
-    link.send_now = send_now
+    link.send = dropping
 
 
 def _reorder(link: Any) -> None:
     """The link sends its second message after its third."""
-    send, count, held = link.send_now, [0], []
+    send, count, held = link.send, [0], []
 
-    def send_now(key: Any, sig: int, buf: memoryview) -> Any:
+    def reordering(key: Any, sig: int, buf: memoryview) -> Any:
         count[0] += 1
         if count[0] == 2:
             held.append((key, sig, buf))
@@ -735,7 +738,7 @@ def _reorder(link: Any) -> None:
         while held:
             send(*held.pop())
         return req
-    link.send_now = send_now
+    link.send = reordering
 
 
 def _swallow_abort(link: Any) -> None:

@@ -73,59 +73,96 @@ class Request:
         return f"{what} {peer} ({space} {self.key[1]}, message {self.key[2]}, {self.nbytes} bytes)"
 
 
+# What `Link.take` says about the message it was asked for.
+TAKEN = 1  # the whole message is in the destination
+NOT_YET = 0  # nothing of it yet: look again
+REFUSED = -1  # something else comes first, or the link cannot read it this way now: receive it the general way
+
+
+class Sink(abc.ABC):
+    """What a link reports to its engine, and the little it reads of it: a link never reaches further into
+    the engine. Every call is made with the engine's lock held (a link is only ever called with it held).
+
+    `delivered` and `completed` move data; `failed` and `said` are the two ways a link changes what the
+    engine knows about a peer. The user's errors are built by the engine from what these calls say."""
+
+    rank: int  # this rank (for the link's own messages)
+    broken: "BaseException | None"  # set once the group failed: a link stops moving data then
+    posts: int  # receives posted so far: a link holding back a frame looks again when this changes
+
+    @abc.abstractmethod
+    def delivered(self, peer: int, frame: Frame, early: int) -> "tuple[memoryview, object] | None":
+        """A data frame's header arrived from `peer`: where its payload goes (a view, and the token that
+        `completed` takes), or None to hold it back (its receive is not posted, and it is not read early).
+        `early`: the largest collective message this link may read before its receive is posted (0: none,
+        -1: any). Raises MismatchError or ProtocolError for data no receive may take."""
+
+    @abc.abstractmethod
+    def completed(self, peer: int, key: Key, target: object, nbytes: int) -> None:
+        """`nbytes` payload bytes of message `key` landed in `target` (what `delivered` gave), or, with
+        `target` a send's Request, that send is on its way whole."""
+
+    @abc.abstractmethod
+    def failed(self, peer: int, exc: BaseException, where: str = "", address: str = "") -> None:
+        """The link cannot go on: an OSError (the connection, `where`: which one) becomes the PeerLostError
+        naming `peer`; a ThunderboltError (a protocol violation, a mismatch) is the group's error as it is."""
+
+    @abc.abstractmethod
+    def said(self, peer: int, msg: "Any") -> None:
+        """`peer` said control message `msg` (protocol/control.py: BYE once every data frame it sent is in,
+        ABORT, PING, ANSWER, LEAVE, SHRINK). The engine acts on it, and answers through `Link.say`."""
+
+
 class Link(abc.ABC):
     """The engine's view of one peer over one kind of link (gloo's "pair"): TCP streams to a rank on another
     host, a shared-memory ring pair to a rank on this one, or a rank of the same process. The engine calls
     every method with its lock held, from whichever thread drives progress; a link never takes that lock.
 
-    A link moves the bytes of posted requests and hands arriving parts to the engine's Matcher
-    (`engine.matcher.match` / `part_done`, then `engine.signal()` when that completed a request); it
-    reports what goes wrong to the engine (`engine.fail(engine.lost(...))`, an ABORT's AbortInfo to
-    `engine.peer_aborted`), which owns BROKEN and tells the other peers. What a link says to its peer about
-    the connection (BYE, ABORT, probes) is a control message (protocol/control.py), on the kind's own wire.
+    A link moves the bytes of posted messages and reports what happens to its `sink` (the engine): arriving
+    parts (`delivered`, `completed`), failures (`failed`) and what the peer said (`said`). What a link says
+    to its peer about the connection (BYE, ABORT, probes, membership) is a control message
+    (protocol/control.py) on the kind's own wire.
 
-    Five calls every kind writes (`post_send`, `pump`, `gone`, `abort`, `close`); the rest have defaults
-    that suit a link which never holds data back and has nothing to poll."""
+    Eight calls: five every kind writes (`send`, `pump`, `say`, `abort`, `close`) and three with defaults
+    that suit a link which never holds data back, has nothing to poll and no shortcut for whole messages."""
 
     peer: int
     address: str  # where the peer is, for error messages ("10.0.0.2:41234", "shm pid 4242")
-    engine: "Any"  # the Transport this link belongs to (set by Transport.__init__)
-
-    # -- moving data ------------------------------------------------------------------------------------------
-    @abc.abstractmethod
-    def post_send(self, req: Request) -> None:
-        """Start sending `req` (its bytes in the order posted, after every earlier send to this peer);
-        mark it `done` once all of it is on its way. Raise PeerLostError if the peer has left."""
+    sink: Sink  # the engine this link reports to (set by Transport.__init__ through LinkKind.attach)
 
     @abc.abstractmethod
-    def pump(self) -> bool:
-        """Write what the peer can take and read what it sent, without blocking; True if anything moved."""
+    def send(self, key: Key, sig: int, buf: memoryview) -> "Request | None":
+        """Send message `key` (`buf`: its bytes) after every earlier one to this peer: None when it went
+        whole at once (no Request is made), else the Request, `done` once all of it is on its way (reported
+        through `Sink.completed`). Raise PeerLostError if the peer has left."""
+
+    @abc.abstractmethod
+    def pump(self, woken: bool = False) -> bool:
+        """Write what the peer can take and read what it sent, without blocking; True if anything moved.
+        `woken`: one of `fds()` woke a sleeping poll (read the control wire or completion events too)."""
 
     def fds(self) -> "Iterable[tuple[int, int]]":
         """(file descriptor, poll events) to sleep on now; none for a link woken by its peer directly."""
         return ()
 
-    def on_event(self, fd: int) -> None:
-        """`fd` of this link woke a sleeping poll (control bytes or completion events to read first)."""
+    def take(self, key: Key, sig: int, dest: memoryview) -> int:
+        """Read the peer's whole collective message `key` (signature `sig`) straight into `dest`, without
+        a Request or matching, if it is the next thing from the peer: TAKEN, NOT_YET (look again) or
+        REFUSED (receive it the general way; whatever was read is the link's again). Called by the engine's
+        spin for a small op's messages; a link may hold partial progress between calls and must give it
+        back at its next `pump`. Default: REFUSED (the general path, always)."""
+        return REFUSED
 
-    def posted_recv(self) -> None:
-        """A receive was posted for this peer: read what was held back waiting for one (`parked`)."""
-
-    # -- what the link knows about the peer -------------------------------------------------------------------
-    @abc.abstractmethod
-    def gone(self) -> bool:
-        """The peer has left in order (BYE) or is known dead: no more data will come from it."""
-
-    def parked(self) -> "Frame | None":
-        """The header of a collective message of the peer held back (parked) until its receive is posted,
-        if any (the oldest): data for an op this rank has finished is a mismatch."""
+    def held(self) -> "Frame | None":
+        """The header of the oldest collective frame the peer sent that this link holds back or has not
+        read yet (parked until its receive is posted, or waiting in a ring), else None."""
         return None
 
-    def has_unread(self) -> bool:
-        """Data from the peer waits in a buffer this rank reads directly (a ring); False where unknowable."""
-        return False
+    @abc.abstractmethod
+    def say(self, msg: "Any") -> None:
+        """Send control message `msg` to the peer (a PING, an ANSWER, LEAVE, SHRINK) after any frame in
+        flight; a kind may add its own counters to an op announcement."""
 
-    # -- the end ----------------------------------------------------------------------------------------------
     @abc.abstractmethod
     def abort(self, err: BaseException, body: "AbortInfo | None") -> "Farewell | None":
         """The group broke with `err`: every send not fully written gets `err` and is dropped. With `body`
@@ -137,20 +174,6 @@ class Link(abc.ABC):
     def close(self, bye: bool) -> None:
         """Release the link; with `bye` (the orderly end) first tell the peer no more data comes (best
         effort). Shared resources go with the LinkKind's `release`."""
-
-    # -- latency: optional fast paths -------------------------------------------------------------------------
-    def send_now(self, key: Key, sig: int, buf: memoryview) -> "Request | None":
-        """Post a send of message `key` (`buf`: bytes); None when it went at once and needs no Request (a
-        link that can write a small message in one call says so), else the posted Request."""
-        req = Request(self.peer, key, sig, buf, is_send=True)
-        self.post_send(req)
-        return req
-
-    def quick_receive(self, key: Key, sig: int, dest: memoryview) -> "QuickReceive | None":
-        """A receive of the peer's whole collective message `key` (signature `sig`) straight into `dest`,
-        read by the engine's own looks (`QuickReceive.step`), with no Request and no matching; None when
-        the link cannot do that now (something else is in flight on it): the engine posts a receive."""
-        return None
 
 
 class Farewell(abc.ABC):
@@ -213,50 +236,29 @@ def _consume(bufs: "list[memoryview]", k: int) -> None:
             k = 0
 
 
-class QuickReceive(abc.ABC):
-    """A message being read by `Transport.exchange` outside the engine's matching (see
-    `Link.quick_receive`). Every method is called with the engine's lock held."""
-
-    peer: int
-    key: Key
-    dest: memoryview
-    done = False  # the whole message is in `dest`
-
-    @abc.abstractmethod
-    def step(self) -> bool:
-        """Read what has arrived, without blocking: True once this receive is over, `done` (the message is
-        in) or not (something else came first, or the link failed: `hand_back` and receive it the general
-        way, or find the engine broken)."""
-
-    @abc.abstractmethod
-    def hand_back(self) -> None:
-        """Give up: return what was read so far to the link, so that the general path reads the stream as
-        if this receive had never looked at it."""
-
-
 class LinkKind:
     """What the links of one kind share inside an engine (a kind-wide thread, a segment, counters) and the
-    engine's hooks for it. The defaults do nothing: a kind overrides what it needs."""
+    engine's hooks for it. The defaults do nothing: a kind overrides what it needs. A kind (unlike its links)
+    may use the engine's public calls: `pump_if_idle` from a thread of its own, `last_traffic`."""
 
     name = "?"
     log: "logging.Logger | None" = None  # where entering BROKEN is reported (the in-memory kind stays quiet)
     spin = 0.0  # seconds worth spinning before sleeping, for this kind's latency
+    # After this many seconds without traffic the engine sends a PING to each peer of this kind it waits on
+    # (protocol/control.py: the op it waits for); None: this kind's peers are never probed.
+    probe_after: "float | None" = None
     bytes_sent = 0  # payload bytes moved over this kind's links (each kind counts its own)
     bytes_received = 0
     links: "dict[int, Link]"
     engine: "Any"
     threads: "Sequence[threading.Thread]" = ()  # the kind's own threads: the engine joins them after release
-    probes = False  # the kind sends and answers PINGs: the engine's MismatchDetector must see every post
+    window: "Any" = None  # memory this host's ranks read directly (window.WindowMemory), if the kind has some
 
     def attach(self, engine: "Any") -> None:
-        """Called once by the engine that owns these links."""
+        """Called once by the engine that owns these links (their sink)."""
         self.engine = engine
         for link in self.links.values():
-            link.engine = engine
-
-    def note_post(self, key: Key, sig: int) -> None:
-        """A message `key` of the op with signature `sig` is being posted (under the lock): publish what op
-        this rank is in, if the kind can (the engine calls only a kind that overrides this)."""
+            link.sink = engine
 
     def after_pump(self) -> None:
         """After a round of pumping or posting: e.g. ring the doorbells of peers that now have work."""
@@ -276,8 +278,8 @@ class LinkKind:
         """Back from poll()."""
 
     def idle(self, slept: bool) -> None:
-        """Nothing moved and a wait goes on (`slept`: a whole sleep passed with nothing to do either):
-        probe peers that went quiet, look for a peer visibly stuck in another op."""
+        """Nothing moved and a wait goes on (`slept`: a whole sleep passed with nothing to do either): what
+        the kind itself must look after then (frames a peer sent that never came, credits)."""
 
     def release(self) -> None:
         """The engine closed: release what the kind holds (memory maps, segments). Called under the lock."""

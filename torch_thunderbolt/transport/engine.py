@@ -26,15 +26,17 @@ import time
 from collections import defaultdict
 from typing import Callable, Iterable, Sequence
 
-from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerLostError, peer_lost,
-                      peer_shut_down)
-from ..protocol.framing import AbortInfo, Space
+from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerLostError, ProtocolError,
+                      ThunderboltError, peer_lost, peer_shut_down)
+from ..protocol import control
+from ..protocol.framing import AbortInfo, Frame, Space
 from ..protocol.signature import describe_sig
-from .base import ANY_SOURCE, CountedCondition, Farewell, Key, Link, LinkKind, Request, bytes_view, remote_error
+from .base import (ANY_SOURCE, NOT_YET, TAKEN, CountedCondition, Farewell, Key, Link, LinkKind, Request, Sink,
+                   bytes_view, remote_error)
 from .matching import Matcher
 from .mismatch import MismatchDetector
 from .names import RankNames
-from .spin import SpinGuard
+from .spin import SLOW_YIELD, SpinGuard, yield_cpu
 from .window import WindowMemory
 
 # How long a failing rank spends getting its ABORT to the peers before it closes its links. Normally a few
@@ -48,7 +50,7 @@ def _never() -> bool:
     return False
 
 
-class Transport:
+class Transport(Sink):
     """The engine of one group: the links to every peer (`kinds`, each a LinkKind with its links by peer).
     `names`: how errors name the ranks of a subgroup (None: its ranks are the global ones)."""
 
@@ -85,12 +87,15 @@ class Transport:
                 link.peer = peer
                 self._route[peer] = link
             kind.attach(self)
+            if kind.window is not None:
+                self.window_memory = kind.window
         self._links = [self._route[p] for p in sorted(self._route)]
-        # Who hears of every message posted (it runs on every post: only the hooks a kind wrote, and the
-        # detector's only where a kind answers probes with it).
-        self._noters = [k.note_post for k in self.kinds if type(k).note_post is not LinkKind.note_post]
-        if any(k.probes for k in self.kinds):
-            self._noters.append(self.ops.note_post)
+        self.posts = 0  # receives posted so far (Sink.posts: a link holding a frame back looks again)
+        self._gone: set[int] = set()  # peers that said BYE: they send nothing more
+        # Kinds with something to do after a round of posting or pumping (ring doorbells): only those.
+        self._after = [k.after_pump for k in self.kinds if type(k).after_pump is not LinkKind.after_pump]
+        self._last_probe = time.monotonic()  # (probes: see `_probe`)
+        self.probes_sent = 0
         self._by_fd: dict[int, Link] = {}
         self._progress_lock = threading.Lock()
         # A doorbell for the driving thread while it sleeps in poll(): other threads ring it when they post
@@ -126,52 +131,78 @@ class Transport:
                 return k
         return None
 
+    # -- the sink: what the links report (lock held) ----------------------------------------------------------
+    def delivered(self, peer: int, frame: Frame, early: int) -> "tuple[memoryview, object] | None":
+        if frame.space == Space.COLL and frame.tag <= self.retired:
+            raise self.stray(peer, frame.sig, frame.tag)  # no receive can be waiting for it
+        return self.matcher.match(peer, frame, early)
+
+    def completed(self, peer: int, key: Key, target: object, nbytes: int) -> None:
+        if type(target) is Request and target.is_send:
+            target.done = True
+            self.signal()
+        elif self.matcher.part_done(peer, key, target, nbytes):
+            self.signal()
+
+    def failed(self, peer: int, exc: BaseException, where: str = "", address: str = "") -> None:
+        if isinstance(exc, ThunderboltError):  # (a PeerLostError is one too: it is the user's error already)
+            self.fail(exc)
+        else:
+            self.fail(self.lost(peer, where, exc, address or self.peer_address(peer)))
+
+    def said(self, peer: int, msg: "control.Message") -> None:
+        try:
+            if isinstance(msg, control.Ping):
+                behind = self.ops.peer_waits_for(peer, msg.op)  # MismatchError when we ran that op otherwise
+                op = msg.op
+                self._route[peer].say(control.Answer(control.Op(op.space, op.tag, op.sig,
+                                                                -1 if behind is None else behind)))
+            elif isinstance(msg, control.Answer):
+                self.ops.peer_waits_on(peer, msg.op)
+            elif isinstance(msg, control.Abort):
+                self.peer_aborted(peer, msg.info)
+            elif isinstance(msg, control.Bye):
+                self._gone.add(peer)
+                self.peer_left(peer, f"({self.peer_address(peer)})")
+            else:
+                raise ProtocolError(f"rank {self.rank}: rank {peer} sent {type(msg).__name__.upper()}, which no "
+                                    f"group of this version acts on (the ranks run different versions)")
+        except ThunderboltError as exc:
+            self.fail(exc)
+
     # -- posting --------------------------------------------------------------------------------------------
     def isend(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
-        self.check_usable()
         self._check_peer(peer)
         view = bytes_view(buf)
-        req = self._send([(peer, key, view)], sig, key)[0]
-        if req is None:  # it went at once: the caller still gets a Request to wait on
-            req = Request(peer, key, sig, view, is_send=True)
-            req.done = True
-        return req
-
-    def _send(self, sends: Sequence[tuple[int, Key, memoryview]], sig: int, op: Key) -> "list[Request | None]":
-        """Post each (peer, key, bytes) of `sends` (`op`: the key the kinds publish as this rank's op, for a
-        receive-only exchange too): its Request, or None for one its link wrote at once (`send_now`)."""
         with self._lock:
             self.check_usable()
-            for note in self._noters:
-                note(op, sig)
-            out = [self._route[p].send_now(key, sig, buf) for p, key, buf in sends]
+            self.ops.note_post(key, sig)
+            req = self._route[peer].send(key, sig, view)
             self._quiet = False
-            for kind in self.kinds:
-                kind.after_pump()
-            if self._polling and any(r is not None and not r.done for r in out):
+            for after in self._after:
+                after()
+            if req is None:  # it went at once: the caller still gets a Request to wait on
+                req = Request(peer, key, sig, view, is_send=True)
+                req.done = True
+            elif self._polling and not req.done:
                 self._wake()
-        return out
+        return req
 
     def irecv(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
-        self.check_usable()
         if peer != ANY_SOURCE:
             self._check_peer(peer)
         req = Request(peer, key, sig, bytes_view(buf), is_send=False)
         with self._lock:
             self.check_usable()
-            for note in self._noters:
-                note(req.key, req.sig)
+            self.ops.note_post(req.key, req.sig)
             try:
                 self.matcher.post(req)  # it may match a message that arrived before the peer said BYE
             except MismatchError as exc:  # an early message of another type: nothing was copied into `buf`
                 self.fail(exc)  # the sender is told too, as when the message arrives after the receive
                 raise
+            self.posts += 1  # a link holding back a frame looks at it again at its next pump
             self._quiet = False
-            for link in self._links if peer == ANY_SOURCE else (self._route[peer],):
-                link.posted_recv()
-            for kind in self.kinds:
-                kind.after_pump()
-            if not req.done and self.broken is None and peer != ANY_SOURCE and self._route[peer].gone():
+            if not req.done and peer != ANY_SOURCE and peer in self._gone:
                 self.matcher.posted.pop((peer, req.key), None)
                 raise peer_shut_down(self.rank, peer, f"data for this receive ({req.describe()})",
                                      address=self.peer_address(peer))
@@ -196,63 +227,120 @@ class Transport:
         return self.irecv(peer, (Space.P2P, tag, -1), buf, sig)
 
     def exchange(self, sends: Sequence[tuple[int, Key, memoryview]], recvs: Sequence[tuple[int, Key, memoryview]],
-                 sig: int, deadline: float | None, what: object = "") -> None:
-        """Send each (peer, key, buffer) of `sends`, receive each of `recvs`, and wait for all of them: the
-        messages of one collective op (collective keys, signature `sig`), as isend, irecv and wait would
-        move them, sends first. Once the sends are written, every link that can take its peer's whole
-        message itself (`Link.quick_receive`) reads it in this thread's own spin, with no Request, no
-        matching and no poll(): a latency-bound op spent as long in those steps as on the wire. What has
-        not arrived when the spin ends, or finds something else first, goes the general way."""
+                 sig: int, deadline: float | None, what: object = "", retire: int = 0) -> None:
+        """Send each (peer, key, bytes) of `sends`, receive each of `recvs`, and wait for all of them: the
+        messages of one collective op (collective keys, signature `sig`), sends first. The one path of a
+        small op's messages, taken under the engine's lock once: every send its link writes whole at once
+        needs no Request, and once all are written, every receive whose link can take its peer's whole
+        message itself (`Link.take`) is read in this thread's own spin, with no Request, matching or poll().
+        What is not in when the spin ends, or finds something else first, goes the general way.
+        `retire`: the op's tag when these are all its messages (the op is retired here, see `retire`)."""
         if not sends and not recvs:
             return
-        reqs = [r for r in self._send(sends, sig, (sends or recvs)[0][1]) if r is not None]
-        if recvs and (not reqs or all(r.done for r in reqs)) and self._progress_lock.acquire(blocking=False):
-            try:
-                recvs = self._quick_receive(recvs, sig, deadline)
-            finally:
-                self._progress_lock.release()
-                with self._lock:
-                    self._cv.signal()
-        if recvs:
-            reqs += [self.irecv(p, key, buf, sig) for p, key, buf in recvs]
-        if reqs and not all(r.done for r in reqs):
-            self.wait(reqs, deadline, what)
-
-    def _quick_receive(self, recvs: Sequence[tuple[int, Key, memoryview]], sig: int,
-                       deadline: float | None) -> Sequence[tuple[int, Key, memoryview]]:
-        """`exchange`'s receives read by the links themselves while this thread spins (it drives the
-        engine); returns those left to receive the general way. One message per peer at most: two readers
-        of one stream would take each other's bytes."""
+        reqs: list[Request] = []
+        left: Sequence[tuple[int, Key, memoryview]] = recvs
         with self._lock:
-            unexpected = self.matcher.unexpected
-            if (self.broken is not None or self.closed
-                    or (len(recvs) > 1 and len({p for p, _, _ in recvs}) < len(recvs))
-                    or (unexpected and any((p, key) in unexpected for p, key, _ in recvs))):
-                return recvs  # (the general path raises the group's error, or takes what a link kept)
-            quick = []
-            for peer, key, buf in recvs:
-                link = self._route.get(peer)
-                q = link.quick_receive(key, sig, buf) if link is not None else None
-                if q is None:
-                    return recvs
-                quick.append(q)
-        waiting = list(quick)
+            self.check_usable()
+            self.ops.note_post((sends or recvs)[0][1], sig)
+            route = self._route
+            for peer, key, buf in sends:
+                r = route[peer].send(key, sig, buf)
+                if r is not None:
+                    reqs.append(r)
+            for after in self._after:
+                after()
+            self._quiet = False
+            if recvs and not reqs:  # (a send still to write needs pumping: the spin below only reads)
+                left = self._take(recvs, sig, deadline)
+                if not left and retire:
+                    self._retire(retire)
+                    return
+            if self._polling and reqs:
+                self._wake()
+        for peer, key, buf in left:
+            reqs.append(self.irecv(peer, key, buf, sig))
+        for r in reqs:
+            if not r.done:
+                self.wait(reqs, deadline, what)
+                break
+        if retire:
+            self.retire(retire)
 
-        def look() -> bool:
-            with self._lock:
-                if self.broken is None:
-                    waiting[:] = [q for q in waiting if not q.step()]
-                return not waiting or self.broken is not None
-
-        if not look():
-            self._spinner.spin(self.spin if deadline is None else min(self.spin, deadline - time.monotonic()), look)
-        with self._lock:
+    def _take(self, recvs: Sequence[tuple[int, Key, memoryview]], sig: int,
+              deadline: float | None) -> Sequence[tuple[int, Key, memoryview]]:
+        """`exchange`'s receives read by the links themselves (`Link.take`) while this thread spins, the lock
+        held; returns those left to receive the general way. One message per peer at most (two readers of
+        one stream would take each other's bytes), none that a link already delivered to the matcher."""
+        unexpected = self.matcher.unexpected
+        if unexpected and any((p, key) in unexpected for p, key, _ in recvs):
+            return recvs
+        route = self._route
+        if len(recvs) == 1:  # (two ranks: one message, looked at without a list of its own)
+            peer, key, dest = recvs[0]
+            link = route[peer]
+            got = link.take(key, sig, dest)
+            if got == NOT_YET:
+                got = self._spin_take(link, key, sig, dest, deadline)
+            return () if got == TAKEN else recvs
+        if len({p for p, _, _ in recvs}) < len(recvs):
+            return recvs
+        refused: list[tuple[int, Key, memoryview]] = []
+        todo = self._look_all(recvs, sig, refused)
+        spinner = self._spinner
+        if not todo or self.spin <= 0 or spinner.paused():
+            return refused + todo
+        now = time.monotonic()
+        end = now + (self.spin if deadline is None else min(self.spin, deadline - now))
+        while todo and now < end:
+            yield_cpu()
+            after = time.monotonic()
+            if after - now > SLOW_YIELD:
+                spinner.slow(after)
+                return refused + todo
+            now = after
+            todo = self._look_all(todo, sig, refused)
             if self.broken is not None:
                 raise self.broken
-            for q in quick:
-                q.hand_back()  # (nothing to give back for a message that is in)
-            self.last_traffic = time.monotonic()
-        return [(q.peer, q.key, q.dest) for q in quick if not q.done]
+        spinner.calm()
+        return refused + todo
+
+    def _look_all(self, recvs: Sequence[tuple[int, Key, memoryview]], sig: int,
+                  refused: list[tuple[int, Key, memoryview]]) -> list[tuple[int, Key, memoryview]]:
+        """One `take` per receive: those still to come (refused ones are added to `refused`)."""
+        route = self._route
+        todo = []
+        for r in recvs:
+            got = route[r[0]].take(r[1], sig, r[2])
+            if got == NOT_YET:
+                todo.append(r)
+            elif got != TAKEN:
+                refused.append(r)
+        return todo
+
+    def _spin_take(self, link: Link, key: Key, sig: int, dest: memoryview, deadline: float | None) -> int:
+        """Look for one message again and again (yielding the core between looks) for up to the engine's spin:
+        TAKEN, NOT_YET (the spin is over) or REFUSED. A yield that took long (another thread wanted this
+        core) ends the spin: the general path sleeps in poll() instead."""
+        spinner = self._spinner
+        if self.spin <= 0 or spinner.paused():
+            return NOT_YET
+        now = time.monotonic()
+        end = now + (self.spin if deadline is None else min(self.spin, deadline - now))
+        while now < end:
+            yield_cpu()
+            after = time.monotonic()
+            if after - now > SLOW_YIELD:
+                spinner.slow(after)
+                return NOT_YET
+            now = after
+            got = link.take(key, sig, dest)
+            if got != NOT_YET:
+                spinner.calm()
+                if self.broken is not None:
+                    raise self.broken
+                return got
+        spinner.calm()
+        return NOT_YET
 
     # -- waiting --------------------------------------------------------------------------------------------
     def wait(self, reqs: Sequence[Request], deadline: float | None = None, what: object = "") -> None:
@@ -326,6 +414,7 @@ class Transport:
                 return
             for kind in self.kinds:
                 kind.idle(False)
+            self._probe()
             spin_poll = self._poll_set() if self._polled and not self._quiet and self.spin > 0 else None
         # Spin only when traffic is flowing; a rank that already slept through a whole poll is waiting for
         # something slow (a late peer, the user's compute) and spinning would just burn CPU.
@@ -347,11 +436,8 @@ class Transport:
                 kind.after_sleep()
         self._drain_wake()
         with self._lock:
-            for fd, _ in events:
-                link = self._by_fd.get(fd)
-                if link is not None:
-                    link.on_event(fd)
-            moved = self._pump()
+            woken = {self._by_fd[fd] for fd, _ in events if fd in self._by_fd}
+            moved = self._pump(woken)
             self._quiet = not moved and not events
             if self._quiet and self.broken is None:
                 for check in self.watchers.values():
@@ -360,6 +446,7 @@ class Transport:
                 for kind in self.kinds:
                     if self.broken is None:
                         kind.idle(True)
+                self._probe()
 
     def _look(self, done: Callable[[], bool], poller: "select.poll | None") -> bool:
         """One look while spinning: cheap checks first (no lock, no system call), then pump if worth it."""
@@ -370,18 +457,35 @@ class Transport:
         with self._lock:
             return self._pump() or self.broken is not None
 
-    def _pump(self) -> bool:
-        """Every link writes and reads what it can without blocking; True if anything moved (or broke)."""
+    def _pump(self, woken: "set[Link] | None" = None) -> bool:
+        """Every link writes and reads what it can without blocking (`woken`: links whose descriptors woke a
+        poll); True if anything moved (or broke)."""
         moved = False
         for link in self._links:
             if self.broken is not None:
                 return True
-            moved |= link.pump()
-        for kind in self.kinds:
-            kind.after_pump()
+            moved |= link.pump(woken is not None and link in woken)
+        for after in self._after:
+            after()
         if moved:
             self.last_traffic = time.monotonic()
         return moved
+
+    def _probe(self) -> None:
+        """Nothing moved for the kinds' `probe_after` seconds: a PING to each probed peer this rank waits on, naming the
+        collective op it waits for (tag and signature). A peer that ran that op differently (another root,
+        another collective) sends us nothing for it and would otherwise only be found by the group timeout;
+        its MismatchDetector compares and fails the group, and its ANSWER says whom it waits on itself."""
+        now = time.monotonic()
+        if now - max(self.last_traffic, self._last_probe) < min(
+                (k.probe_after for k in self.kinds if k.probe_after is not None), default=float("inf")):
+            return
+        self._last_probe = now
+        probed = [p for k in self.kinds if k.probe_after is not None for p in k.links]
+        for p, op in self.ops.probes(probed).items():
+            if p not in self._gone and self.broken is None:
+                self.probes_sent += 1
+                self._route[p].say(control.Ping(op))
 
     def _poll_set(self) -> "select.poll":
         poller = select.poll()
@@ -417,18 +521,21 @@ class Transport:
         """Collective op `tag` finished on this rank: data for it (or older ops) that still arrives is an
         error, and so is data for it a link read ahead and kept that no receive took."""
         with self._lock:
-            self.retired = max(self.retired, tag)
-            for link in self._links:
-                held = link.parked()
-                if held is not None and held.tag <= tag and self.broken is None:
-                    self.fail(self.stray(link.peer, held.sig, held.tag))
-            if self.matcher.unexpected and self.broken is None:
-                for (peer, key), u in self.matcher.unexpected.items():
-                    if key[0] == Space.COLL and key[1] <= tag and u.claimed_by is None:
-                        self.fail(self.stray(peer, u.sig, key[1]))
-                        break
-            if self.broken is not None:
-                raise self.broken
+            self._retire(tag)
+
+    def _retire(self, tag: int) -> None:
+        self.retired = max(self.retired, tag)
+        for link in self._links:
+            held = link.held()
+            if held is not None and held.space == Space.COLL and held.tag <= tag and self.broken is None:
+                self.fail(self.stray(link.peer, held.sig, held.tag))
+        if self.matcher.unexpected and self.broken is None:
+            for (peer, key), u in self.matcher.unexpected.items():
+                if key[0] == Space.COLL and key[1] <= tag and u.claimed_by is None:
+                    self.fail(self.stray(peer, u.sig, key[1]))
+                    break
+        if self.broken is not None:
+            raise self.broken
 
     def abort(self, error: BaseException) -> None:
         """Enter the BROKEN state with `error` and tell every peer why, so they fail fast and clearly too."""
@@ -509,21 +616,12 @@ class Transport:
                     thread.join(1.0)
 
     # -- checks and errors ----------------------------------------------------------------------------------
-    def parked_collective(self, peers: Iterable[int]) -> tuple[int, int] | None:
-        """(peer, op signature) of collective data from one of `peers` held back for a receive nobody has
-        posted yet, or None."""
+    def held(self, peer: int) -> Frame | None:
+        """The header of the oldest frame from `peer` its link holds back or has not read yet (see
+        `Link.held`), or None."""
         with self._lock:
-            for p in peers:
-                link = self._route.get(p)
-                held = link.parked() if link is not None else None
-                if held is not None:
-                    return p, held.sig
-        return None
-
-    def has_unread(self, peer: int) -> bool:
-        """Data from `peer` waits to be read in a buffer this rank reads directly (a ring)."""
-        link = self._route.get(peer)
-        return link is not None and link.has_unread()
+            link = self._route.get(peer)
+            return link.held() if link is not None else None
 
     def peer_address(self, peer: int) -> str:
         link = self._route.get(peer)

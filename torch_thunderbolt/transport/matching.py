@@ -9,7 +9,6 @@ may park collective messages instead (flow control keeps them in the kernel, no 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
 
 from ..errors import MismatchError, ProtocolError
 from ..protocol.framing import Frame, Space
@@ -30,6 +29,7 @@ class Unexpected:
 
 
 Target = "Request | Unexpected"
+EARLY_BUDGET = 4  # collective messages a peer's link reads ahead of their receives, at most (see Matcher._park)
 
 
 class Matcher:
@@ -93,11 +93,11 @@ class Matcher:
         return [req]
 
     # -- frames arriving -------------------------------------------------------------------------------
-    def match(self, peer: int, frame: Frame, park: "Callable[[Frame], bool] | None" = None
-              ) -> tuple[memoryview, object] | None:
-        """Where to put this frame's payload: (destination view, target), or None to park it. `park`: asked
-        about a collective frame that no posted receive takes and no earlier part began (True: park it;
-        None: never park)."""
+    def match(self, peer: int, frame: Frame, early: int = -1) -> tuple[memoryview, object] | None:
+        """Where to put this frame's payload: (destination view, target), or None to hold it back (park it).
+        `early`: for a collective frame that no posted receive takes and no earlier part began, the largest
+        message the link may read ahead of its receive (-1: any, always read; 0: none, always park); a
+        link reading early keeps at most EARLY_BUDGET such messages' worth per peer."""
         key = frame.key
         req = self.posted.get((peer, key))
         if req is None and frame.space == Space.P2P:
@@ -107,7 +107,7 @@ class Matcher:
             return req.buf[frame.offset : frame.offset + frame.length], req
         u = self.unexpected.get((peer, key))
         if u is None:
-            if park is not None and frame.space == Space.COLL and park(frame):
+            if early >= 0 and frame.space == Space.COLL and self._park(peer, frame, early):
                 return None
             buffered = sum(x.total for x in self.unexpected.values())
             if buffered + frame.total > self.max_unexpected:  # a budget for all of them, not per message
@@ -118,6 +118,18 @@ class Matcher:
         elif u.total != frame.total:
             raise ProtocolError(f"rank {peer}: parts of one message disagree on its size")
         return memoryview(u.buf)[frame.offset : frame.offset + frame.length], u
+
+    def _park(self, peer: int, frame: Frame, early: int) -> bool:
+        """Whether a collective frame whose receive is not posted is held back rather than read and kept:
+        held unless it is small (`early`) and what this peer's data kept that way stays within the budget.
+        A peer one op ahead sends its next small message at once; held, it would stop the link, and the
+        peer's probes and ABORT behind it (a frozen rank's survivors then blamed each other). Large frames
+        are held: flow control keeps them without a copy, and the budget stops a root that runs ahead
+        through many small broadcasts the same way."""
+        if frame.total > early:
+            return True
+        kept = sum(u.total for (p, key), u in self.unexpected.items() if p == peer and key[0] == Space.COLL)
+        return kept + frame.total > EARLY_BUDGET * early
 
     def _bind_any_source(self, peer: int, key: Key) -> Request | None:
         _, tag, seq = key

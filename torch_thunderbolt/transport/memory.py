@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import peer_lost
+from ..protocol import control
 from ..protocol.framing import AbortInfo, Frame, Kind, Space
-from .base import CountedCondition, Link, LinkKind, Request
+from .base import CountedCondition, Key, Link, LinkKind, Request
 from .engine import Transport
 from .window import BUFFERS, WindowMemory
 
@@ -49,52 +50,59 @@ def memory_transport(hub: MemoryHub, rank: int) -> Transport:
 
 
 class MemoryLink(Link):
-    """A peer in the same process: a send is a copy into its matcher."""
+    """A peer in the same process: a send is a copy into its matcher, a control message a call of its
+    engine's `said`."""
 
     def __init__(self, kind: "MemoryLinks", hub: MemoryHub, peer: int) -> None:
         self.kind, self.hub, self.peer = kind, hub, peer
         self.address = f"thread of rank {peer}"
 
-    def post_send(self, req: Request) -> None:
-        me = self.engine
+    def send(self, key: Key, sig: int, buf: memoryview) -> None:
+        me = self.sink.rank
         dst = self.hub.transports[self.peer]
         if dst.closed:
-            raise peer_lost(me.rank, self.peer, f"rank {self.peer} is gone (its transport closed) before this "
-                            f"rank's send ({req.describe()})")
-        space, tag, seq = req.key
-        frame = Frame(Kind.DATA, Space(space), req.sig, tag, seq, 0, req.nbytes, req.nbytes)
+            raise peer_lost(me, self.peer, f"rank {self.peer} is gone (its transport closed) before this "
+                            f"rank's send ({Request(self.peer, key, sig, buf, True).describe()})")
+        space, tag, seq = key
+        n = len(buf)
+        frame = Frame(Kind.DATA, Space(space), sig, tag, seq, 0, n, n)
         try:
-            view, target = dst.matcher.match(me.rank, frame)
-            view[:] = req.buf
-            dst.matcher.part_done(me.rank, frame.key, target, req.nbytes)
+            got = dst.delivered(me, frame, -1)
+            assert got is not None  # (early -1: never held back)
+            view, target = got
+            view[:] = buf
+            dst.completed(me, frame.key, target, n)
         except Exception as exc:  # a mismatch breaks the receiver (nothing was copied), which tells its peers
             dst.fail(exc)
-        self.kind.bytes_sent += req.nbytes
-        dst.kinds[0].bytes_received += req.nbytes
-        req.done = True
+        self.kind.bytes_sent += n
+        dst.kinds[0].bytes_received += n
         dst.kinds[0].arrived += 1
         dst.wake_sleeper()
         self.hub.cv.signal()
+        return None  # delivered at once: no Request
 
-    def pump(self) -> bool:
+    def pump(self, woken: bool = False) -> bool:
         return self.kind.news()
 
-    def gone(self) -> bool:
-        return self.hub.transports[self.peer].closed
+    def say(self, msg: "control.Message") -> None:
+        dst = self.hub.transports[self.peer]
+        if not dst.closed and dst.broken is None:
+            dst.said(self.sink.rank, msg)
+            dst.wake_sleeper()
 
     def abort(self, err: BaseException, body: "AbortInfo | None") -> None:
         """Sends are eager (none is ever queued); the ABORT is delivered at once, like a send."""
         dst = self.hub.transports[self.peer]
         if body is not None and not dst.closed:
-            dst.peer_aborted(self.engine.rank, body)
+            dst.said(self.sink.rank, control.Abort(body))
         return None
 
     def close(self, bye: bool) -> None:
         """Nothing to release; with `bye`, the peer learns at once that this rank left (a wait for its data
-        fails then, as one over a wire does on BYE); `gone` looks at this rank's transport being closed."""
+        fails then, as one over a wire does on BYE)."""
         dst = self.hub.transports[self.peer]
         if bye and not dst.closed and dst.broken is None:
-            dst.peer_left(self.engine.rank, "(a thread of this process)")
+            dst.said(self.sink.rank, control.Bye())
             dst.wake_sleeper()
 
 

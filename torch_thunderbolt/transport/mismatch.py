@@ -1,10 +1,10 @@
 """The one place that decides, from what peers say about the op they are in, whether two ranks run
 different ops (MismatchError) and whom a waiting rank waits on.
 
-The kinds of link only deliver facts: "peer P waits for op X" (a PING's op announcement, TCP and RDMA),
-"peer P waits on rank Q in op X" (an ANSWER), "peer P is in op X" (shared memory's op board). The
-detector compares each with what this rank posted or waits for, raises MismatchError naming both ops,
-and keeps whom each peer waits on for the engine's timeout (which then blames the end of the chain).
+The kinds of link only deliver what peers say (protocol/control.py, on every kind's control wire): "peer P
+waits for op X" (a PING's op announcement) and "peer P waits on rank Q in op X" (an ANSWER). The detector
+compares each with what this rank posted or waits for, raises MismatchError naming both ops, and keeps whom
+each peer waits on for the engine's timeout (which then blames the end of the chain).
 It holds no lock of its own: the engine's lock is held by every caller.
 """
 from __future__ import annotations
@@ -72,19 +72,6 @@ class MismatchDetector:
         """`peer` answered: in op `op.tag` it waits on rank `op.waits_on` itself."""
         if op.waits_on >= 0:
             self.peer_waits[peer] = (op.tag, op.waits_on)
-
-    def peer_runs(self, peer: int, tag: int, sig: int) -> None:
-        """`peer` is in collective op `tag` with signature `sig` (an op board): MismatchError if this rank
-        waits for its part of that op with another signature."""
-        if not sig:
-            return
-        for req in self.matcher.collective_waits():
-            if req.peer == peer and req.sig and req.key[1] == tag and req.sig != sig:
-                rank = self.rank
-                raise MismatchError(
-                    f"rank {rank}: mismatched operation with rank {peer} (op #{tag}): rank {peer} runs "
-                    f"{describe_sig(sig)}, but rank {rank} waits for its part of {describe_sig(req.sig)} "
-                    f"(different roots, collectives or order)")
 
     def waits_on(self, peer: int, tags: "set[int]") -> "int | None":
         """The rank `peer` said it waits on in one of the ops `tags`, if it said so."""

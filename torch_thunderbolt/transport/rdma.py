@@ -57,13 +57,13 @@ from ctypes import c_void_p
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..errors import PeerLostError, ProtocolError, RdmaError, ThunderboltError, peer_shut_down
+from ..errors import ProtocolError, RdmaError, ThunderboltError, peer_shut_down
 from ..platform import Platform, current, macos_version
 from ..protocol import control
 from ..protocol.framing import AbortInfo, Frame, Kind, Space
 from . import verbs as v
 from .verbs import WC, WC_BYTES
-from .base import Key, Link, LinkKind, QuickReceive, Request, SocketFarewell, close_control
+from .base import NOT_YET, REFUSED, TAKEN, Key, Link, LinkKind, Request, SocketFarewell, close_control
 
 log = logging.getLogger("torch_thunderbolt.rdma")
 
@@ -420,12 +420,6 @@ def _is_whole(frame: Frame, key: Key, sig: int, nbytes: int) -> bool:
             and frame.seq == key[2] and frame.space == key[0] and (frame.sig == sig or not sig or not frame.sig))
 
 
-def _always(frame: Frame) -> bool:
-    """A collective frame whose receive is not posted stays in its receive slot (parked): its credit comes
-    back once the receive is posted, so a peer that runs ahead is held by flow control."""
-    return True
-
-
 class RdmaLink(Link):
     """A peer over RDMA: its lanes (queue pairs), the completion queue, the TCP control connection."""
 
@@ -453,8 +447,10 @@ class RdmaLink(Link):
         self.starving = False  # our next data waits for credits
         self.asked = False  # and we told the peer (once per famine)
         self.peer_starving = False  # the peer's last frame said it waits for our credits
-        self.expect: "RdmaReceive | None" = None
-        self._quick = RdmaReceive(self)  # the one quick receive of this link (see quick_receive)
+        self.expect: "Expected | None" = None
+        self._quick = Expected()  # what `take` looks for (restarted per message)
+        self._posts = 0  # the sink's receive count when the held-back frames were last offered
+        self.out = bytearray()  # control bytes not written yet (the socket was full)
         self.ctl = control.ControlConnection()  # what this end and the peer said on the control connection
         self.eof = False
         self.bye: tuple[int, int] | None = None  # the peer's BYE: frames it sent on each lane
@@ -465,23 +461,23 @@ class RdmaLink(Link):
         self.address = f"{end.device.name} -> {ipv4 or v.gid_text(end.peer_gid)} (queue pair {self.msg.qp.qp_num})"
 
     # -- posting --------------------------------------------------------------------------------------------
-    def post_send(self, req: Request) -> None:
-        if self.eof or self.bye is not None:
-            raise peer_shut_down(self.engine.rank, self.peer, f"to send it data ({req.describe()})",
-                                 address=self.address)
-        self.sendq.append([req, 0])
-        if len(self.sendq) == 1:
-            self._guarded(self._flush)
-
-    def send_now(self, key: Key, sig: int, buf: memoryview) -> "Request | None":
+    def send(self, key: Key, sig: int, buf: memoryview) -> "Request | None":
         """A message that fits one frame of the message lane goes at once when the lane has a free slot and
-        credit: no Request (what a small collective's message does). `_frame_out`, written out for this case."""
+        credit: no Request (what a small collective's message does; `_frame_out`, written out for this
+        case). Anything else is queued and goes frame by frame as slots and credits allow (`_flush`)."""
+        if self.eof or self.bye is not None:
+            raise peer_shut_down(self.sink.rank, self.peer, f"to send it data "
+                                 f"({Request(self.peer, key, sig, buf, True).describe()})", address=self.address)
         lane = self.msg
         n = len(buf)
         head = lane.head
         if (self.sendq or n > lane.payload or head - lane.tail >= lane.nslots
-                or lane.peer_posted - lane.sent <= RESERVE or self.eof or self.bye is not None):
-            return super().send_now(key, sig, buf)
+                or lane.peer_posted - lane.sent <= RESERVE):
+            req = Request(self.peer, key, sig, buf, is_send=True)
+            self.sendq.append([req, 0])
+            if len(self.sendq) == 1:
+                self._guarded(self._flush)
+            return req
         slot = head % lane.nslots
         at = lane.send_base + slot * lane.size
         bulk = self.bulk
@@ -497,7 +493,7 @@ class RdmaLink(Link):
                            head % SIGNAL_EVERY == SIGNAL_EVERY - 1)
         except RdmaError as exc:
             self._failed(exc)
-            raise self.engine.broken from None
+            raise self.sink.broken from None
         lane.head = head + 1
         if head % SIGNAL_EVERY == SIGNAL_EVERY - 1:
             lane.sig_head = head + 1
@@ -556,8 +552,7 @@ class RdmaLink(Link):
             if off >= req.nbytes:
                 self.sendq.popleft()
                 self.kind.bytes_sent += req.nbytes
-                req.done = True
-                self.engine.signal()
+                self.sink.completed(self.peer, req.key, req, req.nbytes)
         if not self.sendq:
             self.starving = False
         return moved
@@ -592,12 +587,22 @@ class RdmaLink(Link):
             self._credit()
 
     # -- receiving ------------------------------------------------------------------------------------------
-    def pump(self) -> bool:
+    def pump(self, woken: bool = False) -> bool:
+        sink = self.sink
         try:
+            if woken:
+                if self.channel_fd >= 0:
+                    self.end.channel_events()
+                if not self.eof:
+                    self.read_control()
+            if self._posts != sink.posts:  # a receive was posted: frames held back may have one now
+                self._posts = sink.posts
+                if self.msg.backlog or (self.bulk is not None and self.bulk.backlog):
+                    self._resume()
             moved = self._poll()
-            if self.sendq and self.engine.broken is None:
+            if self.sendq and sink.broken is None:
                 moved |= self._flush()
-            if self.engine.broken is None:
+            if sink.broken is None:
                 bulk = self.bulk
                 # (_maybe_credit's test, cheapest first: every look of a spinning rank comes here)
                 if (self.peer_starving or self.msg.posted - self.told_m >= self.half_m
@@ -609,7 +614,10 @@ class RdmaLink(Link):
             self._failed(exc)
             return True
         except ThunderboltError as exc:
-            self.engine.fail(exc)
+            sink.failed(self.peer, exc)
+            return True
+        except OSError as exc:  # a frame that never came (`_lost`)
+            sink.failed(self.peer, exc, self.where, self.address)
             return True
         return moved
 
@@ -619,12 +627,14 @@ class RdmaLink(Link):
         except RdmaError as exc:
             self._failed(exc)
         except ThunderboltError as exc:
-            self.engine.fail(exc)
+            self.sink.failed(self.peer, exc)
+        except OSError as exc:
+            self.sink.failed(self.peer, exc, self.where, self.address)
         return None
 
     def _poll(self) -> bool:
         """Take every completion waiting: free send slots, check and deliver arrived frames."""
-        engine, wc, by_code = self.engine, self._wc, self.by_code
+        sink, wc, by_code = self.sink, self._wc, self.by_code
         moved = False
         while True:
             n = self._poll_cq(self._cq_arg, self._max_poll, self._wc_arg)
@@ -642,7 +652,7 @@ class RdmaLink(Link):
                     return True
                 if code & 1:
                     self._arrived(lane, wr_id & 0xFFFF, byte_len)
-                    if engine.broken is not None:
+                    if sink.broken is not None:
                         return True
                 else:
                     lane.tail += ((wr_id & 0xFFFF) - lane.tail) % lane.nslots + 1
@@ -657,7 +667,7 @@ class RdmaLink(Link):
             raise self._lost(lane, qseq)
         if (byte_len < HEADER + length or byte_len > lane.size or typ not in _TYPES
                 or space not in _SPACES or offset + length > total or total > MAX_MESSAGE):
-            raise ProtocolError(f"rank {self.engine.rank}: rank {self.peer} sent a malformed frame on the RDMA "
+            raise ProtocolError(f"rank {self.sink.rank}: rank {self.peer} sent a malformed frame on the RDMA "
                                 f"{lane.name} lane ({byte_len} bytes arrived, type {typ}, length {length}, "
                                 f"offset {offset} of {total})")
         lane.rx += 1
@@ -693,11 +703,11 @@ class RdmaLink(Link):
             lane.backlog.append((slot, frame))
 
     def _deliver(self, lane: Lane, slot: int, frame: Frame) -> bool:
-        """Hand one frame to the matcher; False when it is parked (its receive not posted yet)."""
-        engine = self.engine
-        if frame.space == Space.COLL and frame.tag <= engine.retired:
-            raise engine.stray(self.peer, frame.sig, frame.tag)  # no receive can be waiting for it
-        target = engine.matcher.match(self.peer, frame, park=_always)
+        """Hand one frame to the sink; False when it is parked (its receive not posted yet: it stays in its
+        receive slot, whose credit comes back once the receive is posted, so a peer that runs ahead is held
+        by flow control)."""
+        sink = self.sink
+        target = sink.delivered(self.peer, frame, 0)
         if target is None:
             return False
         dest, obj = target
@@ -707,41 +717,53 @@ class RdmaLink(Link):
             dest[:] = self.mem[at : at + length]
         lane.post_recv(slot)
         self.kind.bytes_received += length
-        if engine.matcher.part_done(self.peer, frame.key, obj, length):
-            engine.signal()
+        sink.completed(self.peer, frame.key, obj, length)
         return True
-
-    def posted_recv(self) -> None:
-        if self.msg.backlog or (self.bulk is not None and self.bulk.backlog):  # (every receive posted asks)
-            self._guarded(self._resume)
 
     def _resume(self) -> None:
         """Deliver the frames held back for a receive that was not posted, while receives take them."""
         for lane in self.lanes:
-            while lane.backlog and self.engine.broken is None:
+            while lane.backlog and self.sink.broken is None:
                 slot, frame = lane.backlog[0]
                 if not self._deliver(lane, slot, frame):
                     break
                 lane.backlog.popleft()
         self._maybe_credit()
 
-    def quick_receive(self, key: Key, sig: int, dest: memoryview) -> "RdmaReceive | None":
-        """The peer's message `key` taken straight from its receive slot by the engine's looks (see
-        RdmaReceive), when it fits one frame of the message lane and nothing is held there but, first in
-        line, that very message (a peer a step ahead sent it before this rank got here)."""
+    def take(self, key: Key, sig: int, dest: memoryview) -> int:
+        """The peer's message `key` taken straight from its receive slot: the link's completion handling
+        (`_arrived`) copies a frame whose header is exactly the one expected (`Expected`) into `dest` instead
+        of matching it, while this look pumps; anything else that arrives meanwhile is handled the general
+        way. Only for a message that fits one frame of the message lane, and only when nothing is held there
+        but, first in line, that very message (a peer a step ahead sent it before this rank got here)."""
         msg = self.msg
         if len(dest) > msg.payload or self.eof or self.bye is not None:
-            return None
-        if msg.backlog and not _is_whole(msg.backlog[0][1], key, sig, len(dest)):
-            return None
-        return self._quick.start(key, sig, dest)
+            return REFUSED
+        q = self._quick.start(key, sig, dest)
+        if msg.backlog:  # held back before this look: it is the message, or the general path takes over
+            self._guarded_take_parked(q)
+            return TAKEN if q.done else REFUSED
+        self.expect = q  # only while this look pumps: a frame arriving at any other time is matched
+        try:
+            self.pump()
+        finally:
+            self.expect = None
+        if q.done:
+            return TAKEN
+        return REFUSED if self.sink.broken is not None else NOT_YET
 
-    def _take_parked(self, q: "RdmaReceive") -> None:
-        """The quick receive's message from the head of the message lane's backlog (if it is that), as
+    def _guarded_take_parked(self, q: "Expected") -> None:
+        try:
+            self._take_parked(q)
+        except RdmaError as exc:
+            self._failed(exc)
+
+    def _take_parked(self, q: "Expected") -> None:
+        """The message `take` looks for from the head of the message lane's backlog (if it is that), as
         `_deliver` would give it to a posted receive: copied out, its receive slot posted again."""
         msg = self.msg
         slot, frame = msg.backlog[0]
-        if not _is_whole(frame, q.key, q.sig, len(q.dest)):
+        if not _is_whole(frame, (q.space, q.tag, q.seq), q.sig, len(q.dest)):
             return
         msg.backlog.popleft()
         if frame.length:
@@ -753,17 +775,11 @@ class RdmaLink(Link):
         msg.post_recv(slot)
 
     # -- what the link knows about the peer ---------------------------------------------------------------
-    def gone(self) -> bool:
-        return self.eof or self.left
-
-    def parked(self) -> Frame | None:
+    def held(self) -> Frame | None:
         if not self.msg.backlog and (self.bulk is None or not self.bulk.backlog):
             return None  # (every op's retire asks)
-        held = [lane.backlog[0][1] for lane in self.lanes if lane.backlog and lane.backlog[0][1].space == Space.COLL]
-        return min(held, key=lambda f: f.tag) if held else None
-
-    def has_unread(self) -> bool:
-        return any(lane.backlog for lane in self.lanes)
+        held = [lane.backlog[0][1] for lane in self.lanes if lane.backlog]
+        return min(held, key=lambda f: (f.space != Space.COLL, f.tag))
 
     def counters(self) -> tuple[int, ...]:
         """Frames sent, received and receives posted, message lane then bulk lane (for probes)."""
@@ -788,34 +804,34 @@ class RdmaLink(Link):
         except RdmaError as exc:
             return f"port 1 of {self.end.device.name} cannot be queried ({exc})"
 
-    def _lost(self, lane: Lane, got: int) -> PeerLostError:
+    def _lost(self, lane: Lane, got: int) -> OSError:
         expected = lane.rx & M32
         missing = (got - expected) & M32
-        exc = ConnectionAbortedError(errno.ECONNABORTED, (
+        return ConnectionAbortedError(errno.ECONNABORTED, (
             f"frame {expected} of the {lane.name} lane was lost ({missing} frame(s) missing, frame {got} arrived "
             f"next): Thunderbolt RDMA queue pairs are unreliable (UC) and drop frames silently; "
             f"{self._port_state()}{self._tcp_hint()}"))
-        return self.engine.lost(self.peer, self.where, exc, self.address)
 
-    def _stalled(self, sent: tuple[int, int], waited: float) -> PeerLostError:
+    def stalled(self, sent: tuple[int, int], waited: float) -> None:
+        """Frames the peer said it sent have not arrived for `waited` seconds: the path loses or stalls them."""
         got = (self.msg.rx, self.bulk.rx if self.bulk else 0)
         exc = ConnectionAbortedError(errno.ETIMEDOUT, (
             f"rank {self.peer} sent {sent[0]} + {sent[1]} frames (message + bulk lane), {got[0]} + {got[1]} arrived "
             f"in {waited:.1f}s: frames were lost or the port stalls; {self._port_state()}{self._tcp_hint()}"))
-        return self.engine.lost(self.peer, self.where, exc, self.address)
+        self.sink.failed(self.peer, exc, self.where, self.address)
 
     def _failed(self, exc: RdmaError) -> None:
         """A verbs call failed: the RDMA path to the peer is gone (device, port, driver)."""
         cause = OSError(exc.errno or errno.EIO, f"{exc}{self._tcp_hint()}")
         cause.__cause__ = exc
-        self.engine.fail(self.engine.lost(self.peer, self.where, cause, self.address))
+        self.sink.failed(self.peer, cause, self.where, self.address)
 
     def _bad_completion(self, lane: Lane, receive: int, status: int) -> None:
         name = v.wc_status_name(status)
         what = "receive" if receive else "send"
         if status == v.IBV_WC_LOC_LEN_ERR and receive:
-            self.engine.fail(ProtocolError(
-                f"rank {self.engine.rank}: a frame from rank {self.peer} did not cover as many 4 KiB frames as "
+            self.sink.failed(self.peer, ProtocolError(
+                f"rank {self.sink.rank}: a frame from rank {self.peer} did not cover as many 4 KiB frames as "
                 f"the {lane.name} lane's receives ({lane.size} bytes): the two ranks run different versions"))
             return
         self._failed(RdmaError(f"a {what} on the {lane.name} lane completed with {name} on {self.end.device.name}",
@@ -823,22 +839,18 @@ class RdmaLink(Link):
 
     # -- the control connection -----------------------------------------------------------------------------
     def fds(self) -> "list[tuple[int, int]]":
-        out = [] if self.eof else [(self.sock.fileno(), select.POLLIN)]
+        out = [] if self.eof else [(self.sock.fileno(), select.POLLIN | (select.POLLOUT if self.out else 0))]
         if self.channel_fd >= 0:
             out.append((self.channel_fd, select.POLLIN))
         return out
 
-    def on_event(self, fd: int) -> None:
-        if fd == self.channel_fd:
-            self._guarded(self.end.channel_events)
-        elif not self.eof:
-            self.read_control()
-
     def read_control(self) -> None:
         """Read what the peer sent on the control connection (BYE, ABORT, probes); EOF without BYE means its
         process died."""
-        engine = self.engine
-        while not self.eof and engine.broken is None:
+        sink = self.sink
+        if self.out:
+            self._write_control()
+        while not self.eof and sink.broken is None:
             try:
                 data = self.sock.recv(65536)
             except (BlockingIOError, InterruptedError):
@@ -847,14 +859,14 @@ class RdmaLink(Link):
                 if self.bye is not None:
                     self.eof = True
                 else:
-                    engine.fail(engine.lost(self.peer, self._ctl_where, exc, self.address))
+                    sink.failed(self.peer, exc, self._ctl_where, self.address)
                 return
             if not data:
                 self.eof = True
                 if self.bye is None:
-                    engine.fail(engine.lost(self.peer, self._ctl_where, ConnectionResetError(
+                    sink.failed(self.peer, ConnectionResetError(
                         errno.ECONNRESET, "its process is gone (the control connection closed without BYE)"),
-                        self.address))
+                        self._ctl_where, self.address)
                 return
             self._parse_control(data)
 
@@ -866,27 +878,28 @@ class RdmaLink(Link):
             return "(RDMA control connection)"
 
     def _parse_control(self, data: bytes) -> None:
-        engine = self.engine
+        sink = self.sink
         try:
             self.ctl.receive_data(data)
-            while engine.broken is None and (msg := self.ctl.next_event()) is not None:
-                if isinstance(msg, control.Abort):
-                    engine.peer_aborted(self.peer, msg.info)
-                elif isinstance(msg, control.Bye) and len(msg.sent) == BYE_COUNTS:
+            while sink.broken is None and (msg := self.ctl.next_event()) is not None:
+                if isinstance(msg, control.Bye) and len(msg.sent) == BYE_COUNTS:
                     self.bye = (msg.sent[0], msg.sent[1])
                     self._poll()  # what it sent before leaving has most likely arrived
-                    self._check_bye()
+                    self._check_bye()  # (the sink hears BYE once every frame it counts is in)
                 elif isinstance(msg, (control.Ping, control.Answer)) and len(msg.op.counters) == PROBE_COUNTERS:
-                    self.kind.on_probe(self, isinstance(msg, control.Ping), msg.op)
+                    self.kind.on_probe(self, msg.op)
+                    sink.said(self.peer, msg)
+                elif isinstance(msg, control.Abort):
+                    sink.said(self.peer, msg)
                 else:
                     raise ProtocolError(f"sent {msg}, which no RDMA link of this version takes (the ranks run "
                                         f"different versions)")
         except RdmaError as exc:
             self._failed(exc)
         except ProtocolError as exc:
-            engine.fail(ProtocolError(f"rank {engine.rank}: rank {self.peer} {self._ctl_where}: {exc}"))
+            sink.failed(self.peer, ProtocolError(f"rank {sink.rank}: rank {self.peer} {self._ctl_where}: {exc}"))
         except ThunderboltError as exc:
-            engine.fail(exc)
+            sink.failed(self.peer, exc)
 
     def _check_bye(self) -> None:
         """The peer said BYE after `bye` frames: once they are all in, it has left in order."""
@@ -894,17 +907,33 @@ class RdmaLink(Link):
         b = self.bulk
         if self.msg.rx >= self.bye[0] and (b is None or b.rx >= self.bye[1]):
             self.left = True
-            self.engine.peer_left(self.peer, self.where)
+            self.sink.said(self.peer, control.Bye(self.bye))
 
-    def send_control(self, said: control.Message) -> bool:
-        """One control message, if the socket takes it whole now (probes may be dropped; the next one comes)."""
-        if self.ctl.ours is not None:
-            return False  # this end said BYE or ABORT: nothing more
-        msg = self.ctl.send(said)
+    def say(self, msg: control.Message) -> None:
+        """A control message on the control connection; an op announcement (PING, ANSWER) carries this link's
+        counters (frames sent, received and receives posted per lane), which repair the peer's credits and
+        tell it what to expect."""
+        if self.eof or self.ctl.ours is not None:
+            return  # this end said BYE or ABORT: nothing more
+        if isinstance(msg, (control.Ping, control.Answer)):
+            op = msg.op
+            op = control.Op(op.space, op.tag, op.sig, op.waits_on, self.counters())
+            msg = control.Ping(op) if isinstance(msg, control.Ping) else control.Answer(op)
+            if isinstance(msg, control.Ping):
+                self.last_probe = time.monotonic()
+                self.kind.probes_sent += 1
+        self.out += self.ctl.send(msg)
+        self._write_control()
+
+    def _write_control(self) -> None:
         try:
-            return self.sock.send(msg) == len(msg)
+            k = self.sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            return
         except OSError:
-            return False
+            self.out.clear()  # a dead peer shows up as EOF on the next read
+            return
+        del self.out[:k]
 
     # -- the end --------------------------------------------------------------------------------------------
     def abort(self, err: BaseException, body: AbortInfo | None) -> SocketFarewell | None:
@@ -914,7 +943,8 @@ class RdmaLink(Link):
         self.sendq.clear()
         if body is None or self.eof or self.ctl.ours is not None:
             return None
-        return SocketFarewell([(self.sock, [memoryview(self.ctl.send(control.Abort(body)))])])
+        rest, self.out = bytes(self.out), bytearray()
+        return SocketFarewell([(self.sock, [memoryview(rest + self.ctl.send(control.Abort(body)))])])
 
     def close(self, bye: bool) -> None:
         self.sendq.clear()
@@ -926,7 +956,7 @@ class RdmaLink(Link):
                 with contextlib.suppress(RdmaError):
                     self._drain_sends(time.monotonic() + 0.5)
             if self.ctl.ours is None:  # (what it read may have been an ABORT: this end said ABORT then)
-                msg = self.ctl.send(control.Bye((self.msg.sent, self.bulk.sent if self.bulk else 0)))
+                msg = bytes(self.out) + self.ctl.send(control.Bye((self.msg.sent, self.bulk.sent if self.bulk else 0)))
         close_control(self.sock, msg)
         self.eof = True
 
@@ -941,40 +971,21 @@ class RdmaLink(Link):
                 time.sleep(0.0005)
 
 
-class RdmaReceive(QuickReceive):
-    """One whole message of the peer read by `Transport.exchange` straight from its receive slot: the link's
-    completion handling (`RdmaLink._arrived`) copies a frame whose header is exactly the one expected into
-    `dest` instead of matching it; anything else that arrives meanwhile is handled the general way. A link
-    has one, made once and restarted per message (`start`): the engine reads one message per peer at a time."""
+class Expected:
+    """The one message `RdmaLink.take` looks for (made once per link, restarted per message): the header
+    fields a frame must have to be copied straight into `dest`."""
 
-    __slots__ = ("link", "peer", "key", "space", "tag", "seq", "sig", "dest", "done")
+    __slots__ = ("space", "tag", "seq", "sig", "dest", "done")
 
-    def __init__(self, link: RdmaLink) -> None:
-        self.link, self.peer = link, link.peer
-        self.key: Key = (0, 0, 0)
+    def __init__(self) -> None:
         self.space = self.tag = self.seq = self.sig = 0
         self.dest = _NO_DEST
         self.done = False
 
-    def start(self, key: Key, sig: int, dest: memoryview) -> "RdmaReceive":
-        self.key, self.sig, self.dest, self.done = key, sig, dest, False
+    def start(self, key: Key, sig: int, dest: memoryview) -> "Expected":
         self.space, self.tag, self.seq = key
+        self.sig, self.dest, self.done = sig, dest, False
         return self
-
-    def step(self) -> bool:
-        link = self.link
-        if link.msg.backlog:  # held back before this receive was made: it is the message, or the look is over
-            link._guarded(lambda: link._take_parked(self))
-            return True
-        link.expect = self  # only while this look pumps: a frame arriving at any other time is matched
-        try:
-            link.pump()
-        finally:
-            link.expect = None
-        return self.done or link.engine.broken is not None
-
-    def hand_back(self) -> None:
-        """Nothing to give back: whatever arrived besides the message went the general way already."""
 
 
 class RdmaLinks(LinkKind):
@@ -982,7 +993,6 @@ class RdmaLinks(LinkKind):
     ops this rank posted (to answer PINGs)."""
 
     name = "rdma"
-    probes = True
 
     def __init__(self, verbs: v.Verbs, devices: Sequence[v.Device], ends: "dict[int, RdmaEnd]",
                  socks: "dict[int, socket.socket]", *, spin_us: int = 0, link_timeout: float = 3.0) -> None:
@@ -1026,7 +1036,9 @@ class RdmaLinks(LinkKind):
 
     def idle(self, slept: bool) -> None:
         """Read the control connections when a sleep passed (a spinning rank does not poll them), look for
-        frames a peer sent that never came, and probe the peers we wait on after a quiet spell."""
+        frames a peer sent that never came, and PING a peer this rank has data queued for after a quiet spell
+        (its counters in the answer repair the credits the data waits for). PINGs naming the op a rank waits
+        for come from the engine (`Transport._probe`), through `RdmaLink.say`."""
         now = time.monotonic()
         engine = self.engine
         for link in self._list:
@@ -1040,22 +1052,17 @@ class RdmaLinks(LinkKind):
                 if link.msg.rx >= claim[0] and (b is None or b.rx >= claim[1]):
                     link.claim = None
                 elif now - claim[2] > self.grace:
-                    engine.fail(link._stalled((claim[0], claim[1]), now - claim[2]))
+                    link.stalled((claim[0], claim[1]), now - claim[2])
                     return
         if now - engine.last_traffic < self.probe_after:
             return
-        wanted = engine.ops.probes(self.links)
         for link in self._list:
-            op = wanted.get(link.peer)
-            if (op is not None or link.sendq) and not link.eof and now - link.last_probe >= self.probe_after:
-                link.last_probe = now
-                op = op or control.Op()
-                if link.send_control(control.Ping(control.Op(op.space, op.tag, op.sig, -1, link.counters()))):
-                    self.probes_sent += 1
+            if link.sendq and not link.eof and now - link.last_probe >= self.probe_after:
+                link.say(control.Ping(control.Op()))
 
-    def on_probe(self, link: RdmaLink, question: bool, op: control.Op) -> None:
-        """A peer's PING (`question`) or its answer to ours: its counters repair our credits and tell what it
-        sent us; a PING names the op it waits for (a mismatch with ours is found here, not at the timeout)."""
+    def on_probe(self, link: RdmaLink, op: control.Op) -> None:
+        """A peer's PING or its answer to ours: its counters repair our credits and tell what it sent us (what
+        the op announcement itself says goes on to the engine's MismatchDetector)."""
         sent_m, sent_b, _rx_m, _rx_b, posted_m, posted_b = op.counters
         msg, bulk = link.msg, link.bulk
         msg.peer_posted = max(msg.peer_posted, posted_m)
@@ -1070,12 +1077,6 @@ class RdmaLinks(LinkKind):
                 link.claim = (sent_m, sent_b, now)  # (an unmet older claim keeps its time)
         else:
             link.claim = None
-        if not question:
-            self.engine.ops.peer_waits_on(link.peer, op)
-            return
-        waits_on = self.engine.ops.peer_waits_for(link.peer, op)  # MismatchError: we ran that op otherwise
-        link.send_control(control.Answer(control.Op(op.space, op.tag, op.sig, -1 if waits_on is None else waits_on,
-                                                    link.counters())))
 
     def release(self) -> None:
         """Close the devices (queue pairs first, then regions, queues, channels, domains), then the buffers."""
@@ -1090,5 +1091,5 @@ class RdmaLinks(LinkKind):
             self.verbs.close()
 
 
-__all__ = ["DeviceState", "HEADER", "RdmaEnd", "RdmaLink", "RdmaLinks", "RdmaReceive", "frame_limit", "lane_sizes",
+__all__ = ["DeviceState", "HEADER", "RdmaEnd", "RdmaLink", "RdmaLinks", "Expected", "frame_limit", "lane_sizes",
            "probe_device", "probe_devices"]

@@ -13,13 +13,13 @@ sees the flag (a full fence on both sides orders flag and ring accesses). Each s
 once idle) so even a lost wake-up would cost at most that, never a hang.
 
 The control wire (the Unix socket) carries control messages (protocol/control.py: BYE, the orderly close;
-ABORT, why a group failed) and doorbell bytes; EOF without BYE means the peer process died, kill -9
-included. A doorbell is a bare 0 byte between messages, not a control message: it says nothing but "look
-at the rings", is written from the hot path (one send of one byte, which a full socket may drop: the
-sleeper has bells to read anyway), and any number of them may be read as one; no control message starts
-with 0, so the ControlConnection (`wake=0`) drops them. Each rank also publishes the collective op it is in
-(tag and signature) on an op board in its segment header; a peer that slept through a whole poll hands
-what it reads there to the engine's MismatchDetector, which finds a mismatch instead of a timeout.
+ABORT, why a group failed; PING and ANSWER, the op a waiting rank waits for) and doorbell bytes; EOF
+without BYE means the peer process died, kill -9 included. A doorbell is a bare 0 byte between messages,
+not a control message: it says nothing but "look at the rings", is written from the hot path (one send of
+one byte, which a full socket may drop: the sleeper has bells to read anyway), and any number of them may
+be read as one; no control message starts with 0, so the ControlConnection (`wake=0`) drops them. A bell is
+never written in the middle of a control message: while one is still to be written, the bell waits behind
+it.
 """
 from __future__ import annotations
 
@@ -45,9 +45,7 @@ QUIET_CAP = 0.02  # the same once a whole poll passed with nothing to do (an idl
 BELL = b"\x00"  # a doorbell: a wake-up byte between control messages (see the module docstring)
 
 
-def _always(frame: Frame) -> bool:
-    """A ring's early collective data stays in the ring until its receive is posted (nothing is copied)."""
-    return True
+PROBE_AFTER = 1.5  # seconds without traffic before a waiting rank PINGs the peers it waits on
 
 
 def default_spin(local_ranks: int) -> float:
@@ -66,54 +64,61 @@ class ShmLink(Link):
         self.kind, self.peer, self.sock, self.pid, self.seg = kind, peer, sock, pid, seg
         self.writer, self.reader, self.flag = writer, reader, flag
         self.sendq: deque[list] = deque()  # [request, next offset]
-        self.held = False  # the head slot waits for its receive to be posted (parked)
+        self.parked = False  # the head slot waits for its receive to be posted
+        self._posts = 0  # the sink's receive count when the parked slot was last matched
         self.ctl = control.ControlConnection(wake=BELL[0])  # what this end and the peer said on the socket
+        self.out = bytearray()  # control bytes not written yet (the socket was full)
         self.bye = False
         self.eof = False
         self.address = f"shm pid {pid}"
 
     def fds(self) -> "list[tuple[int, int]]":
-        return [] if self.eof else [(self.sock.fileno(), select.POLLIN)]
+        return [] if self.eof else [(self.sock.fileno(), select.POLLIN | (select.POLLOUT if self.out else 0))]
 
-    def post_send(self, req: Request) -> None:
+    def send(self, key: Key, sig: int, buf: memoryview) -> Request | None:
         if self.bye or self.eof:
-            raise peer_shut_down(self.engine.rank, self.peer, f"to send it data ({req.describe()})",
+            raise peer_shut_down(self.sink.rank, self.peer, f"to send it data ({Request(self.peer, key, sig, buf, True).describe()})",
                                  address=self.address)
+        n = len(buf)
+        w = self.writer
+        if not self.sendq and n <= self.kind.slot_bytes and w.free() > 0:  # one slot, written now
+            space, tag, seq = key
+            w.put(space, Kind.DATA, sig, tag, seq, 0, buf, n)
+            self.kind.bytes_sent += n
+            self.kind.to_ring.add(self)
+            return None
+        req = Request(self.peer, key, sig, buf, is_send=True)
         self.sendq.append([req, 0])
         if len(self.sendq) == 1:
             self._flush()
+        return req
 
-    def posted_recv(self) -> None:
-        self.held = False
-        self._read()
-
-    def pump(self) -> bool:
+    def pump(self, woken: bool = False) -> bool:
+        if woken:
+            self._read_control()
+        if self.out:
+            self._write_control()
         moved = self._flush() if self.sendq else False
-        if not self.held:
+        sink = self.sink
+        if not self.parked or sink.posts != self._posts:
+            self._posts = sink.posts
             moved |= self._read()
         return moved
 
     def ready(self) -> bool:
         """Lock-free: is there anything to read or room for what we want to write?"""
-        return bool((not self.held and self.reader.pending()) or (self.sendq and self.writer.free() > 0))
+        return bool((not self.parked and self.reader.pending()) or (self.sendq and self.writer.free() > 0))
 
-    def gone(self) -> bool:
-        return self.bye or self.eof
-
-    def parked(self) -> Frame | None:
-        if self.held and self.reader.pending():
+    def held(self) -> Frame | None:
+        if self.reader.pending():
             space, kind, sig, tag, seq, off, length, total = self.reader.peek()
-            if space == Space.COLL:
-                return Frame(Kind.DATA, Space.COLL, sig, tag, seq, off, length, total)
+            if space in (Space.COLL, Space.P2P):
+                return Frame(Kind.DATA, Space(space), sig, tag, seq, off, length, total)
         return None
-
-    def has_unread(self) -> bool:
-        return bool(self.reader.pending())
 
     # -- the rings ------------------------------------------------------------------------------------------
     def _flush(self) -> bool:
         w = self.writer
-        engine = self.engine
         slot = self.kind.slot_bytes
         moved = False
         while self.sendq and w.free() > 0:
@@ -127,26 +132,26 @@ class ShmLink(Link):
             if off >= req.nbytes:
                 self.sendq.popleft()
                 self.kind.bytes_sent += req.nbytes
-                req.done = True
-                engine.signal()
+                self.sink.completed(self.peer, req.key, req, req.nbytes)
         if moved:
             self.kind.to_ring.add(self)
         return moved
 
     def _read(self) -> bool:
         r = self.reader
-        engine = self.engine
+        sink = self.sink
         slot = self.kind.slot_bytes
         moved = False
+        self.parked = False
         try:
-            while engine.broken is None and r.pending():
+            while sink.broken is None and r.pending():
                 space, kind, sig, tag, seq, off, length, total = r.peek()
-                if kind != Kind.DATA or off + length > total or length > slot:
+                if kind != Kind.DATA or off + length > total or length > slot or space not in (Space.COLL, Space.P2P):
                     raise ProtocolError(f"rank {self.peer} wrote a corrupt slot into shared memory")
                 frame = Frame(Kind.DATA, Space(space), sig, tag, seq, off, length, total)
-                target = engine.matcher.match(self.peer, frame, park=_always)
+                target = sink.delivered(self.peer, frame, 0)  # (early data stays in the ring: nothing is copied)
                 if target is None:
-                    self.held = True
+                    self.parked = True
                     break
                 dest, obj = target
                 if length:
@@ -154,20 +159,19 @@ class ShmLink(Link):
                 r.pop()
                 moved = True
                 self.kind.bytes_received += length
-                if engine.matcher.part_done(self.peer, frame.key, obj, length):
-                    engine.signal()
+                sink.completed(self.peer, frame.key, obj, length)
         except ThunderboltError as exc:  # mismatch or corrupt slot: this group can't continue
-            engine.fail(exc)
+            sink.failed(self.peer, exc)
             return True
         if moved:
             self.kind.to_ring.add(self)  # its sender may be waiting for ring space
         return moved
 
     # -- the control wire -----------------------------------------------------------------------------------
-    def on_event(self, fd: int) -> None:
-        """Read the control bytes (bells, BYE, ABORT) that woke us."""
-        engine = self.engine
-        while not self.eof and engine.broken is None:
+    def _read_control(self) -> None:
+        """Read the control bytes (bells, BYE, ABORT, probes) that woke us."""
+        sink = self.sink
+        while not self.eof and sink.broken is None:
             try:
                 data = self.sock.recv(65536)
             except (BlockingIOError, InterruptedError):
@@ -188,32 +192,44 @@ class ShmLink(Link):
             if self.ctl.buffered or data.strip(BELL):  # plain doorbells need no parsing
                 try:
                     self.ctl.receive_data(data)
-                    while engine.broken is None and (msg := self.ctl.next_event()) is not None:
+                    while sink.broken is None and (msg := self.ctl.next_event()) is not None:
                         self._heard(msg)
                 except ProtocolError as exc:
-                    engine.fail(ProtocolError(f"rank {engine.rank}: rank {self.peer} {self._where}: {exc}"))
+                    sink.failed(self.peer, ProtocolError(f"rank {sink.rank}: rank {self.peer} {self._where}: {exc}"))
                     return
 
     def _heard(self, msg: control.Message) -> None:
-        engine = self.engine
         if isinstance(msg, control.Bye):
             self.bye = True
             self._read()  # what it sent before leaving is in the ring already
-            engine.peer_left(self.peer, self._where)
-        elif isinstance(msg, control.Abort):
-            engine.peer_aborted(self.peer, msg.info)
-        else:  # probes and membership go over the op board and the window here, not this wire
-            raise ProtocolError(f"sent {type(msg).__name__.upper()}, which no shared-memory link of this "
-                                f"version acts on (the ranks run different versions)")
+        self.sink.said(self.peer, msg)
+
+    def say(self, msg: control.Message) -> None:
+        if self.eof or self.ctl.ours is not None:
+            return
+        self.out += self.ctl.send(msg)
+        self._write_control()
+
+    def _write_control(self) -> None:
+        try:
+            k = self.sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.out.clear()  # a dead peer shows up as EOF on the next read
+            return
+        del self.out[:k]
 
     @property
     def _where(self) -> str:
         return f"(shared memory, pid {self.pid})"
 
     def _fail(self, exc: BaseException) -> None:
-        self.engine.fail(self.engine.lost(self.peer, self._where, exc, self.address))
+        self.sink.failed(self.peer, exc, self._where, self.address)
 
     def ring_bell(self) -> None:
+        if self.out:
+            return  # a control message is half-written: a bell now would land inside it (it wakes the peer anyway)
         try:
             self.sock.send(BELL)
         except OSError:
@@ -221,26 +237,30 @@ class ShmLink(Link):
 
     def abort(self, err: BaseException, body: AbortInfo | None) -> SocketFarewell | None:
         """The ABORT goes on the control wire (the rings may be full, and a peer reads them only for data it
-        expects); slots already published stay valid for the peer to read or drop."""
+        expects), after any control message still being written; slots already published stay valid for the
+        peer to read or drop."""
         for req, _ in self.sendq:
             req.error = err
         self.sendq.clear()
         if body is None or self.eof or self.ctl.ours is not None:
             return None
-        return SocketFarewell([(self.sock, [memoryview(self.ctl.send(control.Abort(body)))])])
+        rest, self.out = bytes(self.out), bytearray()
+        return SocketFarewell([(self.sock, [memoryview(rest + self.ctl.send(control.Abort(body)))])])
 
     def close(self, bye: bool) -> None:
         self.sendq.clear()
-        close_control(self.sock, self.ctl.send(control.Bye()) if bye and not self.eof and self.ctl.ours is None
+        rest, self.out = bytes(self.out), bytearray()
+        close_control(self.sock, rest + self.ctl.send(control.Bye()) if bye and not self.eof and self.ctl.ours is None
                       else None)
         self.eof = True
 
 
 class ShmLinks(LinkKind):
-    """The shared-memory links of one engine and what they share: this rank's segment (its inbound rings,
-    sleeping flag and op board), the peers' segments, and the window memory of this host's ranks."""
+    """The shared-memory links of one engine and what they share: this rank's segment (its inbound rings and
+    sleeping flag), the peers' segments, and the window memory of this host's ranks."""
 
     name = "shm"
+    probe_after = PROBE_AFTER
 
     def __init__(self, rank: int, world: int, own: Segment, peers: dict[int, tuple[socket.socket, int, Segment]],
                  *, slots: int, slot_bytes: int, spin: float | None = None, window_bytes: int = 0) -> None:
@@ -250,8 +270,6 @@ class ShmLinks(LinkKind):
         self.slots, self.slot_bytes, self.window_bytes = slots, slot_bytes, window_bytes
         self._own_mv = memoryview(own.mm)
         self._my_flag = ring.flag_view(self._own_mv)
-        self._my_board = ring.op_board(self._own_mv)
-        self._boards = {p: ring.op_board(memoryview(seg.mm)) for p, (_, _, seg) in peers.items()}
         self.links: dict[int, ShmLink] = {}
         size = ring.ring_bytes(slots, slot_bytes)
         for p, (sock, pid, seg) in peers.items():
@@ -279,17 +297,8 @@ class ShmLinks(LinkKind):
             members = sorted(areas)
             self.window = ShmWindowMemory(members, members.index(self.rank), areas, self.window_bytes,
                                           self.wake_sleepers)
-            engine.window_memory = self.window
 
     # -- engine hooks ---------------------------------------------------------------------------------------
-    def note_post(self, key: Key, sig: int) -> None:
-        """Publish the collective op this rank is in on its op board (tag last: it says the sig is current)."""
-        space, tag, _ = key
-        if space == Space.COLL and sig and self._my_board[0] != tag:
-            self._my_board[1] = sig
-            ring.publish_fence()
-            self._my_board[0] = tag
-
     def after_pump(self) -> None:
         if not self.to_ring:
             return
@@ -313,35 +322,12 @@ class ShmLinks(LinkKind):
     def after_sleep(self) -> None:
         self._my_flag[0] = 0
 
-    def idle(self, slept: bool) -> None:
-        if slept:
-            self._check_peer_ops()
-
     def wake_sleepers(self) -> None:
         """After a window post: ring the bell of every peer asleep in poll() (it may wait for that post)."""
         ring.fence()  # our counter store before their flag loads (they fence between flag store and check)
         for link in self._list:
             if link.flag[0] and not link.eof:
                 link.ring_bell()
-
-    # -- mismatch checks while quiet ------------------------------------------------------------------------
-    def _check_peer_ops(self) -> None:
-        """Nothing moved for a whole poll: tell the engine's MismatchDetector what op each peer we wait
-        for says it is in (a torn read, the tag changing under us, says nothing)."""
-        engine = self.engine
-        for peer in sorted({r.peer for r in engine.matcher.collective_waits() if r.sig}):
-            board = self._boards.get(peer)
-            if board is None:
-                continue
-            tag = board[0]
-            ring.publish_fence()
-            sig = board[1]
-            if board[0] == tag:
-                try:
-                    engine.ops.peer_runs(peer, tag, sig)
-                except ThunderboltError as exc:
-                    engine.fail(exc)
-                    return
 
     # -- the end --------------------------------------------------------------------------------------------
     def release(self) -> None:
@@ -354,9 +340,6 @@ class ShmLinks(LinkKind):
             for v in (link.flag, link.writer.mv, link.reader.mv):
                 v.release()
         self._my_flag.release()
-        self._my_board.release()
-        for board in self._boards.values():
-            board.release()
         self._own_mv.release()
         for seg in [self.own] + [link.seg for link in self._list]:
             seg.close()

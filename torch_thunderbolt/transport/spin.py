@@ -20,7 +20,7 @@ CONTENDED_SPINS = 3  # spins in a row cut short by a slow yield before spinning 
 FIRST_PAUSE = 0.005  # seconds of that first pause
 MAX_PAUSE = 0.5      # ... doubling per further contended spin, up to this
 
-_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: time.sleep(0))
+yield_cpu: Callable[[], None] = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 class SpinGuard:
@@ -28,7 +28,7 @@ class SpinGuard:
 
     __slots__ = ("_until", "_pause", "_contended", "_clock", "_yield")
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, yield_cpu: Callable[[], None] = _yield) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, yield_cpu: Callable[[], None] = yield_cpu) -> None:
         self._until = 0.0
         self._pause = FIRST_PAUSE
         self._contended = 0  # spins in a row that a slow yield cut short
@@ -49,19 +49,24 @@ class SpinGuard:
             self._yield()
             after = self._clock()
             if after - now > SLOW_YIELD:
-                self._contended += 1
-                if self._contended >= CONTENDED_SPINS:
-                    self._until = after + self._pause
-                    self._pause = min(self._pause * 2, MAX_PAUSE)
+                self.slow(after)
                 return False
             now = after
             if poll():
-                self._calm()
+                self.calm()
                 return True
-        self._calm()
+        self.calm()
         return False
 
-    def _calm(self) -> None:
+    def slow(self, now: float) -> None:
+        """A yield took longer than SLOW_YIELD (ending at `now`): one more contended spin, which may start or
+        lengthen a pause. For a caller running its own spin loop (the engine's take)."""
+        self._contended += 1
+        if self._contended >= CONTENDED_SPINS:
+            self._until = now + self._pause
+            self._pause = min(self._pause * 2, MAX_PAUSE)
+
+    def calm(self) -> None:
         """A spin without a slow yield: the core is ours again."""
         self._contended = 0
         self._pause = FIRST_PAUSE

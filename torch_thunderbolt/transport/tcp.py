@@ -31,9 +31,9 @@ from ..errors import ProtocolError, ThunderboltError
 from ..platform import SOCKET_IO_CAP, Platform, current
 from ..protocol import control
 from ..protocol.framing import (FRAME_HEADER_SIZE, AbortInfo, Frame, FrameDecoder, Kind, Space, control_frame_header,
-                                encode_control, encode_frame_header)
+                                encode_control, encode_frame_header, pack_frame_header)
 from ..protocol.integrity import SEALED_HEADER_SIZE, Opener, SealedFrameDecoder, Sealer
-from .base import Key, Link, LinkKind, QuickReceive, Request, SocketFarewell, close_socket
+from .base import NOT_YET, REFUSED, TAKEN, Key, Link, LinkKind, Request, SocketFarewell, close_socket
 from .engine import Transport
 from .failover import Fields, RxCount, StreamLog, is_link_failure
 
@@ -49,7 +49,6 @@ STRIPE_ALIGN = 4096  # striped parts start on page boundaries where the message 
 # large enough that a frame header per piece costs nothing measurable.
 STRIPE_PIECE = 4 << 20
 STREAM_DEPTH = 1  # frames queued on a stream (the one being written included) before it gets no more pieces
-EARLY_BUDGET = 4  # small collective messages of a peer read ahead of their receives at most (see TcpLink._park)
 
 
 def split_aligned(nbytes: int, parts: int) -> list[tuple[int, int]]:
@@ -129,6 +128,9 @@ class Stream:
         return f"at {self.addr} (stream {self.stream})"
 
 
+_NOTHING = memoryview(b"")
+
+
 class TcpLink(Link):
     """A peer reached over TCP: its streams (one or more per cable), striping and failover between them."""
 
@@ -150,6 +152,14 @@ class TcpLink(Link):
         self.unsent: deque[list] = deque()
         self._turn = 0  # the stream the next piece is offered to first
         self.address = self.streams[0].addr if self.streams else "?"
+        self._posts = 0  # the sink's receive count when the parked frames were last matched
+        # A small message's header, written and compared in place (`send`, `take`): no bytes made per message.
+        self._hdr = bytearray(FRAME_HEADER_SIZE)
+        self._expect = bytearray(FRAME_HEADER_SIZE)
+        self._head = bytearray(FRAME_HEADER_SIZE)
+        self._head_mv = memoryview(self._head)
+        self._got = -1  # bytes `take` has read of the message it looks for (header first); -1: none under way
+        self._take_dest = memoryview(b"")
 
     def fds(self) -> "list[tuple[int, int]]":
         out = []
@@ -162,52 +172,40 @@ class TcpLink(Link):
         return out
 
     # -- posting ------------------------------------------------------------------------------------------
-    def post_send(self, req: Request) -> None:
-        n = req.nbytes
-        conns = [c for c in self.streams if not c.dead]
+    def send(self, key: Key, sig: int, buf: memoryview) -> Request | None:
+        n = len(buf)
+        conns = [c for c in self.streams if not c.dead] if self.failover else self.streams
         if n >= self.kind.stripe_bytes and len(conns) > 1:
             pieces = stripe_pieces(n, len(conns))
         elif not self.unsent:  # the common case: one frame on the first stream, written at once
-            req.pending = 1
             c = conns[0]
-            k = 0 if c.sendq or c.log is not None else self._write_whole(c, req.key, req.sig, req.buf)
+            k = 0 if c.sendq or c.log is not None else self._write_whole(c, key, sig, buf)
             if k == FRAME_HEADER_SIZE + n:
-                self._part_written(req, n)
-            else:
-                self._put(c, req, 0, n, sent=k)
-            return
-        else:
-            pieces = [(0, n)]
-        req.pending = len(pieces)
-        self.unsent.append([req, pieces, 0])
-        self._dispatch()
-
-    def send_now(self, key: Key, sig: int, buf: memoryview) -> Request | None:
-        """Post a send of the whole message `buf`; None when it went at once, with no queued frame and no
-        Request made (what a small collective's message does on an idle stream)."""
-        c = self.streams[0]
-        if not self.unsent and not c.sendq and c.log is None and not c.dead and len(buf) < self.kind.stripe_bytes:
-            k = self._write_whole(c, key, sig, buf)
-            if k == FRAME_HEADER_SIZE + len(buf):
-                self.kind.bytes_sent += len(buf)
+                self.kind.bytes_sent += n
                 return None
             req = Request(self.peer, key, sig, buf, is_send=True)
             req.pending = 1
-            self._put(c, req, 0, len(buf), sent=k)
+            self._put(c, req, 0, n, sent=k)
             return req
-        return super().send_now(key, sig, buf)
+        else:
+            pieces = [(0, n)]
+        req = Request(self.peer, key, sig, buf, is_send=True)
+        req.pending = len(pieces)
+        self.unsent.append([req, pieces, 0])
+        self._dispatch()
+        return req
 
     def _write_whole(self, c: Stream, key: Key, sig: int, buf: memoryview) -> int:
         """Write message `key` as one frame on the idle stream `c` (no failover log to keep) with one
-        sendmsg, without building the queued frame `_put` builds: what most small messages need, and a
-        small send paid for that frame's steps as much as for the system call. Returns the bytes written,
+        sendmsg, its header packed into the link's own buffer: what most small messages need, and a small
+        send paid for a queued frame's steps as much as for the system call. Returns the bytes written,
         header included: 0 when the socket takes nothing or fails (then `_put` queues the frame, and its
         writer handles both, as for any frame); the caller queues the rest of a partial write."""
         n = len(buf)
-        space, tag, seq = key
-        hdr = encode_frame_header(Kind.DATA, space, sig, tag, seq, 0, n, n)
-        if len(hdr) + n > SOCKET_IO_CAP:
+        if FRAME_HEADER_SIZE + n > SOCKET_IO_CAP:
             return 0
+        hdr = self._hdr
+        pack_frame_header(hdr, Kind.DATA, key[0], sig, key[1], key[2], 0, n, n)
         try:
             k = c.sock.sendmsg([hdr, buf])
         except OSError:  # BlockingIOError and InterruptedError included
@@ -221,8 +219,7 @@ class TcpLink(Link):
         self.kind.bytes_sent += n
         req.pending -= 1
         if req.pending == 0:
-            req.done = True
-            self.engine.signal()
+            self.sink.completed(self.peer, req.key, req, req.nbytes)
 
     def _put(self, c: Stream, req: Request, off: int, ln: int, sent: int = 0) -> None:
         """Queue the frame of `req`'s bytes [off, off + ln) on `c`, of which `sent` bytes (header first)
@@ -254,23 +251,75 @@ class TcpLink(Link):
                 entry[2] = i + 1
             self._put(c, req, *pieces[i])
 
-    def posted_recv(self) -> None:
-        for c in self.streams:
-            if c.parked is not None and not c.dead:
-                self._read(c)
+    def take(self, key: Key, sig: int, dest: memoryview) -> int:
+        """The peer's message `key` read off its first stream with no decoder, Request or matching: the
+        first read puts the header into the link's own buffer and the payload straight into `dest` (one
+        recvmsg_into), and the header is compared, as bytes, with the one the expected message has. It is
+        only ever read up to that message's last byte, so any other frame (another message first, a PING,
+        an ABORT) is found by that comparison and everything read is given back to the stream's decoder
+        (`_give_back`), to be read the general way. Refused with failover (the byte log counts what is
+        consumed) or after a lost stream, while anything else is under way on the peer's streams, and for a
+        message of the striping size or more: the peer stripes it over its streams where it has several
+        (the header would not match, and every byte read would be copied again), and a large one outlasts
+        the spin anyway. (A small message on another stream, which a sender striping a large one at the
+        same time may use, is found by the general path after the spin.)"""
+        got = self._got
+        n = len(dest)
+        if got < 0:
+            if self.no_park or n >= min(self.kind.stripe_bytes, SOCKET_IO_CAP - FRAME_HEADER_SIZE):
+                return REFUSED  # (SOCKET_IO_CAP: THUNDERBOLT_STRIPE may be set above what one recvmsg takes)
+            for c in self.streams:
+                if c.inbound is not None or c.parked is not None or c.decoder.buffered or c.bye or c.dead:
+                    return REFUSED
+            pack_frame_header(self._expect, Kind.DATA, key[0], sig, key[1], key[2], 0, n, n)
+            got = 0
+            self._take_dest = dest
+        elif dest is not self._take_dest:  # (a look for another message: what was read goes back first)
+            self._give_back()
+            return REFUSED
+        c = self.streams[0]
+        try:
+            if got < FRAME_HEADER_SIZE:
+                k = c.sock.recvmsg_into([self._head_mv[got:], dest])[0]
+            else:
+                k = c.sock.recv_into(dest[got - FRAME_HEADER_SIZE:])
+        except (BlockingIOError, InterruptedError):
+            self._got = got
+            return NOT_YET
+        except OSError as exc:
+            self._got = got
+            self._give_back()
+            self.conn_error(c, exc)
+            return REFUSED
+        if k == 0:
+            self._got = got
+            self._give_back()
+            self._eof(c)
+            return REFUSED
+        self._got = got + k
+        if got < FRAME_HEADER_SIZE <= got + k and self._head != self._expect:
+            self._give_back()  # another frame came first
+            return REFUSED
+        if got + k == FRAME_HEADER_SIZE + n:
+            self._got = -1
+            self._take_dest = _NOTHING
+            kind = self.kind
+            kind.bytes_received += n
+            kind.quick_messages += 1
+            return TAKEN
+        return NOT_YET
 
-    def quick_receive(self, key: Key, sig: int, dest: memoryview) -> "StreamReceive | None":
-        """The peer's message `key` read off its first stream by the engine's looks (see StreamReceive),
-        when nothing else is under way on any of its streams; None with failover (the byte log counts what
-        is consumed) or after a lost stream, and for a message of the striping size or more: the peer
-        stripes it over its streams where it has several (the header would not match, and every byte read
-        would be copied again), and a large one outlasts the spin anyway."""
-        if self.no_park or len(dest) >= min(self.kind.stripe_bytes, SOCKET_IO_CAP - FRAME_HEADER_SIZE):
-            return None  # (SOCKET_IO_CAP: THUNDERBOLT_STRIPE may be set above what one recvmsg takes)
-        for c in self.streams:
-            if c.inbound is not None or c.parked is not None or c.decoder.buffered or c.bye or c.dead:
-                return None
-        return StreamReceive(self, key, sig, dest)
+    def _give_back(self) -> None:
+        """What `take` read of a message it did not finish goes back to the first stream's decoder, so that
+        the general path reads the stream as if `take` had never looked at it."""
+        got = self._got
+        if got > 0:
+            h = min(got, FRAME_HEADER_SIZE)
+            c = self.streams[0]
+            c.decoder.feed(bytes(self._head[:h]) + bytes(self._take_dest[: got - h]))
+            c.emptied = False
+        self._got = -1
+        self._take_dest = _NOTHING
 
     def enqueue(self, c: Stream, out: Outgoing, front: bool = False) -> None:
         """Queue a frame (with `front`: right after the frame being written, if any) and try to write."""
@@ -284,41 +333,34 @@ class TcpLink(Link):
         if c.sendq[0] is out:
             self._flush(c)
 
-    def pump(self) -> bool:
+    def pump(self, woken: bool = False) -> bool:
+        if self._got >= 0:
+            self._give_back()
+        sink = self.sink
         moved = False
-        engine = self.engine
+        posted = sink.posts != self._posts  # a receive was posted: a parked frame may have one now
+        self._posts = sink.posts
         for c in self.streams:
-            if engine.broken is not None:
+            if sink.broken is not None:
                 return True
             if c.dead:
                 continue
             if c.sendq:
                 moved |= self._flush(c)
-            if c.parked is None and not c.bye:
+            if (c.parked is None or posted) and not c.bye:
                 moved |= self._read(c)
-        if self.unsent and engine.broken is None:
+        if self.unsent and sink.broken is None:
             self._dispatch()
         return moved
 
-    def gone(self) -> bool:
-        return all(c.bye or c.dead for c in self.streams)
-
-    def _park(self, frame: Frame) -> bool:
-        """Whether a collective frame whose receive is not posted yet is parked rather than read and kept
-        (in the matcher): parked unless it is small and this peer's data kept that way stays within its
-        budget. A peer one op ahead sends its next small message at once; parked, it would stop the
-        stream, and the peer's probes and ABORT behind it (a frozen rank's survivors then blamed each
-        other). Large frames park: TCP flow control holds them without a copy, and the budget stops a root
-        that runs ahead through many small broadcasts the same way."""
-        if frame.total > self.kind.early_bytes:
-            return True
-        kept = sum(u.total for (p, key), u in self.engine.matcher.unexpected.items()
-                   if p == self.peer and key[0] == Space.COLL)
-        return kept + frame.total > EARLY_BUDGET * self.kind.early_bytes
-
-    def parked(self) -> Frame | None:
+    def held(self) -> Frame | None:
         held = [c.parked for c in self.streams if c.parked is not None and c.parked.space == Space.COLL]
         return min(held, key=lambda f: f.tag) if held else None
+
+    def say(self, msg: control.Message) -> None:
+        live = [c for c in self.streams if not c.dead and c.ctl.ours is None]
+        if live:
+            self.enqueue(live[0], _said(live[0], msg), front=True)
 
     # -- writing --------------------------------------------------------------------------------------------
     def _flush(self, c: Stream) -> bool:
@@ -366,9 +408,9 @@ class TcpLink(Link):
     def _read(self, c: Stream) -> bool:
         moved = False
         c.emptied = False
-        engine = self.engine
+        sink = self.sink
         try:
-            while engine.broken is None:
+            while sink.broken is None:
                 if c.inbound is not None:
                     step = self._read_payload(c)
                     if step is None:
@@ -398,9 +440,7 @@ class TcpLink(Link):
                 if frame.kind is Kind.ACK or frame.kind is Kind.RESYNC:
                     self._control(c, frame)
                     continue
-                if frame.space == Space.COLL and frame.tag <= engine.retired:
-                    raise engine.stray(c.peer, frame.sig, frame.tag)  # no receive can be waiting for it
-                target = engine.matcher.match(c.peer, frame, park=None if self.no_park else self._park)
+                target = sink.delivered(c.peer, frame, -1 if self.no_park else self.kind.early_bytes)
                 if target is None:
                     c.parked = frame
                     return moved
@@ -409,11 +449,11 @@ class TcpLink(Link):
         except (BlockingIOError, InterruptedError):
             return moved
         except ThunderboltError as exc:  # mismatch or protocol violation: the stream is unusable now
-            engine.fail(exc)
+            sink.failed(c.peer, exc)
         except OSError as exc:
             self.conn_error(c, exc)
         finally:
-            if c.rx is not None and c.rx.ack_due() and not c.dead and engine.broken is None:
+            if c.rx is not None and c.rx.ack_due() and not c.dead and sink.broken is None:
                 c.rx.acked = self._checked(c)
                 self.enqueue(c, _control_frame(encode_control(Kind.ACK, c.rx.acked)), front=True)
         return True
@@ -444,47 +484,33 @@ class TcpLink(Link):
         c.inbound = None
         if c.opener is not None:
             c.opener.check(dest)  # before the bytes count as received
-        engine = self.engine
         if target is CONTROL_PAYLOAD:
             return self._heard(c, c.ctl.receive(bytes(dest)))
         self.kind.bytes_received += frame.length
-        if engine.matcher.part_done(c.peer, frame.key, target, frame.length):
-            engine.signal()
+        self.sink.completed(c.peer, frame.key, target, frame.length)
         return True
 
     def _heard(self, c: Stream, msg: control.Message) -> "bool | None":
-        """What the peer said on stream `c`: True to read on, None to stop reading the stream."""
-        engine = self.engine
-        if isinstance(msg, control.Ping):
-            behind = engine.ops.peer_waits_for(c.peer, msg.op)  # MismatchError when we ran that op otherwise
-            if behind is not None:
-                op = msg.op
-                self.enqueue(c, _said(c, control.Answer(control.Op(op.space, op.tag, op.sig, behind))), front=True)
-            return True
-        if isinstance(msg, control.Answer):
-            engine.ops.peer_waits_on(c.peer, msg.op)
-            return True
-        if isinstance(msg, control.Abort):
-            engine.peer_aborted(c.peer, msg.info)
-            return None
+        """What the peer said on stream `c`: True to read on, None to stop reading the stream (after its
+        ABORT or BYE). BYE reaches the sink once the peer said it on every stream."""
         if isinstance(msg, control.Bye):
             c.bye = True
-            if self.gone():
-                engine.peer_left(self.peer, c.where)
+            if all(x.bye or x.dead for x in self.streams):
+                self.sink.said(self.peer, msg)
             return None
-        raise ProtocolError(f"rank {engine.rank}: rank {c.peer} sent {type(msg).__name__.upper()} {c.where}, "
-                            f"which no group of this version acts on (the ranks run different versions)")
+        self.sink.said(c.peer, msg)
+        return None if isinstance(msg, control.Abort) else True
 
     def _eof(self, c: Stream) -> None:
         self._fail(c, ConnectionResetError(errno.ECONNRESET, "connection closed by peer"))
 
     def _fail(self, c: Stream, exc: BaseException) -> None:
-        self.engine.fail(self.engine.lost(c.peer, c.where, exc, c.addr))
+        self.sink.failed(c.peer, exc, c.where, c.addr)
 
     # -- failover -------------------------------------------------------------------------------------------
     def conn_error(self, c: Stream, exc: BaseException) -> None:
         """A socket error on stream `c`: a cable's failure with others left fails over, anything else fails."""
-        if c.log is not None and is_link_failure(exc) and self.engine.broken is None:
+        if c.log is not None and is_link_failure(exc) and self.sink.broken is None:
             self._kill_stream(c, exc)  # fails the transport itself when no other stream is left
         else:
             self._fail(c, exc)
@@ -505,15 +531,15 @@ class TcpLink(Link):
         c.dead = True
         self.kind.lost_streams += 1
         self.no_park = True
-        log.warning("rank %d: lost stream %d to rank %d (%s -> %s): %s; continuing on %s", self.engine.rank,
+        log.warning("rank %d: lost stream %d to rank %d (%s -> %s): %s; continuing on %s", self.sink.rank,
                     c.stream, c.peer, c.local, c.addr, exc,
                     ", ".join(f"stream {x.stream} ({x.local})" for x in survivors))
         if c.opener is not None:  # a payload not yet checked does not count: the peer sends its frame again
             c.rx.consumed = self._checked(c)
         elif c.inbound is not None:  # payload bytes already in place count: the resend starts after them
             dest, target, frame, got = c.inbound
-            if target is not CONTROL_PAYLOAD and got and self.engine.matcher.part_done(c.peer, frame.key, target, got):
-                self.engine.signal()
+            if target is not CONTROL_PAYLOAD and got:
+                self.sink.completed(c.peer, frame.key, target, got)
         c.inbound, c.parked = None, None
         unstarted = [o for o in c.sendq if o.entry is None and o.fields is not None]
         if c.sealer is not None:
@@ -614,75 +640,18 @@ class SealedTcpLink(TcpLink):
             c.opener = Opener(recv, f"rank {rank}: a frame from rank {peer} on stream {c.stream} ({c.addr})")
             c.decoder = SealedFrameDecoder(c.opener, max_message)
 
-    def send_now(self, key: Key, sig: int, buf: memoryview) -> Request | None:
-        return Link.send_now(self, key, sig, buf)
-
-    def quick_receive(self, key: Key, sig: int, dest: memoryview) -> "StreamReceive | None":
-        return None
+    def take(self, key: Key, sig: int, dest: memoryview) -> int:
+        return REFUSED
 
     def _write_whole(self, c: Stream, key: Key, sig: int, buf: memoryview) -> int:
         return 0  # queue it: _flush seals it
 
 
-class StreamReceive(QuickReceive):
-    """One whole message read off a peer's first stream with no decoder, Request or matching: the first read
-    puts the header into `head` and the payload straight into `dest` (one recvmsg_into), and the header is
-    compared, as bytes, with the one the expected message has. It is only ever read up to that message's
-    last byte, so any other frame (another message first, a PING, an ABORT) is found by that comparison
-    and everything read is handed back to the stream's decoder, to be read the general way. (A small
-    message on another stream, which a sender striping a large one at the same time may use, is found by
-    the general path after the spin.)"""
-
-    __slots__ = ("link", "c", "peer", "key", "dest", "header", "head", "got", "done")
-
-    def __init__(self, link: TcpLink, key: Key, sig: int, dest: memoryview) -> None:
-        self.link, self.c, self.peer, self.key, self.dest = link, link.streams[0], link.peer, key, dest
-        n = len(dest)
-        self.header = encode_frame_header(Kind.DATA, key[0], sig, key[1], key[2], 0, n, n)
-        self.head = bytearray(FRAME_HEADER_SIZE)
-        self.got = 0
-        self.done = False
-
-    def step(self) -> bool:
-        c, got = self.c, self.got
-        try:
-            if got < FRAME_HEADER_SIZE:
-                k = c.sock.recvmsg_into([memoryview(self.head)[got:], self.dest])[0]
-            else:
-                k = c.sock.recv_into(self.dest[got - FRAME_HEADER_SIZE:])
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError as exc:
-            self.link.conn_error(c, exc)
-            return True
-        if k == 0:
-            self.link._eof(c)
-            return True
-        self.got = got + k
-        if got < FRAME_HEADER_SIZE <= self.got and self.head != self.header:
-            return True  # another frame came first
-        if self.got == FRAME_HEADER_SIZE + len(self.dest):
-            self.done = True
-            kind = self.link.kind
-            kind.bytes_received += len(self.dest)
-            kind.quick_messages += 1
-            return True
-        return False
-
-    def hand_back(self) -> None:
-        if self.got and not self.done:
-            h = min(self.got, FRAME_HEADER_SIZE)
-            self.c.decoder.feed(bytes(self.head[:h]) + bytes(self.dest[: self.got - h]))
-            self.c.emptied = False
-            self.got = 0
-
-
 class TcpLinks(LinkKind):
     """The TCP links of one engine and what they share: probe timing, failover counters and the keeper
-    thread (what the probes say goes to the engine's MismatchDetector)."""
+    thread."""
 
     name = "tcp"
-    probes = True
 
     def __init__(self, conns: dict[int, list[socket.socket]], *, stripe_bytes: int = 256 << 10,
                  early_bytes: int = 64 << 10, max_message: int = 1 << 40, spin_us: int = 0, probe_after: float = 1.5,
@@ -706,10 +675,8 @@ class TcpLinks(LinkKind):
         self.resent_bytes = 0  # payload sent again after a lost stream
         self.quick_messages = 0  # messages read by a StreamReceive (Transport.exchange), not the decoder
         # A rank that only waits to receive has no unacknowledged data, so the kernel's link timeout never
-        # fires for it; after this long without traffic it sends a PING to the peers it waits on.
+        # fires for it; after this long without traffic the engine sends a PING to the peers it waits on.
         self.probe_after = probe_after
-        self._last_probe = time.monotonic()
-        self.probes_sent = 0
         self.threads: list[threading.Thread] = []  # the failover keeper, if any
 
     def attach(self, engine: Transport) -> None:
@@ -751,25 +718,9 @@ class TcpLinks(LinkKind):
     def _keep_going(self) -> None:
         """With failover on, acknowledge and answer RESYNCs even while no thread waits on this transport:
         a peer may be waiting for data that only our answer brings back."""
-        while self.engine.broken is None:
+        while self.engine.broken is None:  # (a kind's own thread: it drives the engine through its calls)
             time.sleep(0.05)
             self.engine.pump_if_idle()
-
-    def idle(self, slept: bool) -> None:
-        """Probe the peers we wait on once nothing moved for `probe_after` seconds: each PING names the
-        collective op we wait for from that peer (tag and signature). A peer that ran that op differently
-        (another root, another collective) sends us nothing for it and would otherwise only be found by the
-        group timeout; its MismatchDetector compares and fails the group."""
-        now = time.monotonic()
-        if now - max(self.engine.last_traffic, self._last_probe) < self.probe_after:
-            return
-        self._last_probe = now
-        for p, op in self.engine.ops.probes(self.links).items():
-            link = self.links[p]
-            live = [c for c in link.streams if not c.dead and not c.bye and c.ctl.ours is None]
-            if live:
-                self.probes_sent += 1
-                link.enqueue(live[0], _said(live[0], control.Ping(op)))
 
 
 def _header(f: Fields) -> bytes:

@@ -4,8 +4,9 @@ A small kind of link written the way every kind is (a Link per peer and a LinkKi
 show what the engine asks of one; tests run it through the conformance checks like the real kinds. It keeps
 only what every kind must: frames of protocol/framing.py in the order posted, a collective message whose
 receive is not posted yet *parked* (not read until it is: the socket's buffer holds it), and the control
-protocol every kind speaks (protocol/control.py: its messages in CONTROL frames): the ABORT after the rest
-of a frame in flight, BYE on an orderly close. No striping, failover, probes or fast paths.
+protocol every kind speaks (protocol/control.py: its messages in CONTROL frames, after the rest of a frame
+in flight): ABORT, BYE on an orderly close, and whatever the engine says through `say`. No striping,
+failover or shortcut for whole messages.
 """
 from __future__ import annotations
 
@@ -22,11 +23,6 @@ from ...transport.base import Link, LinkKind, Request, SocketFarewell, close_soc
 
 log = logging.getLogger("torch_thunderbolt.sock")
 _CONTROL = object()  # marks an inbound CONTROL frame's payload
-
-
-def _park(frame: Frame) -> bool:
-    """A collective message whose receive is not posted stays in the socket (flow control, no copy)."""
-    return True
 
 
 class _Out:
@@ -53,43 +49,52 @@ class SockLink(Link):
         self.ctl = control.ControlConnection()
         self.sendq: deque[_Out] = deque()
         self.inbound: list | None = None  # [destination, target, frame, bytes in]
-        self.held: Frame | None = None  # a parked collective frame
+        self.held_frame: Frame | None = None  # a parked collective frame
+        self._posts = 0  # the sink's receive count when the held frame was last matched
         self.bye = self.eof = False
         self.staging = bytearray(1 << 16)
 
     # -- moving data ----------------------------------------------------------------------------------------
-    def post_send(self, req: Request) -> None:
+    def send(self, key: tuple[int, int, int], sig: int, buf: memoryview) -> Request:
+        req = Request(self.peer, key, sig, buf, is_send=True)
         if self.bye or self.eof:
-            raise peer_shut_down(self.engine.rank, self.peer, f"to send it data ({req.describe()})",
+            raise peer_shut_down(self.sink.rank, self.peer, f"to send it data ({req.describe()})",
                                  address=self.address)
-        space, tag, seq = req.key
-        hdr = encode_frame_header(Kind.DATA, space, req.sig, tag, seq, 0, req.nbytes, req.nbytes)
-        self.sendq.append(_Out(hdr, req.buf, req))
+        space, tag, seq = key
+        hdr = encode_frame_header(Kind.DATA, space, sig, tag, seq, 0, req.nbytes, req.nbytes)
+        self.sendq.append(_Out(hdr, buf, req))
         if len(self.sendq) == 1:
             self._flush()
+        return req
 
-    def pump(self) -> bool:
+    def pump(self, woken: bool = False) -> bool:
         moved = self._flush() if self.sendq else False
-        if self.held is None and not self.eof and not self.bye:
+        posted = self.sink.posts != self._posts  # a receive was posted: the held frame may have one now
+        self._posts = self.sink.posts
+        if (self.held_frame is None or posted) and not self.eof and not self.bye:
             moved |= self._read()
         return moved
 
     def fds(self) -> list[tuple[int, int]]:
         if self.eof:
             return []
-        ev = (select.POLLIN if self.held is None and not self.bye else 0) | (select.POLLOUT if self.sendq else 0)
+        ev = (select.POLLIN if self.held_frame is None and not self.bye else 0) | (select.POLLOUT if self.sendq else 0)
         return [(self.sock.fileno(), ev)] if ev else []
 
-    def posted_recv(self) -> None:
-        if self.held is not None:
-            self._read()
+    def say(self, msg: control.Message) -> None:
+        if self.eof or self.ctl.ours is not None:
+            return
+        body = self._said(msg)
+        out = _Out(body, memoryview(b""), None)
+        if self.sendq and self.sendq[0].sent:  # after the frame in flight
+            self.sendq.insert(1, out)
+        else:
+            self.sendq.appendleft(out)
+        self._flush()
 
     # -- what it knows --------------------------------------------------------------------------------------
-    def gone(self) -> bool:
-        return self.bye or self.eof
-
-    def parked(self) -> Frame | None:
-        return self.held if self.held is not None and self.held.space == Space.COLL else None
+    def held(self) -> Frame | None:
+        return self.held_frame if self.held_frame is not None and self.held_frame.space == Space.COLL else None
 
     # -- the end --------------------------------------------------------------------------------------------
     def abort(self, err: BaseException, body: AbortInfo | None) -> SocketFarewell | None:
@@ -136,21 +141,20 @@ class SockLink(Link):
             self.sendq.popleft()
             self.kind.bytes_sent += len(out.bufs[1])
             if out.req is not None:
-                out.req.done = True
-                self.engine.signal()
+                self.sink.completed(self.peer, out.req.key, out.req, out.req.nbytes)
         return moved
 
     def _read(self) -> bool:
-        engine = self.engine
+        sink = self.sink
         moved = False
         try:
-            while engine.broken is None:
+            while sink.broken is None:
                 if self.inbound is not None:
                     if not self._payload():
                         return moved
                     moved = True
                     continue
-                frame, self.held = self.held or self.decoder.next_frame(), None
+                frame, self.held_frame = self.held_frame or self.decoder.next_frame(), None
                 if frame is None:
                     k = self.sock.recv_into(self.staging)
                     if k == 0:
@@ -162,9 +166,9 @@ class SockLink(Link):
                 elif frame.kind is Kind.CONTROL:
                     self.inbound = [memoryview(bytearray(frame.length)), _CONTROL, frame, 0]
                 elif frame.kind is Kind.DATA:
-                    target = engine.matcher.match(self.peer, frame, park=_park)
+                    target = sink.delivered(self.peer, frame, 0)  # (held in the socket: flow control, no copy)
                     if target is None:
-                        self.held = frame
+                        self.held_frame = frame
                         return moved
                     self.inbound = [target[0], target[1], frame, 0]
                 else:
@@ -172,7 +176,7 @@ class SockLink(Link):
         except (BlockingIOError, InterruptedError):
             return moved
         except ThunderboltError as exc:  # a mismatch, or bytes that are not our protocol
-            engine.fail(exc)
+            sink.failed(self.peer, exc)
         except OSError as exc:
             self._lost(exc)
         return True
@@ -195,21 +199,16 @@ class SockLink(Link):
         self.inbound = None
         if target is _CONTROL:
             msg = self.ctl.receive(bytes(dest))
-            if isinstance(msg, control.Abort):
-                self.engine.peer_aborted(self.peer, msg.info)
-            elif isinstance(msg, control.Bye):
+            if isinstance(msg, control.Bye):
                 self.bye = True
-                self.engine.peer_left(self.peer, f"({self.address})")
-            else:
-                raise ProtocolError(f"rank {self.peer} sent {type(msg).__name__.upper()} on a sock link")
-            return False
+            self.sink.said(self.peer, msg)
+            return not isinstance(msg, (control.Abort, control.Bye))
         self.kind.bytes_received += frame.length
-        if self.engine.matcher.part_done(self.peer, frame.key, target, frame.length):
-            self.engine.signal()
+        self.sink.completed(self.peer, frame.key, target, frame.length)
         return True
 
     def _lost(self, exc: BaseException) -> None:
-        self.engine.fail(self.engine.lost(self.peer, f"({self.address})", exc, self.address))
+        self.sink.failed(self.peer, exc, f"({self.address})", self.address)
 
 
 class SockLinks(LinkKind):
