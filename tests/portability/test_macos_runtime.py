@@ -113,17 +113,21 @@ def test_ring_head_and_tail_sit_on_separate_128_byte_cache_lines() -> None:
 
 def test_shared_memory_is_refused_where_no_full_memory_barrier_is_known() -> None:
     from torch_thunderbolt.rendezvous.kinds import KINDS, choose, refused
-    from torch_thunderbolt.transport import shm_ring as ring
+    from torch_thunderbolt.transport import ordering
 
     barrier = lambda: None  # noqa: E731 - stands in for libSystem's OSMemoryBarrier
     missing = lambda name: None  # noqa: E731 - a libSystem without it
-    assert ring.full_barrier(DARWIN, lambda name: barrier if name == "OSMemoryBarrier" else None) is barrier
-    assert ring.shm_refusal(DARWIN, lambda name: barrier) is None
-    assert "OSMemoryBarrier" in ring.shm_refusal(DARWIN, missing)  # before: a lock, no full barrier on arm64
-    assert "riscv64" in ring.shm_refusal(Platform.for_system("linux", "riscv64"))
-    assert ring.shm_refusal(Platform.for_system("linux", "x86_64")) is None
+    mac_fences = ordering.fences(DARWIN, lambda name: barrier if name == "OSMemoryBarrier" else None)
+    assert mac_fences == ordering.Fences(barrier, barrier, barrier)  # all three are the dmb (arm64 reorders all)
+    x86 = ordering.fences(Platform.for_system("linux", "x86_64"))
+    # x86 is TSO: acquire and release cost nothing, only the sleep handshake's store-then-load needs a fence
+    assert x86.acquire is x86.release is ordering.nothing and x86.full is not ordering.nothing
+    assert ordering.shm_refusal(DARWIN, lambda name: barrier) is None
+    assert "OSMemoryBarrier" in ordering.shm_refusal(DARWIN, missing)  # a lock is no full barrier on arm64
+    assert "riscv64" in ordering.shm_refusal(Platform.for_system("linux", "riscv64"))
+    assert ordering.shm_refusal(Platform.for_system("linux", "x86_64")) is None
     # Such a rank offers no shared memory: the table gives its pairs TCP, and it says why (group.connect logs it).
-    ok, mac = {"shm": None, "tcp": None}, {"shm": ring.shm_refusal(DARWIN, missing), "tcp": None}
+    ok, mac = {"shm": None, "tcp": None}, {"shm": ordering.shm_refusal(DARWIN, missing), "tcp": None}
     for setting in ("shm", "auto"):
         kinds = choose(KINDS, setting, ["h"] * 3, [ok, ok, mac])
         assert kinds[2] == ["tcp", "tcp", ""] and kinds[0][1] == "shm"
