@@ -196,10 +196,11 @@ def async_calls(calls: int, devices: dict[str, str], stagger: float) -> dict[str
 def summary(ranks: list[dict[str, list[float]]]) -> dict[str, float]:
     """Medians of each phase and of the per-iteration hidden share; each iteration's phase times are the
     slowest rank's."""
+    from torch_thunderbolt.bench.metrics import hidden_share
+
     its = range(len(ranks[0]["step"]))
     per = {k: [max(r[k][i] for r in ranks) for i in its] for k in ("compute", "step", "exchange")}
-    shares = [max(0.0, min(1.0, (per["compute"][i] + per["exchange"][i] - per["step"][i]) / per["exchange"][i]))
-              for i in its]
+    shares = [hidden_share(per["compute"][i], per["step"][i], per["exchange"][i]) for i in its]
     return {**{k: statistics.median(v) for k, v in per.items()}, "hidden": statistics.median(shares)}
 
 
