@@ -7,7 +7,7 @@ The store probe (rendezvous/store_probe.py) must run inside torch's env:// and t
 before they connect the TCPStore, and only when the group being created is a thunderbolt one: a gloo or
 nccl job keeps torch's behaviour, and our settings are never checked for it. torch tells a handler nothing
 about the backend: init_process_group resolves `backend` and then calls `rendezvous(init_method, rank,
-world_size, timeout=timeout)` (torch 2.5 to 2.14), the handler gets the URL and the timeout, our creator
+world_size, timeout=timeout)` (torch 2.13 and 2.14), the handler gets the URL and the timeout, our creator
 (the backend plugin, with its `_DistributedBackendOptions`) runs only once the store exists, and no
 environment variable carries the backend. So init_process_group itself is wrapped, thinly: the wrapper binds
 the call's arguments to torch's own signature, keeps the backend they ask for in a ContextVar for the
@@ -187,7 +187,7 @@ def install_probe(places: TorchPlaces) -> bool:
     for module in (places.c10d, *places.reexports):
         if getattr(module, "init_process_group", None) in (hooked.__wrapped__, hooked):
             module.init_process_group = hooked
-    for scheme in PROBED_SCHEMES:
+    for scheme in PROBED_SCHEMES:  # into torch's table: register_rendezvous_handler refuses to replace one
         if scheme in places.handlers and not ours(places.handlers[scheme]):
             places.handlers[scheme] = _probing_handler(places.handlers[scheme])
     return True
