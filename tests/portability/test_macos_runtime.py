@@ -36,7 +36,7 @@ def fake_mac(uuid: str, boot: str, calls: list | None = None):
 def test_two_macs_with_the_same_hostname_are_different_hosts() -> None:
     a = host_identity(DARWIN, fake_mac("5B2E6C1A-0000-4D3E-9F00-000000000001", "B00T-A"))
     b = host_identity(DARWIN, fake_mac("5B2E6C1A-0000-4D3E-9F00-000000000002", "B00T-A"))
-    assert a != b  # before: both were just the (same) hostname plus Linux-only /proc facts
+    assert a != b  # the hostname alone (plus Linux-only /proc facts) would make them one host
 
 
 def test_the_same_mac_is_the_same_host_and_a_reboot_is_not() -> None:
@@ -60,7 +60,7 @@ def test_linux_host_identity_keeps_boot_id_and_network_namespace() -> None:
 
 def test_a_segment_is_seen_without_dev_shm_and_gone_once_unlinked() -> None:
     """macOS has no /dev/shm to list: the leftovers check and live_segments still see a live segment (from
-    its marker, probed) and no longer see it once unlinked. Before, both listed /dev/shm only."""
+    its marker, probed) and no longer see it once unlinked; listing /dev/shm would find nothing there."""
     assert DARWIN.shm_list_dir is None
     seg = segs.create(4096)
     try:
