@@ -33,6 +33,7 @@ from collections import deque
 from ..errors import ProtocolError, ThunderboltError, peer_shut_down
 from ..protocol import control
 from ..protocol.framing import AbortInfo, Frame, Kind, Space
+from . import ordering
 from . import shm_ring as ring
 from .base import Key, Link, LinkKind, Request, SocketFarewell, close_control
 from .engine import Transport
@@ -302,7 +303,7 @@ class ShmLinks(LinkKind):
     def after_pump(self) -> None:
         if not self.to_ring:
             return
-        ring.fence()  # our head/tail stores before the peer's flag load
+        ordering.full()  # our head/tail stores before the load of the peer's flag (the sleeper: the reverse)
         for link in self.to_ring:
             if link.flag[0] and not link.eof:
                 link.ring_bell()
@@ -316,7 +317,7 @@ class ShmLinks(LinkKind):
 
     def before_sleep(self, quiet: bool) -> float:
         self._my_flag[0] = 1
-        ring.fence()  # the flag store must be visible before the engine looks at the rings one last time
+        ordering.full()  # the flag store before the engine's last look at the rings and counters
         return QUIET_CAP if quiet else BLOCK_CAP
 
     def after_sleep(self) -> None:
@@ -324,7 +325,7 @@ class ShmLinks(LinkKind):
 
     def wake_sleepers(self) -> None:
         """After a window post: ring the bell of every peer asleep in poll() (it may wait for that post)."""
-        ring.fence()  # our counter store before their flag loads (they fence between flag store and check)
+        ordering.full()  # our counter store before the loads of their flags (they fence the reverse)
         for link in self._list:
             if link.flag[0] and not link.eof:
                 link.ring_bell()
