@@ -248,6 +248,7 @@ class DeviceCompletions:
         self._lock = threading.Lock()
         self._turn = threading.RLock()  # held while completing: one thread at a time, in issue order
         self._pending: collections.deque[DeviceWork] = collections.deque()
+        self.pending = self._pending  # the same queue, for a look without the lock or a call (a small op's)
         self._drain_task = -1  # the backward pass whose end-of-pass callback is queued
         # Errors of ops issued in a backward pass, and of callbacks chained on device futures: raised into
         # backward() by the end-of-pass callback (C++ waiters see a completed future as a success).

@@ -43,6 +43,7 @@ _COLLECTIVES = ("all_gather", "all_gather_coalesced", "all_gather_into_tensor", 
                 "scatter", "sparse_all_reduce")
 MONITORED_BARRIER_TAG = -0x6D62  # a point-to-point tag of our own: user tags are not negative
 _SUM = dist.ReduceOp.SUM
+_NO_TIME = timedelta(0)
 
 
 def _timeout_s(opts: Any, default: float) -> float:
@@ -67,6 +68,9 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         self._group_desc = description
         # How works name their op ("all_reduce on rank 3"), formatted once: a small op pays for every string.
         self._whats = {op: f"{op} on rank {self._rank}" for op in _COLLECTIVES}
+        self._what_all_reduce = self._whats["all_reduce"]
+        self._small_bytes = cfg.small_bytes
+        self._compressing = cfg.compression != "none"
         self._closed = False
         self._close_lock = threading.Lock()
         # monitored_barrier's receive buffers, kept past the call (see there)
@@ -155,7 +159,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 rop = opts.reduceOp if opts is not None else _SUM
                 op, factor = ("sum", None) if rop == _SUM else reduce_op(rop)
                 flat = x if x.dim() == 1 and not x.requires_grad and x.stride(0) == 1 else flat_view(x)
-                if flat is not None and not self._compress(flat, op):
+                if flat is not None and not (self._compressing and self._compress(flat, op)):
                     return self._all_reduce_one(tensors, flat, op, factor, opts)
         if on_device(tensors):
             return self._devices.run(tensors, lambda s: self.allreduce(s.read_write(tensors), opts))
@@ -183,20 +187,25 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
     def _all_reduce_one(self, tensors: list[torch.Tensor], flat: torch.Tensor, op: str, factor: object,
                         opts: Any) -> Work:
         """The all_reduce of one flat CPU tensor, in the caller's thread when it may run inline (the group's
-        turn taken once, and the finished Work made after the op), else on the worker."""
-        if not self._devices.idle:
+        turn taken once, and the finished Work made after the op), else on the worker. Written out, as the
+        one path every small all_reduce takes: each call and attribute here costs it measurably."""
+        if self._devices.pending:
             self._devices.complete_ready()  # this thread's device ops whose bytes are in (device.py)
-        what = self._whats["all_reduce"]
-        if ((flat.numel() * flat.element_size() <= self._cfg.small_bytes or (opts is not None and opts.asyncOp is False))
-                and self._worker.try_inline()):
+        what = self._what_all_reduce
+        worker = self._worker
+        if ((flat.numel() * flat.element_size() <= self._small_bytes or (opts is not None and opts.asyncOp is False))
+                and worker.try_inline()):
+            comm = self._comm
+            t = opts.timeout if opts is not None else None
+            comm.timeout = t.total_seconds() if type(t) is timedelta and t > _NO_TIME else self._timeout
             try:
-                self._all_reduce_flat(opts, flat, op, factor)
+                comm.all_reduce(flat, op, factor)
             except BaseException as exc:  # noqa: BLE001 - delivered through the work
                 return Work.completed(what, tensors, exc)
             finally:
-                self._worker.end_inline()
+                worker.end_inline()
             return Work.completed(what, tensors)
-        return self._worker.submit(Work(what, tensors), functools.partial(self._all_reduce_flat, opts, flat, op, factor))
+        return worker.submit(Work(what, tensors), functools.partial(self._all_reduce_flat, opts, flat, op, factor))
 
     def _all_reduce_flat(self, opts: Any, flat: torch.Tensor, op: str, factor: object) -> None:
         # The op's timeout is set by the thread that runs it, just before it: the caller may not touch it
