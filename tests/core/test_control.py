@@ -14,7 +14,8 @@ counters = st.lists(u64, max_size=c.MAX_COUNTERS).map(tuple)
 ops = st.builds(c.Op, space=st.integers(0, 255), tag=st.integers(-1, (1 << 63) - 1), sig=u64,
                 waits_on=st.integers(-1, 1 << 20), counters=counters)
 infos = st.builds(AbortInfo, error=st.text(max_size=40), reason=st.text(max_size=200), rank=st.integers(-1, 99),
-                  peer=st.integers(-1, 99), ranks=st.lists(st.integers(0, 99), max_size=5).map(tuple))
+                  peer=st.integers(-1, 99), ranks=st.lists(st.integers(0, 99), max_size=5).map(tuple),
+                  group=st.integers(0, 127))
 messages = st.one_of(
     st.builds(c.Bye, sent=counters), st.builds(c.Abort, info=infos), st.builds(c.Ping, op=ops),
     st.builds(c.Answer, op=ops), st.builds(c.Leave, epoch=u64),
@@ -96,15 +97,16 @@ def test_bye_both_ways_closes() -> None:
     assert a.state is b.state is c.State.CLOSED
 
 
-@pytest.mark.parametrize("after", [c.Ping(c.Op()), c.Leave(1), c.Shrink(1, (0,)), c.Bye()])
-def test_nothing_but_abort_after_ones_own_bye(after: c.Message) -> None:
+@pytest.mark.parametrize("after", [c.Ping(c.Op()), c.Leave(1), c.Shrink(1, (0,)), c.Bye(),
+                                   c.Abort(AbortInfo("X", "y"))])
+def test_nothing_after_ones_own_bye(after: c.Message) -> None:
     a, _ = pair()
     a.send(c.Bye())
     with pytest.raises(ProtocolError, match="after its BYE"):
         a.send(after)
     assert a.state is c.State.ERROR
     with pytest.raises(ProtocolError, match="failed earlier"):
-        a.send(c.Abort(AbortInfo("X", "y")))
+        a.send(c.Ping(c.Op()))
 
 
 def test_a_message_after_the_peers_bye_is_an_error() -> None:
@@ -126,28 +128,34 @@ def test_an_answer_needs_a_ping() -> None:
     assert a.state is c.State.OPEN
 
 
-def test_aborts_may_cross_and_end_the_connection() -> None:
+def test_aborts_are_per_group_may_cross_and_leave_the_wire_open() -> None:
+    """An ABORT ends its group, not the wire: other groups over it go on, one ABORT per group and end."""
     a, b = pair()
-    to_b, to_a = a.send(c.Abort(AbortInfo("MismatchError", "x", 0))), b.send(c.Abort(AbortInfo("CollectiveTimeout", "y", 1)))
+    to_b = a.send(c.Abort(AbortInfo("MismatchError", "x", 0, group=2)))
+    to_a = b.send(c.Abort(AbortInfo("CollectiveTimeout", "y", 1, group=2)))
     assert b.receive(to_b).info.error == "MismatchError" and a.receive(to_a).info.rank == 1
-    assert a.state is b.state is c.State.ABORTED
-    with pytest.raises(ProtocolError, match="second ABORT"):
-        a.send(c.Abort(AbortInfo("X", "")))
+    assert a.state is b.state is c.State.OPEN
+    b.receive(a.send(c.Ping(c.Op(4, 1, 9))))  # group 2's space is 4: group 0 talks on
+    b.receive(a.send(c.Abort(AbortInfo("X", "", group=0))))
+    with pytest.raises(ProtocolError, match="second ABORT for group 2"):
+        a.send(c.Abort(AbortInfo("X", "", group=2)))
 
 
-def test_the_peer_may_not_talk_after_its_abort() -> None:
+def test_the_peer_may_not_abort_one_group_twice() -> None:
     a, b = pair()
-    a.receive(b.send(c.Abort(AbortInfo("X", ""))))
-    with pytest.raises(ProtocolError, match="after its ABORT"):
-        a.receive(c.encode(c.Ping(c.Op())))
+    a.receive(b.send(c.Abort(AbortInfo("X", "", group=1))))
+    with pytest.raises(ProtocolError, match="second ABORT for group 1"):
+        a.receive(c.encode(c.Abort(AbortInfo("X", "", group=1))))
 
 
-def test_leave_then_only_bye() -> None:
+def test_leave_is_per_group() -> None:
     a, b = pair()
     b.receive(a.send(c.Leave(3)))
-    assert b.left and b.state is c.State.OPEN
-    with pytest.raises(ProtocolError, match="after LEAVE"):
-        b.receive(c.encode(c.Ping(c.Op())))
+    assert b.left[1] == {3} and b.state is c.State.OPEN
+    b.receive(a.send(c.Leave(4)))
+    b.receive(a.send(c.Ping(c.Op())))  # the wire and its other groups go on
+    with pytest.raises(ProtocolError, match="second LEAVE of group 3"):
+        b.receive(c.encode(c.Leave(3)))
     a2, b2 = pair()
     b2.receive(a2.send(c.Leave(3)))
     b2.receive(a2.send(c.Bye()))
@@ -173,7 +181,7 @@ def test_a_stream_split_anywhere_gives_the_same_messages_and_drops_wake_bytes() 
             b.receive_data(raw[i : i + step])
             while (m := b.next_event()) is not None:
                 got.append(m)
-        assert got == msgs and b.state is c.State.ABORTED
+        assert got == msgs and b.state is c.State.OPEN
 
 
 def test_a_wake_byte_inside_no_message_and_none_without_wake() -> None:

@@ -21,7 +21,6 @@ import time
 from typing import Iterable
 
 from ..errors import CollectiveTimeout, MismatchError
-from ..protocol.framing import Space
 from ..protocol.signature import describe_sig
 from ..transport.engine import Transport
 from ..transport.window import BUFFERS, WindowMemory
@@ -112,7 +111,7 @@ class Window:
         counter = self.memory.counter
         for peer in [self.members[p] for p in peers if counter(p) < value]:
             held = self.engine.held(peer)
-            if held is None or held.space != Space.COLL:
+            if held is None or held.space != self.engine.coll:
                 continue
             self.memory.fence()  # the ring was read first: the counter load must not move before it
             if counter(self._position[peer]) < value:

@@ -10,13 +10,15 @@ Messages:
 - `Bye(sent)`: no more data comes from this end (the orderly close). `sent`: per-lane counts of data
   frames sent, for a kind whose data path may lose its last frames unseen (RDMA: the peer counts them in
   before it calls the sender gone); empty elsewhere.
-- `Abort(info)`: this end failed the group, and why (`framing.AbortInfo`: the error's class, message and
-  the ranks it names, as data).
+- `Abort(info)`: this end failed a group, and why (`framing.AbortInfo`: the error's class, message, the
+  ranks it names, as data, and the group: several groups may run over one wire, and one failing ends
+  neither the wire nor the others).
 - `Ping(op)` / `Answer(op)`: an op announcement (`Op`): the collective op this rank is in or waits for
   (space, tag, signature), whom it waits on there, and the kind's own counters (RDMA's per-lane frames
   sent, received and receives posted). A Ping asks; an Answer replies to a Ping this end sent.
-- `Leave(epoch)` and `Shrink(epoch, ranks)`: a rank leaving the group in order, and a proposal of new
-  membership (the surviving ranks, under a new epoch), for groups that outlive a lost rank.
+- `Leave(epoch)`: this end closed group `epoch` (its id) in order: a wait for its data there is over.
+- `Shrink(epoch, ranks)`: a proposal of new membership, the surviving ranks, and the id this end proposes
+  for the new group (`epoch`, only upwards): the survivors of a lost rank agree on it over the live links.
 
 Encoding: an 8-byte head (magic, version, type, body length) and the body. The magic's first byte is
 never 0, so a kind may put a bare 0 byte between messages as a wake-up (shared memory's doorbell), and
@@ -25,8 +27,8 @@ version, an unknown type, a body of the wrong size or over MAX_BODY, fields out 
 `ProtocolError`, never an allocation of what a peer announces.
 
 `ControlConnection` is one end's state machine for one wire (h11's idea: bytes and events in, bytes out,
-no I/O): what each end may still say depends on what was said before (nothing after BYE, an Answer only to
-a Ping, a Shrink's epoch only upwards). An illegal event, sent or received, puts it in ERROR for good, and
+no I/O): what each end may still say depends on what was said before (nothing after BYE, one ABORT and one
+LEAVE per group, an Answer only to a Ping, a Shrink's epoch only upwards). An illegal event, sent or received, puts it in ERROR for good, and
 the only exception any of its methods raises is ProtocolError.
 """
 from __future__ import annotations
@@ -243,7 +245,6 @@ class State(enum.Enum):
     CLOSING = "closing"  # this end said BYE; the peer has not
     PEER_CLOSING = "peer closing"  # the peer said BYE; this end has not
     CLOSED = "closed"  # BYE both ways
-    ABORTED = "aborted"  # an ABORT went one way or the other: the group is broken, the wire ends
     ERROR = "error"  # an illegal event: final
 
 
@@ -257,10 +258,10 @@ class ControlConnection:
         if wake is not None and wake == MAGIC & 0xFF:
             raise ValueError("a wake-up byte cannot be the first byte of a message")
         self.wake = wake
-        self.ours: "Type | None" = None  # BYE or ABORT once this end said it
+        self.ours: "Type | None" = None  # BYE once this end said it (the wire ends)
         self.theirs: "Type | None" = None
-        self.left = False  # the peer said LEAVE
-        self.leaving = False  # this end said LEAVE
+        self.aborted: tuple[set[int], set[int]] = (set(), set())  # groups ABORTed by this end, by the peer
+        self.left: tuple[set[int], set[int]] = (set(), set())  # groups LEFT by this end, by the peer
         self.pings_sent = 0
         self.epochs = [-1, -1]  # the last SHRINK epoch said by this end, by the peer
         self._error: "ProtocolError | None" = None
@@ -270,8 +271,6 @@ class ControlConnection:
     def state(self) -> State:
         if self._error is not None:
             return State.ERROR
-        if Type.ABORT in (self.ours, self.theirs):
-            return State.ABORTED
         if self.ours is Type.BYE:
             return State.CLOSED if self.theirs is Type.BYE else State.CLOSING
         return State.PEER_CLOSING if self.theirs is Type.BYE else State.OPEN
@@ -285,42 +284,33 @@ class ControlConnection:
         if self._error is not None:
             raise ProtocolError(f"the control connection failed earlier: {self._error}")
         who = "this rank" if mine else "the peer"
+        end = 0 if mine else 1
         said = self.ours if mine else self.theirs
-        heard = self.theirs if mine else self.ours
         name = type(msg).__name__.upper()
-        if isinstance(msg, Abort):
-            if said is Type.ABORT:
-                raise self._fail(f"{who} sent a second ABORT")
-            if said is Type.BYE:
-                raise self._fail(f"{who} sent ABORT after its BYE")
-            return
         if said is not None:
             raise self._fail(f"{who} sent {name} after its {said.name}")
-        if heard is Type.ABORT and mine:
-            raise self._fail(f"{who} may not send {name}: the peer aborted")
-        if isinstance(msg, Bye):
-            return
-        if self.leaving if mine else self.left:
-            raise self._fail(f"{who} sent {name} after LEAVE (only BYE or ABORT may follow)")
+        if isinstance(msg, Abort) and msg.info.group in self.aborted[end]:
+            raise self._fail(f"{who} sent a second ABORT for group {msg.info.group}")
+        if isinstance(msg, Leave) and msg.epoch in self.left[end]:
+            raise self._fail(f"{who} sent a second LEAVE of group {msg.epoch}")
         if isinstance(msg, Answer) and not mine and not self.pings_sent:
             raise self._fail("the peer sent an ANSWER to no PING")
-        if isinstance(msg, Shrink) and msg.epoch <= self.epochs[0 if mine else 1]:
-            raise self._fail(f"{who} proposed epoch {msg.epoch} after epoch {self.epochs[0 if mine else 1]}")
+        if isinstance(msg, Shrink) and msg.epoch <= self.epochs[end]:
+            raise self._fail(f"{who} proposed epoch {msg.epoch} after epoch {self.epochs[end]}")
 
     def _apply(self, msg: Message, mine: bool) -> None:
-        if isinstance(msg, (Bye, Abort)):
-            typ = Type.BYE if isinstance(msg, Bye) else Type.ABORT
+        end = 0 if mine else 1
+        if isinstance(msg, Bye):
             if mine:
-                self.ours = typ
+                self.ours = Type.BYE
             else:
-                self.theirs = typ
+                self.theirs = Type.BYE
+        elif isinstance(msg, Abort):
+            self.aborted[end].add(msg.info.group)
         elif isinstance(msg, Leave):
-            if mine:
-                self.leaving = True
-            else:
-                self.left = True
+            self.left[end].add(msg.epoch)
         elif isinstance(msg, Shrink):
-            self.epochs[0 if mine else 1] = msg.epoch
+            self.epochs[end] = msg.epoch
         elif isinstance(msg, Ping) and mine:
             self.pings_sent += 1
 
@@ -343,8 +333,6 @@ class ControlConnection:
                 msg = decode(msg)
             except ProtocolError as exc:
                 raise self._fail(str(exc)) from None
-        if self.theirs is not None and self.ours is Type.ABORT:
-            return msg  # both ends failed at once: what the peer says now changes nothing
         self._check(msg, mine=False)
         self._apply(msg, mine=False)
         return msg

@@ -41,8 +41,26 @@ class Kind(enum.IntEnum):
 
 
 class Space(enum.IntEnum):
+    """The spaces of the group made at set-up (group 0). Group `g` over the same links uses `2 * g` for its
+    collectives and `2 * g + 1` for its point-to-point messages: a frame's space byte names its group."""
+
     COLL = 0  # collectives: tag = op sequence number, seq = message index within the op
     P2P = 1  # point to point: tag = user tag, seq = per (peer, tag) message counter
+
+
+def is_p2p(space: int) -> bool:
+    """Whether messages of `space` are point-to-point (else a collective op's)."""
+    return bool(space & 1)
+
+
+class _Discard:
+    """What a sink gives for a frame of a group that is over or broken: the link drops its payload."""
+
+    def __repr__(self) -> str:
+        return "DISCARD"
+
+
+DISCARD = _Discard()
 
 
 class Frame(NamedTuple):
@@ -50,7 +68,7 @@ class Frame(NamedTuple):
     dataclass costs a small op twice as much to build."""
 
     kind: Kind
-    space: Space
+    space: int  # 2 * group + (1 for point to point): see Space
     sig: int  # 64-bit signature of the operation (protocol.signature): a mismatch check on every part
     tag: int
     seq: int
@@ -60,11 +78,10 @@ class Frame(NamedTuple):
 
     @property
     def key(self) -> tuple[int, int, int]:
-        return (int(self.space), self.tag, self.seq)
+        return (self.space, self.tag, self.seq)
 
 
 _KINDS = {k.value: k for k in Kind}
-_SPACES = {s.value: s for s in Space}
 
 
 def encode_frame_header(
@@ -86,9 +103,9 @@ def _parse(raw: bytes | memoryview, max_message: int) -> Frame:
     sig = (sig_hi << 32) | sig_lo
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic 0x{magic:04x} (expected 0x{MAGIC:04x})")
-    kind_e, space_e = _KINDS.get(kind), _SPACES.get(space)  # (an enum call per frame costs as much again)
-    if kind_e is None or space_e is None:
-        raise ProtocolError(f"unknown frame kind {kind} or space {space}")
+    kind_e, space_e = _KINDS.get(kind), space  # (an enum call per frame costs as much again)
+    if kind_e is None:
+        raise ProtocolError(f"unknown frame kind {kind}")
     if total > max_message:
         raise ProtocolError(f"frame announces a {total}-byte message; the limit is {max_message}")
     if kind_e is Kind.ACK or kind_e is Kind.RESYNC:
@@ -191,6 +208,7 @@ class AbortInfo:
     rank: int = -1  # the rank that reports it (-1: not known)
     peer: int = -1  # the rank lost (PeerLostError) or the rank that failed first (a forwarded abort)
     ranks: tuple[int, ...] = ()  # the ranks a CollectiveTimeout blames
+    group: int = 0  # the group that failed (its gid: the engine's groups share the links)
 
     @classmethod
     def of(cls, error: BaseException, rank: int = -1) -> "AbortInfo":
@@ -200,12 +218,13 @@ class AbortInfo:
         return cls(type(error).__name__, str(error), rank, peer if isinstance(peer, int) else -1,
                    tuple(r for r in ranks if isinstance(r, int)) if isinstance(ranks, (list, tuple)) else ())
 
+
     def encode(self) -> bytes:
         """The ABORT body; a long reason is cut so that the whole body fits MAX_ABORT_PAYLOAD."""
         error, reason, ranks = self.error, self.reason, list(self.ranks)
         while True:
             body = json.dumps({"error": error, "reason": reason, "rank": self.rank, "peer": self.peer,
-                               "ranks": ranks}).encode()
+                               "ranks": ranks, "group": self.group}).encode()
             over = len(body) - MAX_ABORT_PAYLOAD
             if over <= 0:
                 return body
@@ -223,10 +242,10 @@ class AbortInfo:
         """The AbortInfo of an ABORT body; ProtocolError when it is not one."""
         try:
             d = json.loads(bytes(body).decode())
-            info = cls(d["error"], d["reason"], d["rank"], d["peer"], tuple(d["ranks"]))
+            info = cls(d["error"], d["reason"], d["rank"], d["peer"], tuple(d["ranks"]), d.get("group", 0))
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"malformed ABORT body ({exc})") from None
         if not (isinstance(info.error, str) and isinstance(info.reason, str)
-                and all(type(r) is int for r in (info.rank, info.peer, *info.ranks))):
+                and all(type(r) is int for r in (info.rank, info.peer, info.group, *info.ranks))):
             raise ProtocolError("malformed ABORT body (a field of the wrong type)")
         return info

@@ -164,76 +164,16 @@ class Link(abc.ABC):
         flight; a kind may add its own counters to an op announcement."""
 
     @abc.abstractmethod
-    def abort(self, err: BaseException, body: "AbortInfo | None") -> "Farewell | None":
-        """The group broke with `err`: every send not fully written gets `err` and is dropped. With `body`
-        (what an ABORT says), tell the peer why in a control ABORT, after the rest of any message part it is
-        half-way through reading: what is left of that (the engine drives it at most ABORT_GRACE seconds,
-        then closes the link), or None when it is done or there is no one to tell."""
+    def abort(self, err: BaseException, body: "AbortInfo | None", group: int) -> None:
+        """Group `group` broke with `err` (-1: every group, the link is done): its sends not yet on their way
+        get `err` and are dropped, but for a message part the peer is half-way through reading (it would read
+        what follows as the rest). With `body` (what an ABORT says), tell the peer why in a control ABORT,
+        after that part. The link goes on for the other groups."""
 
     @abc.abstractmethod
     def close(self, bye: bool) -> None:
         """Release the link; with `bye` (the orderly end) first tell the peer no more data comes (best
         effort). Shared resources go with the LinkKind's `release`."""
-
-
-class Farewell(abc.ABC):
-    """What is left of a link's last words once its group broke (`Link.abort`). The engine drives the
-    farewells of every link at once, for at most ABORT_GRACE seconds, and only then closes the links: a
-    peer must read why before it sees the connection go."""
-
-    def fds(self) -> "Iterable[tuple[int, int]]":
-        """(file descriptor, poll events) to wait on now; none: `step` is called again after a short sleep."""
-        return ()
-
-    @abc.abstractmethod
-    def step(self, fd: int, events: int) -> bool:
-        """Move on (`events` happened on `fd`; fd -1: some time passed); True once over (the peer has it, or
-        is gone)."""
-
-
-class SocketFarewell(Farewell):
-    """Last words over sockets: write each socket's bytes (the rest of a frame in flight, then the ABORT),
-    then FIN; over once each peer has closed its end too (it read everything), reading and dropping what
-    the peers send meanwhile: closing a socket with unread bytes makes the kernel send a reset and throw
-    away what is still queued, the ABORT included, and the peer would then report "lost the connection"
-    to us instead of the reason."""
-
-    def __init__(self, writes: "Iterable[tuple[socket.socket, Sequence[memoryview]]]") -> None:
-        self.todo = {s.fileno(): (s, [b for b in bufs if len(b)]) for s, bufs in writes if s.fileno() >= 0}
-        self.sink = bytearray(1 << 16)
-
-    def fds(self) -> "list[tuple[int, int]]":
-        return [(fd, select.POLLIN | (select.POLLOUT if bufs else 0)) for fd, (_, bufs) in self.todo.items()]
-
-    def step(self, fd: int, events: int) -> bool:
-        entry = self.todo.get(fd)
-        if entry is None:
-            return not self.todo
-        sock, bufs = entry
-        try:
-            if bufs and events & select.POLLOUT:
-                while bufs:  # as much as the socket takes now (BlockingIOError when full)
-                    _consume(bufs, sock.send(bufs[0], socket.MSG_DONTWAIT))
-                sock.shutdown(socket.SHUT_WR)
-            if events & (select.POLLIN | select.POLLHUP | select.POLLERR):
-                while sock.recv_into(self.sink):
-                    pass
-                del self.todo[fd]  # the peer closed its end: it has read all we sent
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError:
-            self.todo.pop(fd, None)  # gone (the dead rank, or a peer that reset): nothing more to do
-        return not self.todo
-
-
-def _consume(bufs: "list[memoryview]", k: int) -> None:
-    """Drop the first `k` bytes of the buffer list `bufs` (after a partial write)."""
-    while k and bufs:
-        if k >= len(bufs[0]):
-            k -= len(bufs.pop(0))
-        else:
-            bufs[0] = bufs[0][k:]
-            k = 0
 
 
 class LinkKind:

@@ -1,18 +1,27 @@
-"""The one progress engine: every group's transport, whatever mix of links it holds.
+"""The one progress engine of a process's links, and the groups (`Transport`) that run over them.
 
-A transport moves byte buffers between the ranks of one group: `isend`/`irecv` post a message and return a
-`Request`; `wait` drives progress until the requests finish (or raises). Messages are matched by key
-`(space, tag, seq)` (see `protocol.framing.Space`) in one Matcher, whichever link delivers them. The links
-(`base.Link`, one per peer) move bytes; this engine decides when:
+An `Engine` holds the links to every peer of the group it was set up for (`kinds`, each a LinkKind with its
+links by peer) and drives them; a `Transport` is one group over that engine: the ranks it spans (`members`,
+engine ranks), its own numbering (rank `i` of the group is engine rank `members[i]`), its own messages and
+its own failure. The group made at set-up spans every engine rank; a group split from it (`split`: a
+DeviceMesh dimension, `new_group`) or shrunk from it after a rank was lost (`shrink`) runs over the same
+links, with no new connection.
 
+- **Messages** are keyed `(space, tag, seq)` (see `protocol.framing`): a group's collectives use space
+  `2 * gid` and its point-to-point messages `2 * gid + 1`, so each frame names its group; each group matches
+  its own messages (its `Matcher`, in group ranks).
 - **Driving.** Whichever thread waits drives progress (MPI style), one at a time: it pumps every link,
   spins briefly while traffic flows, then sleeps in one poll() over every link's file descriptors plus a
   wake-up socket that threads posting new work ring. Other waiting threads sleep on the condition until
   the driver reports completions.
-- **BROKEN.** Any error a link reports (`fail`) breaks the whole group for good: every pending and later
-  request gets the same error, every peer is told the root cause (an ABORT on each link that has a wire),
-  and only then are the sockets closed, so no peer blames this rank for closing them.
-- **Closing.** BYE on every link, then the kinds release what they hold (segments, threads).
+- **BROKEN** is a group's state, not the links': a group that fails (`Transport.fail`) gives every pending
+  and later request of its own the error, tells its members why (an ABORT naming the group), and drops
+  what it still had queued; frames of a broken or closed group that arrive later are discarded. The links
+  stay: the other groups over them go on, and the survivors of a lost rank can shrink to a new group over
+  the same links. A link that fails (the peer died, a cable went) is closed, and every group that holds
+  that peer fails with a PeerLostError naming it.
+- **Closing** a group tells its members it left (LEAVE); the engine closes with its last group: BYE on
+  every link, then the kinds release what they hold (segments, threads).
 
 A job with ranks on several hosts and several ranks per host is one engine holding TCP and shared-memory
 links; the in-memory transport of the tests is one more kind of link.
@@ -23,63 +32,55 @@ import select
 import socket
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Callable, Iterable, Sequence
 
 from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerLostError, ProtocolError,
                       ThunderboltError, peer_lost, peer_shut_down)
 from ..protocol import control
-from ..protocol.framing import AbortInfo, Frame, Space
+from ..protocol.framing import DISCARD, AbortInfo, Frame, is_p2p
 from ..protocol.signature import describe_sig
-from .base import (ANY_SOURCE, NOT_YET, TAKEN, CountedCondition, Farewell, Key, Link, LinkKind, Request, Sink,
-                   bytes_view, remote_error)
+from .base import (ANY_SOURCE, NOT_YET, TAKEN, CountedCondition, Key, Link, LinkKind, Request, Sink, bytes_view,
+                   remote_error)
 from .matching import Matcher
 from .mismatch import MismatchDetector
 from .names import RankNames
 from .spin import SLOW_YIELD, SpinGuard, yield_cpu
 from .window import WindowMemory
 
-# How long a failing rank spends getting its ABORT to the peers before it closes its links. Normally a few
-# milliseconds (finish the frame in flight, write the ABORT, wait for each peer to close); only a peer that
-# reads nothing (frozen, or itself stuck) uses it all.
-ABORT_GRACE = 2.0
-_FAREWELL_LOOK = 0.01  # seconds between steps of a farewell with nothing to poll
+MAX_GROUPS = 128  # groups per engine over its life (a frame's space byte holds 2 * gid + 1)
 
 
 def _never() -> bool:
     return False
 
 
-class Transport(Sink):
-    """The engine of one group: the links to every peer (`kinds`, each a LinkKind with its links by peer).
-    `names`: how errors name the ranks of a subgroup (None: its ranks are the global ones)."""
+class Engine(Sink):
+    """The links of one process to its peers (engine ranks 0..world-1, this process `rank`) and the one loop
+    that drives them, for every group over them (`groups`, by gid)."""
 
-    def __init__(self, rank: int, world: int, kinds: Sequence[LinkKind], cv: CountedCondition | None = None,
-                 names: RankNames | None = None) -> None:
+    def __init__(self, rank: int, world: int, kinds: Sequence[LinkKind], cv: CountedCondition | None = None) -> None:
         self.rank = rank
         self.world = world
-        self.names = names
         self.kinds = list(kinds)
-        self.broken: BaseException | None = None
+        self.broken: BaseException | None = None  # (Sink.broken) the engine itself is closed
         self.closed = False
-        self.retired = 0  # every collective op up to this tag has finished on this rank
         self.last_traffic = time.monotonic()
-        self.matcher = Matcher(rank)
         # One lock for the engine; the in-memory kind passes one shared by its whole world.
         self._cv = cv or CountedCondition()
         self._lock = self._cv.mutex  # the same lock, taken without the Condition's wrappers
-        # What a link calls (lock held) when it completed a request: wakes the threads asleep waiting for
-        # one (a single test when nobody sleeps). Links never take or hold the engine's lock themselves.
+        # What completes a request (lock held): wakes the threads asleep waiting for one (a single test when
+        # nobody sleeps). Links never take or hold the engine's lock themselves.
         self.signal = self._cv.signal
-        # What peers say about the op they are in, whichever kind carries it: mismatches are decided there,
-        # and whom a peer waits on (a timeout then blames the end of the chain).
-        self.ops = MismatchDetector(rank, self.matcher)
-        self._p2p_send_seq: dict[tuple[int, int], int] = defaultdict(int)
-        # Memory this host's ranks of the group read directly, for the collectives designed for it; a kind
-        # that has some (shm, memory) sets it when it attaches.
+        self.groups: dict[int, "Transport"] = {}
+        self.next_gid = 0  # the lowest gid no group over this engine has had (gids are never reused)
+        self._orphans: list[tuple[int, Frame, bytes]] = []  # whole frames for a group not made here yet
+        self.proposals: dict[int, deque[control.Shrink]] = defaultdict(deque)  # SHRINKs heard, by peer
+        # Memory this host's ranks read directly, for the collectives designed for it (a kind that has some
+        # offers it: shm); the group made at set-up uses it.
         self.window_memory: WindowMemory | None = None
         # Checks the layers above add, by name (the shared window's): run when a whole sleep passed with
-        # nothing to do, to find a peer visibly in another op. Each raises nothing; it fails the engine.
+        # nothing to do, to find a peer visibly in another op. Each raises nothing; it fails its group.
         self.watchers: dict[str, Callable[[], None]] = {}
         self._route: dict[int, Link] = {}
         for kind in self.kinds:
@@ -90,8 +91,9 @@ class Transport(Sink):
             if kind.window is not None:
                 self.window_memory = kind.window
         self._links = [self._route[p] for p in sorted(self._route)]
-        self.posts = 0  # receives posted so far (Sink.posts: a link holding a frame back looks again)
+        self.posts = 0  # (Sink.posts) receives posted, groups failed or made: links re-offer held frames
         self._gone: set[int] = set()  # peers that said BYE: they send nothing more
+        self._dead: set[int] = set()  # peers whose link failed
         # Kinds with something to do after a round of posting or pumping (ring doorbells): only those.
         self._after = [k.after_pump for k in self.kinds if type(k).after_pump is not LinkKind.after_pump]
         self._last_probe = time.monotonic()  # (probes: see `_probe`)
@@ -122,7 +124,7 @@ class Transport(Sink):
 
     @property
     def kind(self) -> str:
-        """What this group runs over: "tcp", "shm", "memory", or "shm+tcp" for a multi-host job."""
+        """What the links are: "tcp", "shm", "memory", or "shm+tcp" for a multi-host job."""
         return "+".join(sorted(k.name for k in self.kinds)) or "none"
 
     def link_kind(self, name: str) -> LinkKind | None:
@@ -131,253 +133,120 @@ class Transport(Sink):
                 return k
         return None
 
+    def link(self, peer: int) -> Link | None:
+        return self._route.get(peer)
+
+    # -- groups ---------------------------------------------------------------------------------------------
+    def add_group(self, gid: int, members: Sequence[int], names: RankNames | None = None) -> "Transport":
+        """The group `gid` over engine ranks `members` (ascending; this rank among them), which every member
+        makes with the same gid (see `agree_gid`). Frames that came for it before it was made are its own
+        now."""
+        with self._lock:
+            if self.closed:
+                raise BackendClosedError(f"rank {self.rank}: the transport is closed")
+            if gid < self.next_gid or gid >= MAX_GROUPS:
+                raise ValueError(f"rank {self.rank}: group id {gid} is taken or out of range (next {self.next_gid})")
+            group = Transport.__new__(Transport)
+            group._init_view(self, gid, list(members), names)
+            self.groups[gid] = group
+            self.next_gid = gid + 1
+            orphans, self._orphans = self._orphans, []
+            for peer, frame, data in orphans:  # (only the in-memory kind, which never holds a frame back)
+                self.delivered_whole(peer, frame, data)
+            self.posts += 1  # frames held back for it are offered again
+            return group
+
+    def _group_closed(self, group: "Transport") -> None:
+        """`group` is over (lock held): the engine closes with its last group."""
+        self.groups.pop(group.gid, None)
+        self.posts += 1  # its frames still held back are discarded now
+        if not self.groups:
+            self._close()
+
     # -- the sink: what the links report (lock held) ----------------------------------------------------------
     def delivered(self, peer: int, frame: Frame, early: int) -> "tuple[memoryview, object] | None":
-        if frame.space == Space.COLL and frame.tag <= self.retired:
-            raise self.stray(peer, frame.sig, frame.tag)  # no receive can be waiting for it
-        return self.matcher.match(peer, frame, early)
+        gid = frame.space >> 1
+        group = self.groups.get(gid)
+        if group is None:
+            if gid < self.next_gid:
+                return DISCARD  # a group that is over here
+            return None  # a group not made here yet: held back until it is (`add_group`)
+        if group.broken is not None:
+            return DISCARD
+        try:
+            if not frame.space & 1 and frame.tag <= group.retired:
+                raise group.stray(group.rank_of[peer], frame.sig, frame.tag)  # no receive can be waiting for it
+            return group.matcher.match(group.rank_of[peer], frame, early)
+        except (MismatchError, ProtocolError) as exc:  # the group's error (nothing was copied): not the link's
+            group.fail(exc)
+            return DISCARD
+
+    def delivered_whole(self, peer: int, frame: Frame, data: "bytes | memoryview") -> None:
+        """A whole message of one part, delivered at once (the in-memory kind, whose sends never wait): kept
+        here until its group is made, or dropped when the group is over."""
+        got = self.delivered(peer, frame, -1)
+        if got is None:
+            self._orphans.append((peer, frame, bytes(data)))
+        elif got is not DISCARD:
+            view, target = got
+            view[:] = data
+            self.completed(peer, frame.key, target, frame.length)
 
     def completed(self, peer: int, key: Key, target: object, nbytes: int) -> None:
         if type(target) is Request and target.is_send:
             target.done = True
             self.signal()
-        elif self.matcher.part_done(peer, key, target, nbytes):
+            return
+        group = self.groups.get(key[0] >> 1)
+        if group is not None and group.matcher.part_done(group.rank_of[peer], key, target, nbytes):
             self.signal()
 
     def failed(self, peer: int, exc: BaseException, where: str = "", address: str = "") -> None:
-        if isinstance(exc, ThunderboltError):  # (a PeerLostError is one too: it is the user's error already)
-            self.fail(exc)
-        else:
-            self.fail(self.lost(peer, where, exc, address or self.peer_address(peer)))
+        """The link to `peer` cannot go on (its connection broke, or it spoke no protocol of ours): it is
+        closed, and every group holding `peer` fails, naming it."""
+        if peer in self._dead or self.closed:
+            return
+        self._dead.add(peer)
+        link = self._route.get(peer)
+        address = address or (link.address if link is not None else "")
+        for group in list(self.groups.values()):
+            gr = group.rank_of.get(peer)
+            if gr is None or group.broken is not None:
+                continue
+            if isinstance(exc, ThunderboltError) and not isinstance(exc, PeerLostError):
+                err: BaseException = type(exc)(str(exc))  # (a protocol violation: each group its own copy)
+            elif isinstance(exc, PeerLostError):
+                err = exc if len(self.groups) == 1 else peer_lost(group.rank, gr, str(exc).partition(": ")[2],
+                                                                  address=address)
+            else:
+                err = group.lost(gr, where, exc, address)
+            group.fail(err)
+        if link is not None:
+            link.abort(exc, None, -1)
+            link.close(bye=False)
+        self.signal()
 
     def said(self, peer: int, msg: "control.Message") -> None:
-        try:
-            if isinstance(msg, control.Ping):
-                behind = self.ops.peer_waits_for(peer, msg.op)  # MismatchError when we ran that op otherwise
-                op = msg.op
-                self._route[peer].say(control.Answer(control.Op(op.space, op.tag, op.sig,
-                                                                -1 if behind is None else behind)))
-            elif isinstance(msg, control.Answer):
-                self.ops.peer_waits_on(peer, msg.op)
-            elif isinstance(msg, control.Abort):
-                self.peer_aborted(peer, msg.info)
-            elif isinstance(msg, control.Bye):
-                self._gone.add(peer)
-                self.peer_left(peer, f"({self.peer_address(peer)})")
-            else:
-                raise ProtocolError(f"rank {self.rank}: rank {peer} sent {type(msg).__name__.upper()}, which no "
-                                    f"group of this version acts on (the ranks run different versions)")
-        except ThunderboltError as exc:
-            self.fail(exc)
-
-    # -- posting --------------------------------------------------------------------------------------------
-    def isend(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
-        self._check_peer(peer)
-        view = bytes_view(buf)
-        with self._lock:
-            self.check_usable()
-            self.ops.note_post(key, sig)
-            req = self._route[peer].send(key, sig, view)
-            self._quiet = False
-            for after in self._after:
-                after()
-            if req is None:  # it went at once: the caller still gets a Request to wait on
-                req = Request(peer, key, sig, view, is_send=True)
-                req.done = True
-            elif self._polling and not req.done:
-                self._wake()
-        return req
-
-    def irecv(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
-        if peer != ANY_SOURCE:
-            self._check_peer(peer)
-        req = Request(peer, key, sig, bytes_view(buf), is_send=False)
-        with self._lock:
-            self.check_usable()
-            self.ops.note_post(req.key, req.sig)
-            try:
-                self.matcher.post(req)  # it may match a message that arrived before the peer said BYE
-            except MismatchError as exc:  # an early message of another type: nothing was copied into `buf`
-                self.fail(exc)  # the sender is told too, as when the message arrives after the receive
-                raise
-            self.posts += 1  # a link holding back a frame looks at it again at its next pump
-            self._quiet = False
-            if not req.done and peer != ANY_SOURCE and peer in self._gone:
-                self.matcher.posted.pop((peer, req.key), None)
-                raise peer_shut_down(self.rank, peer, f"data for this receive ({req.describe()})",
-                                     address=self.peer_address(peer))
-            if req.done:
-                self._cv.signal()
-            elif self._polling:
-                self._wake()
-        return req
-
-    def isend_p2p(self, peer: int, tag: int, buf: memoryview, sig: int = 0) -> Request:
-        """Send `buf` to `peer` as its next message with `tag`. `sig`: what the bytes are (the backend's
-        dtype and element count, protocol.signature), checked against the receive's before any byte lands."""
-        with self._lock:
-            seq = self._p2p_send_seq[(peer, tag)]
-            self._p2p_send_seq[(peer, tag)] = seq + 1
-        return self.isend(peer, (Space.P2P, tag, seq), buf, sig)
-
-    def irecv_p2p(self, peer: int, tag: int, buf: memoryview, sig: int = 0) -> Request:
-        """Receive the next message with `tag` from `peer` (or from any peer with ANY_SOURCE); `sig` as for
-        isend_p2p (0 takes any message of the right size)."""
-        # The sequence number is assigned at match time (see matching.Matcher), so -1 here.
-        return self.irecv(peer, (Space.P2P, tag, -1), buf, sig)
-
-    def exchange(self, sends: Sequence[tuple[int, Key, memoryview]], recvs: Sequence[tuple[int, Key, memoryview]],
-                 sig: int, deadline: float | None, what: object = "", retire: int = 0) -> None:
-        """Send each (peer, key, bytes) of `sends`, receive each of `recvs`, and wait for all of them: the
-        messages of one collective op (collective keys, signature `sig`), sends first. The one path of a
-        small op's messages, taken under the engine's lock once: every send its link writes whole at once
-        needs no Request, and once all are written, every receive whose link can take its peer's whole
-        message itself (`Link.take`) is read in this thread's own spin, with no Request, matching or poll().
-        What is not in when the spin ends, or finds something else first, goes the general way.
-        `retire`: the op's tag when these are all its messages (the op is retired here, see `retire`)."""
-        if not sends and not recvs:
+        if isinstance(msg, control.Bye):
+            self._gone.add(peer)
+            for group in list(self.groups.values()):
+                if peer in group.rank_of:
+                    group.peer_left(group.rank_of[peer], f"({self.peer_address(peer)})")
             return
-        reqs: list[Request] = []
-        left: Sequence[tuple[int, Key, memoryview]] = recvs
-        with self._lock:
-            self.check_usable()
-            self.ops.note_post((sends or recvs)[0][1], sig)
-            route = self._route
-            for peer, key, buf in sends:
-                r = route[peer].send(key, sig, buf)
-                if r is not None:
-                    reqs.append(r)
-            for after in self._after:
-                after()
-            self._quiet = False
-            if recvs and not reqs:  # (a send still to write needs pumping: the spin below only reads)
-                left = self._take(recvs, sig, deadline)
-                if not left and retire:
-                    self._retire(retire)
-                    return
-            if self._polling and reqs:
-                self._wake()
-        for peer, key, buf in left:
-            reqs.append(self.irecv(peer, key, buf, sig))
-        for r in reqs:
-            if not r.done:
-                self.wait(reqs, deadline, what)
-                break
-        if retire:
-            self.retire(retire)
-
-    def _take(self, recvs: Sequence[tuple[int, Key, memoryview]], sig: int,
-              deadline: float | None) -> Sequence[tuple[int, Key, memoryview]]:
-        """`exchange`'s receives read by the links themselves (`Link.take`) while this thread spins, the lock
-        held; returns those left to receive the general way. One message per peer at most (two readers of
-        one stream would take each other's bytes), none that a link already delivered to the matcher."""
-        unexpected = self.matcher.unexpected
-        if unexpected and any((p, key) in unexpected for p, key, _ in recvs):
-            return recvs
-        route = self._route
-        if len(recvs) == 1:  # (two ranks: one message, looked at without a list of its own)
-            peer, key, dest = recvs[0]
-            link = route[peer]
-            got = link.take(key, sig, dest)
-            if got == NOT_YET:
-                got = self._spin_take(link, key, sig, dest, deadline)
-            return () if got == TAKEN else recvs
-        if len({p for p, _, _ in recvs}) < len(recvs):
-            return recvs
-        refused: list[tuple[int, Key, memoryview]] = []
-        todo = self._look_all(recvs, sig, refused)
-        spinner = self._spinner
-        if not todo or self.spin <= 0 or spinner.paused():
-            return refused + todo
-        now = time.monotonic()
-        end = now + (self.spin if deadline is None else min(self.spin, deadline - now))
-        while todo and now < end:
-            yield_cpu()
-            after = time.monotonic()
-            if after - now > SLOW_YIELD:
-                spinner.slow(after)
-                return refused + todo
-            now = after
-            todo = self._look_all(todo, sig, refused)
-            if self.broken is not None:
-                raise self.broken
-        spinner.calm()
-        return refused + todo
-
-    def _look_all(self, recvs: Sequence[tuple[int, Key, memoryview]], sig: int,
-                  refused: list[tuple[int, Key, memoryview]]) -> list[tuple[int, Key, memoryview]]:
-        """One `take` per receive: those still to come (refused ones are added to `refused`)."""
-        route = self._route
-        todo = []
-        for r in recvs:
-            got = route[r[0]].take(r[1], sig, r[2])
-            if got == NOT_YET:
-                todo.append(r)
-            elif got != TAKEN:
-                refused.append(r)
-        return todo
-
-    def _spin_take(self, link: Link, key: Key, sig: int, dest: memoryview, deadline: float | None) -> int:
-        """Look for one message again and again (yielding the core between looks) for up to the engine's spin:
-        TAKEN, NOT_YET (the spin is over) or REFUSED. A yield that took long (another thread wanted this
-        core) ends the spin: the general path sleeps in poll() instead."""
-        spinner = self._spinner
-        if self.spin <= 0 or spinner.paused():
-            return NOT_YET
-        now = time.monotonic()
-        end = now + (self.spin if deadline is None else min(self.spin, deadline - now))
-        while now < end:
-            yield_cpu()
-            after = time.monotonic()
-            if after - now > SLOW_YIELD:
-                spinner.slow(after)
-                return NOT_YET
-            now = after
-            got = link.take(key, sig, dest)
-            if got != NOT_YET:
-                spinner.calm()
-                if self.broken is not None:
-                    raise self.broken
-                return got
-        spinner.calm()
-        return NOT_YET
+        if isinstance(msg, control.Shrink):
+            self.proposals[peer].append(msg)
+            self.signal()
+            return
+        gid = (msg.info.group if isinstance(msg, control.Abort) else msg.epoch if isinstance(msg, control.Leave)
+               else msg.op.space >> 1 if isinstance(msg, (control.Ping, control.Answer)) else -1)
+        group = self.groups.get(gid)
+        if group is None or peer not in group.rank_of:
+            if isinstance(msg, control.Ping):  # (a group over here, or not made yet: nothing to tell)
+                self._route[peer].say(control.Answer(control.Op(msg.op.space, msg.op.tag, msg.op.sig, -1)))
+            return
+        group.heard(group.rank_of[peer], msg)
 
     # -- waiting --------------------------------------------------------------------------------------------
-    def wait(self, reqs: Sequence[Request], deadline: float | None = None, what: object = "") -> None:
-        """Block until every request is done; raise its error, or CollectiveTimeout at `deadline`. `what`:
-        the op, as errors name it (anything printable: formatted only when an error needs it)."""
-        self._wait_until(reqs, all, deadline, what)
-
-    def wait_any(self, reqs: Sequence[Request], deadline: float | None = None, what: object = "",
-                 arrived: Iterable[int] = ()) -> None:
-        """Block until at least one request is done (raising the first error found). `arrived`: peers
-        already heard from in this op (named as "did not arrive" only if they are not)."""
-        self._wait_until(reqs, any, deadline, what, arrived)
-
-    def _wait_until(self, reqs: Sequence[Request], how: "Callable[[Iterable[bool]], bool]",
-                    deadline: float | None, what: object, arrived: Iterable[int] = ()) -> None:
-        while True:
-            for r in reqs:
-                if r.error is not None:
-                    raise r.error
-            if how(r.done for r in reqs):
-                return
-            if self.broken is not None:
-                raise self.broken
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise self._timeout_error(reqs, what, arrived)
-            self.progress(0.2 if deadline is None else min(0.2, deadline - now))
-
-    def test(self, reqs: Iterable[Request]) -> bool:
-        reqs = list(reqs)
-        if not all(r.done for r in reqs) and self.broken is None:
-            self.progress(0.0)
-        for r in reqs:
-            if r.error is not None:
-                raise r.error
-        return all(r.done for r in reqs)
-
     def progress(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
         """Move data, blocking at most `timeout` seconds. `until`: one more condition worth returning early
         for (a shared window's counters). One thread drives at a time; the others sleep until it reports
@@ -440,9 +309,8 @@ class Transport(Sink):
             moved = self._pump(woken)
             self._quiet = not moved and not events
             if self._quiet and self.broken is None:
-                for check in self.watchers.values():
-                    if self.broken is None:
-                        check()
+                for check in list(self.watchers.values()):
+                    check()
                 for kind in self.kinds:
                     if self.broken is None:
                         kind.idle(True)
@@ -458,13 +326,15 @@ class Transport(Sink):
             return self._pump() or self.broken is not None
 
     def _pump(self, woken: "set[Link] | None" = None) -> bool:
-        """Every link writes and reads what it can without blocking (`woken`: links whose descriptors woke a
-        poll); True if anything moved (or broke)."""
+        """Every live link writes and reads what it can without blocking (`woken`: links whose descriptors
+        woke a poll); True if anything moved (or broke)."""
         moved = False
+        dead = self._dead
         for link in self._links:
             if self.broken is not None:
                 return True
-            moved |= link.pump(woken is not None and link in woken)
+            if link.peer not in dead:
+                moved |= link.pump(woken is not None and link in woken)
         for after in self._after:
             after()
         if moved:
@@ -472,26 +342,34 @@ class Transport(Sink):
         return moved
 
     def _probe(self) -> None:
-        """Nothing moved for the kinds' `probe_after` seconds: a PING to each probed peer this rank waits on, naming the
-        collective op it waits for (tag and signature). A peer that ran that op differently (another root,
-        another collective) sends us nothing for it and would otherwise only be found by the group timeout;
-        its MismatchDetector compares and fails the group, and its ANSWER says whom it waits on itself."""
+        """Nothing moved for the kinds' `probe_after` seconds: a PING to each probed peer a group waits on,
+        naming the collective op it waits for (space, tag and signature). A peer that ran that op differently
+        (another root, another collective) sends us nothing for it and would otherwise only be found by the
+        group timeout; its MismatchDetector compares and fails the group, and its ANSWER says whom it waits
+        on itself."""
         now = time.monotonic()
         if now - max(self.last_traffic, self._last_probe) < min(
                 (k.probe_after for k in self.kinds if k.probe_after is not None), default=float("inf")):
             return
         self._last_probe = now
-        probed = [p for k in self.kinds if k.probe_after is not None for p in k.links]
-        for p, op in self.ops.probes(probed).items():
-            if p not in self._gone and self.broken is None:
-                self.probes_sent += 1
-                self._route[p].say(control.Ping(op))
+        probed = {p for k in self.kinds if k.probe_after is not None for p in k.links}
+        for group in list(self.groups.values()):
+            if group.broken is not None:
+                continue
+            members = group.members
+            for gr, op in group.ops.probes([group.rank_of[p] for p in probed if p in group.rank_of]).items():
+                peer = members[gr]
+                if peer not in self._gone and peer not in self._dead:
+                    self.probes_sent += 1
+                    self._route[peer].say(control.Ping(op))
 
     def _poll_set(self) -> "select.poll":
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
         by_fd = {}
         for link in self._links:
+            if link.peer in self._dead:
+                continue
             for fd, events in link.fds():
                 poller.register(fd, events)
                 by_fd[fd] = link
@@ -516,6 +394,371 @@ class Transport(Sink):
         except OSError:
             pass
 
+    def eager(self) -> bool:
+        """Whether a waiter may busy-poll now: this engine spins at all, its last wait did not sleep through
+        a whole poll, and its core is not contended (see spin.py)."""
+        return self.spin > 0 and not self._quiet and not self._spinner.paused()
+
+    # -- the end --------------------------------------------------------------------------------------------
+    def _close(self) -> None:
+        """The last group is closed (lock held): BYE on every live link, release the kinds, join their
+        threads (outside the lock: a kind's thread may need it to finish)."""
+        if self.closed:
+            return
+        self.closed = True
+        for link in self._links:
+            if link.peer not in self._dead:
+                link.close(bye=True)
+        self.broken = BackendClosedError(f"rank {self.rank}: the transport is closed")
+        for s in (self._wake_r, self._wake_w):
+            s.close()
+        for kind in self.kinds:
+            kind.release()
+        self._cv.signal()
+
+    def join_threads(self) -> None:
+        for kind in self.kinds:
+            for thread in kind.threads:
+                if thread is not threading.current_thread():
+                    thread.join(1.0)
+
+    def held(self, peer: int) -> Frame | None:
+        """The header of the oldest frame from engine rank `peer` its link holds back or has not read yet
+        (see `Link.held`), or None."""
+        with self._lock:
+            link = self._route.get(peer)
+            return link.held() if link is not None and peer not in self._dead else None
+
+    def peer_address(self, peer: int) -> str:
+        link = self._route.get(peer)
+        return link.address if link is not None else f"rank {peer}"
+
+
+class Transport:
+    """One group over an engine: what the algorithms and the backend move bytes with. `Transport(rank, world,
+    kinds)` makes an engine over `kinds` and the group of all its ranks; `split` and `shrink` make more
+    groups over the same engine. Ranks here are the group's (0..world-1); `members[i]` is group rank i's
+    engine rank. `names`: how errors name the ranks of a subgroup (None: its ranks are the global ones)."""
+
+    def __init__(self, rank: int, world: int, kinds: Sequence[LinkKind], cv: CountedCondition | None = None,
+                 names: RankNames | None = None) -> None:
+        engine = Engine(rank, world, kinds, cv)
+        self._init_view(engine, 0, list(range(world)), names)
+        engine.groups[0] = self
+        engine.next_gid = 1
+        self.window_memory = engine.window_memory
+
+    def _init_view(self, engine: Engine, gid: int, members: list[int], names: RankNames | None) -> None:
+        self.engine = engine
+        self.gid = gid
+        self.members = members
+        self.rank = members.index(engine.rank)
+        self.world = len(members)
+        self.rank_of = {e: i for i, e in enumerate(members)}
+        self.coll, self.p2p = 2 * gid, 2 * gid + 1  # the spaces of this group's messages
+        self.names = names
+        self.broken: BaseException | None = None
+        self.closed = False
+        self.retired = 0  # every collective op up to this tag has finished on this rank
+        self.matcher = Matcher(self.rank)
+        # What peers say about the op they are in, whichever kind carries it: mismatches are decided there,
+        # and whom a peer waits on (a timeout then blames the end of the chain).
+        self.ops = MismatchDetector(self.rank, self.matcher, self.coll)
+        self._p2p_send_seq: dict[tuple[int, int], int] = defaultdict(int)
+        self._gone: set[int] = set()  # group ranks that left this group (their LEAVE, or BYE)
+        # The link of each group rank (None: this rank), and the lock: the engine's.
+        self._link_of: list[Link | None] = [None if e == engine.rank else engine._route[e] for e in members]
+        self._lock = engine._lock
+        self.window_memory: WindowMemory | None = None  # (the set-up group's: the engine's window memory)
+
+    # -- what the engine has ---------------------------------------------------------------------------------
+    @property
+    def kinds(self) -> list[LinkKind]:
+        return self.engine.kinds
+
+    @property
+    def kind(self) -> str:
+        return self.engine.kind
+
+    def link_kind(self, name: str) -> LinkKind | None:
+        return self.engine.link_kind(name)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.engine.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.engine.bytes_received
+
+    @property
+    def last_traffic(self) -> float:
+        return self.engine.last_traffic
+
+    @property
+    def spin(self) -> float:
+        return self.engine.spin
+
+    @property
+    def watchers(self) -> dict[str, Callable[[], None]]:
+        return self.engine.watchers
+
+    @property
+    def probes_sent(self) -> int:
+        return self.engine.probes_sent
+
+    def eager(self) -> bool:
+        return self.engine.eager()
+
+    def progress(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
+        self.engine.progress(timeout, until)
+
+    def pump_if_idle(self) -> None:
+        self.engine.pump_if_idle()
+
+    def wake_sleeper(self) -> None:
+        self.engine.wake_sleeper()
+
+    # -- what peers said about this group (engine lock held) ---------------------------------------------------
+    def heard(self, peer: int, msg: "control.Message") -> None:
+        """Group rank `peer` said `msg` about this group (PING, ANSWER, ABORT or LEAVE)."""
+        try:
+            if isinstance(msg, control.Ping):
+                behind = self.ops.peer_waits_for(peer, msg.op)  # MismatchError when we ran that op otherwise
+                op = msg.op
+                waits_on = -1 if behind is None else self.members[behind]
+                self._link_of[peer].say(control.Answer(control.Op(op.space, op.tag, op.sig, waits_on)))
+            elif isinstance(msg, control.Answer):
+                op = msg.op
+                gr = self.rank_of.get(op.waits_on, -1)
+                self.ops.peer_waits_on(peer, control.Op(op.space, op.tag, op.sig, gr, op.counters))
+            elif isinstance(msg, control.Abort):
+                self.peer_aborted(peer, msg.info)
+            elif isinstance(msg, control.Leave):
+                self._gone.add(peer)
+                self.peer_left(peer, f"({self.peer_address(peer)})")
+        except ThunderboltError as exc:
+            self.fail(exc)
+
+    # -- posting --------------------------------------------------------------------------------------------
+    def isend(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
+        self._check_peer(peer)
+        view = bytes_view(buf)
+        with self._lock:
+            self.check_usable()
+            self.ops.note_post(key, sig)
+            engine = self.engine
+            req = self._link_of[peer].send(key, sig, view)
+            engine._quiet = False
+            for after in engine._after:
+                after()
+            if req is None:  # it went at once: the caller still gets a Request to wait on
+                req = Request(peer, key, sig, view, is_send=True)
+                req.done = True
+            else:
+                req.peer = peer  # (the link made it with its engine rank)
+                if engine._polling and not req.done:
+                    engine._wake()
+        return req
+
+    def irecv(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
+        if peer != ANY_SOURCE:
+            self._check_peer(peer)
+        req = Request(peer, key, sig, bytes_view(buf), is_send=False)
+        with self._lock:
+            self.check_usable()
+            self.ops.note_post(req.key, req.sig)
+            try:
+                self.matcher.post(req)  # it may match a message that arrived before the peer said BYE
+            except MismatchError as exc:  # an early message of another type: nothing was copied into `buf`
+                self.fail(exc)  # the sender is told too, as when the message arrives after the receive
+                raise
+            engine = self.engine
+            engine.posts += 1  # a link holding back a frame looks at it again at its next pump
+            engine._quiet = False
+            if not req.done and peer != ANY_SOURCE and (peer in self._gone or self.members[peer] in engine._gone):
+                self.matcher.posted.pop((peer, req.key), None)
+                raise peer_shut_down(self.rank, peer, f"data for this receive ({req.describe()})",
+                                     address=self.peer_address(peer))
+            if req.done:
+                engine.signal()
+            elif engine._polling:
+                engine._wake()
+        return req
+
+    def isend_p2p(self, peer: int, tag: int, buf: memoryview, sig: int = 0) -> Request:
+        """Send `buf` to `peer` as its next message with `tag`. `sig`: what the bytes are (the backend's
+        dtype and element count, protocol.signature), checked against the receive's before any byte lands."""
+        with self._lock:
+            seq = self._p2p_send_seq[(peer, tag)]
+            self._p2p_send_seq[(peer, tag)] = seq + 1
+        return self.isend(peer, (self.p2p, tag, seq), buf, sig)
+
+    def irecv_p2p(self, peer: int, tag: int, buf: memoryview, sig: int = 0) -> Request:
+        """Receive the next message with `tag` from `peer` (or from any peer with ANY_SOURCE); `sig` as for
+        isend_p2p (0 takes any message of the right size)."""
+        # The sequence number is assigned at match time (see matching.Matcher), so -1 here.
+        return self.irecv(peer, (self.p2p, tag, -1), buf, sig)
+
+    def exchange(self, sends: Sequence[tuple[int, Key, memoryview]], recvs: Sequence[tuple[int, Key, memoryview]],
+                 sig: int, deadline: float | None, what: object = "", retire: int = 0) -> None:
+        """Send each (peer, key, bytes) of `sends`, receive each of `recvs`, and wait for all of them: the
+        messages of one collective op (collective keys, signature `sig`), sends first. The one path of a
+        small op's messages, taken under the engine's lock once: every send its link writes whole at once
+        needs no Request, and once all are written, every receive whose link can take its peer's whole
+        message itself (`Link.take`) is read in this thread's own spin, with no Request, matching or poll().
+        What is not in when the spin ends, or finds something else first, goes the general way.
+        `retire`: the op's tag when these are all its messages (the op is retired here, see `retire`)."""
+        if not sends and not recvs:
+            return
+        reqs: list[Request] = []
+        left: Sequence[tuple[int, Key, memoryview]] = recvs
+        with self._lock:
+            if self.broken is not None or self.closed:
+                self.check_usable()
+            self.ops.note_post((sends or recvs)[0][1], sig)
+            link_of = self._link_of
+            for peer, key, buf in sends:
+                r = link_of[peer].send(key, sig, buf)
+                if r is not None:
+                    r.peer = peer
+                    reqs.append(r)
+            engine = self.engine
+            for after in engine._after:
+                after()
+            engine._quiet = False
+            if recvs and not reqs:  # (a send still to write needs pumping: the spin below only reads)
+                left = self._take(recvs, sig, deadline)
+                if not left and retire:
+                    self._retire(retire)
+                    return
+            if engine._polling and reqs:
+                engine._wake()
+        for peer, key, buf in left:
+            reqs.append(self.irecv(peer, key, buf, sig))
+        for r in reqs:
+            if not r.done:
+                self.wait(reqs, deadline, what)
+                break
+        if retire:
+            self.retire(retire)
+
+    def _take(self, recvs: Sequence[tuple[int, Key, memoryview]], sig: int,
+              deadline: float | None) -> Sequence[tuple[int, Key, memoryview]]:
+        """`exchange`'s receives read by the links themselves (`Link.take`) while this thread spins, the lock
+        held; returns those left to receive the general way. One message per peer at most (two readers of
+        one stream would take each other's bytes), none that a link already delivered to the matcher."""
+        unexpected = self.matcher.unexpected
+        if unexpected and any((p, key) in unexpected for p, key, _ in recvs):
+            return recvs
+        link_of = self._link_of
+        if len(recvs) == 1:  # (two ranks: one message, looked at without a list of its own)
+            peer, key, dest = recvs[0]
+            link = link_of[peer]
+            got = link.take(key, sig, dest)
+            if got == NOT_YET:
+                got = self._spin_take(link, key, sig, dest, deadline)
+            return () if got == TAKEN else recvs
+        if len({p for p, _, _ in recvs}) < len(recvs):
+            return recvs
+        refused: list[tuple[int, Key, memoryview]] = []
+        todo = self._look_all(recvs, sig, refused)
+        engine = self.engine
+        spinner = engine._spinner
+        if not todo or engine.spin <= 0 or spinner.paused():
+            return refused + todo
+        now = time.monotonic()
+        end = now + (engine.spin if deadline is None else min(engine.spin, deadline - now))
+        while todo and now < end:
+            yield_cpu()
+            after = time.monotonic()
+            if after - now > SLOW_YIELD:
+                spinner.slow(after)
+                return refused + todo
+            now = after
+            todo = self._look_all(todo, sig, refused)
+            if self.broken is not None:
+                raise self.broken
+        spinner.calm()
+        return refused + todo
+
+    def _look_all(self, recvs: Sequence[tuple[int, Key, memoryview]], sig: int,
+                  refused: list[tuple[int, Key, memoryview]]) -> list[tuple[int, Key, memoryview]]:
+        """One `take` per receive: those still to come (refused ones are added to `refused`)."""
+        link_of = self._link_of
+        todo = []
+        for r in recvs:
+            got = link_of[r[0]].take(r[1], sig, r[2])
+            if got == NOT_YET:
+                todo.append(r)
+            elif got != TAKEN:
+                refused.append(r)
+        return todo
+
+    def _spin_take(self, link: Link, key: Key, sig: int, dest: memoryview, deadline: float | None) -> int:
+        """Look for one message again and again (yielding the core between looks) for up to the engine's spin:
+        TAKEN, NOT_YET (the spin is over) or REFUSED. A yield that took long (another thread wanted this
+        core) ends the spin: the general path sleeps in poll() instead."""
+        engine = self.engine
+        spinner = engine._spinner
+        if engine.spin <= 0 or spinner.paused():
+            return NOT_YET
+        now = time.monotonic()
+        end = now + (engine.spin if deadline is None else min(engine.spin, deadline - now))
+        while now < end:
+            yield_cpu()
+            after = time.monotonic()
+            if after - now > SLOW_YIELD:
+                spinner.slow(after)
+                return NOT_YET
+            now = after
+            got = link.take(key, sig, dest)
+            if got != NOT_YET:
+                spinner.calm()
+                if self.broken is not None:
+                    raise self.broken
+                return got
+        spinner.calm()
+        return NOT_YET
+
+    # -- waiting --------------------------------------------------------------------------------------------
+    def wait(self, reqs: Sequence[Request], deadline: float | None = None, what: object = "") -> None:
+        """Block until every request is done; raise its error, or CollectiveTimeout at `deadline`. `what`:
+        the op, as errors name it (anything printable: formatted only when an error needs it)."""
+        self._wait_until(reqs, all, deadline, what)
+
+    def wait_any(self, reqs: Sequence[Request], deadline: float | None = None, what: object = "",
+                 arrived: Iterable[int] = ()) -> None:
+        """Block until at least one request is done (raising the first error found). `arrived`: peers
+        already heard from in this op (named as "did not arrive" only if they are not)."""
+        self._wait_until(reqs, any, deadline, what, arrived)
+
+    def _wait_until(self, reqs: Sequence[Request], how: "Callable[[Iterable[bool]], bool]",
+                    deadline: float | None, what: object, arrived: Iterable[int] = ()) -> None:
+        while True:
+            for r in reqs:
+                if r.error is not None:
+                    raise r.error
+            if how(r.done for r in reqs):
+                return
+            if self.broken is not None:
+                raise self.broken
+            if self.closed:
+                self.check_usable()
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise self._timeout_error(reqs, what, arrived)
+            self.engine.progress(0.2 if deadline is None else min(0.2, deadline - now))
+
+    def test(self, reqs: Iterable[Request]) -> bool:
+        reqs = list(reqs)
+        if not all(r.done for r in reqs) and self.broken is None:
+            self.engine.progress(0.0)
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
+        return all(r.done for r in reqs)
+
     # -- life cycle -----------------------------------------------------------------------------------------
     def retire(self, tag: int) -> None:
         """Collective op `tag` finished on this rank: data for it (or older ops) that still arrives is an
@@ -525,13 +768,14 @@ class Transport(Sink):
 
     def _retire(self, tag: int) -> None:
         self.retired = max(self.retired, tag)
-        for link in self._links:
-            held = link.held()
-            if held is not None and held.space == Space.COLL and held.tag <= tag and self.broken is None:
-                self.fail(self.stray(link.peer, held.sig, held.tag))
+        coll = self.coll
+        for gr, link in enumerate(self._link_of):
+            held = link.held() if link is not None else None
+            if held is not None and held.space == coll and held.tag <= tag and self.broken is None:
+                self.fail(self.stray(gr, held.sig, held.tag))
         if self.matcher.unexpected and self.broken is None:
             for (peer, key), u in self.matcher.unexpected.items():
-                if key[0] == Space.COLL and key[1] <= tag and u.claimed_by is None:
+                if key[0] == coll and key[1] <= tag and u.claimed_by is None:
                     self.fail(self.stray(peer, u.sig, key[1]))
                     break
         if self.broken is not None:
@@ -548,89 +792,91 @@ class Transport(Sink):
             f"finished without expecting data from rank {peer} (different collectives, roots or order)")
 
     def lost(self, peer: int, where: str, exc: BaseException, address: str = "") -> PeerLostError:
-        """What a broken connection to `peer` becomes, with the OS error as its cause: the one place a
-        socket error turns into the error the user sees."""
+        """What a broken connection to group rank `peer` becomes, with the OS error as its cause: the one
+        place a socket error turns into the error the user sees."""
         return peer_lost(self.rank, peer, f"lost the connection to rank {peer} {where}", cause=exc, address=address)
 
     def fail(self, err: BaseException, tell_peers: bool = True) -> None:
-        """Enter BROKEN for good: every pending and queued request gets `err` at once, later operations get
-        it from `_check_usable`, peers learn the root cause, then every link closes."""
+        """Enter BROKEN for good: every pending and queued request of this group gets `err` at once, later
+        operations get it from `check_usable`, and the members learn the root cause (an ABORT naming this
+        group, with the ranks it names as engine ranks). The links stay: frames of this group that still
+        arrive are dropped, and other groups over them go on."""
+        engine = self.engine
         with self._lock:
             if self.broken is not None:
                 return
             if self.names is not None:
                 self.names.apply(err)
-            for kind in self.kinds:  # once, through the first kind that reports (each has its logger)
+            for kind in engine.kinds:  # once, through the first kind that reports (each has its logger)
                 if kind.log is not None:
                     kind.log.error("%s", err)
                     break
             self.broken = err
             for r in self.matcher.pending():
                 r.error = err
-            info = AbortInfo.of(err, self.rank) if tell_peers else None
-            # The ranks a timeout blames took nothing from us for the whole timeout: waiting ABORT_GRACE for
-            # them to read the ABORT would only add that much to every timeout (10 s became 12 s). They get
-            # one try, the others the grace.
-            stuck = set(err.ranks) if isinstance(err, CollectiveTimeout) else set()
-            farewells: list[Farewell] = []
-            once: list[Farewell] = []
-            for link in self._links:
-                farewell = link.abort(err, info)
-                if farewell is not None:
-                    (once if link.peer in stuck else farewells).append(farewell)
-            self._cv.signal()
-            _see_off(farewells, once)
-            for link in self._links:
-                link.close(bye=False)
-            self._cv.signal()
+            info = None
+            if tell_peers:
+                info = AbortInfo.of(err, self.rank)
+                members = self.members
+                info = AbortInfo(info.error, info.reason, engine.rank,
+                                 members[info.peer] if 0 <= info.peer < self.world else -1,
+                                 tuple(members[r] for r in info.ranks if 0 <= r < self.world), self.gid)
+            for gr, link in enumerate(self._link_of):
+                if link is not None and self.members[gr] not in engine._dead:
+                    link.abort(err, info if self.members[gr] not in engine._gone else None, self.gid)
+            engine.posts += 1  # frames of this group held back by a link are dropped at its next pump
+            engine.signal()
 
     def peer_aborted(self, peer: int, info: AbortInfo) -> None:
-        """`peer` told us why it failed (an ABORT's AbortInfo): fail with its reason, and forward it (our
-        closing connections must not reach a peer before the reason does)."""
-        self.fail(remote_error(self.rank, peer, info))
+        """Group rank `peer` told us why it failed (an ABORT's AbortInfo, ranks as engine ranks): fail with its
+        reason, and forward it."""
+        rank_of = self.rank_of
+        local = AbortInfo(info.error, info.reason, rank_of.get(info.rank, -1), rank_of.get(info.peer, -1),
+                          tuple(rank_of[r] for r in info.ranks if r in rank_of), self.gid)
+        self.fail(remote_error(self.rank, peer, local))
 
     def peer_left(self, peer: int, where: str) -> None:
-        """`peer` said BYE (on all its streams): fine unless we still expect data from it."""
+        """Group rank `peer` left the group in order (its LEAVE, or BYE): fine unless we still expect data
+        from it."""
         waiting = [r for r in self.matcher.pending() if r.peer == peer and not r.is_send]
         if waiting:
             self.fail(peer_shut_down(self.rank, peer, f"data from it {where} ({waiting[0].describe()})",
                                      address=self.peer_address(peer)))
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+        """This group is over on this rank: its members hear LEAVE (a wait for our data fails at once), and
+        the engine closes with its last group."""
+        engine = self.engine
         with self._lock:
+            if self.closed:
+                return
+            self.closed = True
             if self.broken is None:
-                for link in self._links:
-                    link.close(bye=True)
-                self.broken = BackendClosedError(f"rank {self.rank}: the process group was shut down")
-            for s in (self._wake_r, self._wake_w):
-                s.close()
-            for kind in self.kinds:
-                kind.release()
-            self._cv.signal()
-        for kind in self.kinds:  # without the lock: a kind's thread may need it to finish
-            for thread in kind.threads:
-                if thread is not threading.current_thread():
-                    thread.join(1.0)
+                err = BackendClosedError(f"rank {self.rank}: the process group was shut down")
+                for r in self.matcher.pending():
+                    r.error = err
+                if len(engine.groups) > 1:  # (the last group's BYE says it for every group)
+                    for gr, link in enumerate(self._link_of):
+                        if link is not None and self.members[gr] not in engine._dead | engine._gone:
+                            link.say(control.Leave(self.gid))
+            if self.window_memory is not None:
+                self.window_memory = None
+            engine._group_closed(self)
+        if engine.closed:
+            engine.join_threads()
 
     # -- checks and errors ----------------------------------------------------------------------------------
     def held(self, peer: int) -> Frame | None:
-        """The header of the oldest frame from `peer` its link holds back or has not read yet (see
+        """The header of the oldest frame from group rank `peer` its link holds back or has not read yet (see
         `Link.held`), or None."""
-        with self._lock:
-            link = self._route.get(peer)
-            return link.held() if link is not None else None
+        return self.engine.held(self.members[peer])
 
     def peer_address(self, peer: int) -> str:
-        link = self._route.get(peer)
-        return link.address if link is not None else f"rank {peer}"
+        return self.engine.peer_address(self.members[peer]) if 0 <= peer < self.world else f"rank {peer}"
 
-    def eager(self) -> bool:
-        """Whether a waiter may busy-poll now: this engine spins at all, its last wait did not sleep through
-        a whole poll, and its core is not contended (see spin.py)."""
-        return self.spin > 0 and not self._quiet and not self._spinner.paused()
+    def source(self, req: Request) -> int:
+        """The group rank a receive's message came from."""
+        return req.source
 
     def check_usable(self) -> None:
         """Raise the group's error if it broke or was closed."""
@@ -640,7 +886,7 @@ class Transport(Sink):
             raise BackendClosedError(f"rank {self.rank}: the transport is closed")
 
     def _check_peer(self, peer: int) -> None:
-        if not 0 <= peer < self.world or peer == self.rank or peer not in self._route:
+        if not 0 <= peer < self.world or peer == self.rank:
             raise ValueError(f"rank {self.rank}: invalid peer rank {peer} (group size {self.world})")
 
     def _timeout_error(self, reqs: Sequence[Request], what: object, arrived: Iterable[int] = ()) -> CollectiveTimeout:
@@ -656,7 +902,7 @@ class Transport(Sink):
         named = missing or sorted(awaited) or untaken
         # A rank we wait on may only be waiting on another one itself (it said so, answering our probe):
         # blame that one, not the rank stuck behind it.
-        tags = {r.key[1] for r in waiting if r.key[0] == Space.COLL}
+        tags = {r.key[1] for r in waiting if not is_p2p(r.key[0])}
         via = {p: b for p in named if (b := self.ops.waits_on(p, tags)) is not None and b not in (p, self.rank)}
         culprits = sorted({via.get(p, p) for p in named})
         if via:
@@ -672,28 +918,3 @@ class Transport(Sink):
             f"rank {self.rank}: Timed out waiting in {what or 'an operation'};{who} pending: {detail}",
             ranks=culprits)
         return err if self.names is None else self.names.apply(err)
-
-
-def _see_off(farewells: "list[Farewell]", once: "Sequence[Farewell]" = ()) -> None:
-    """Drive every link's farewell until each is over or ABORT_GRACE has passed (see Link.abort); those in
-    `once` (peers known not to read) get one step, what their wire takes now, and no wait."""
-    for f in once:
-        for fd, events in list(f.fds()) or [(-1, 0)]:
-            f.step(fd, events & select.POLLOUT)
-    deadline = time.monotonic() + ABORT_GRACE
-    todo = list(farewells)
-    while todo:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        poller = select.poll()
-        owner: dict[int, Farewell] = {}
-        for f in todo:
-            for fd, events in f.fds():
-                poller.register(fd, events)
-                owner[fd] = f
-        blind = [f for f in todo if f not in owner.values()]  # nothing to poll: looked at every few ms
-        over = {id(f) for fd, ev in poller.poll(min(left, _FAREWELL_LOOK if blind else left) * 1000.0)
-                if (f := owner[fd]).step(fd, ev)}
-        over |= {id(f) for f in blind if f.step(-1, 0)}
-        todo = [f for f in todo if id(f) not in over]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..errors import MismatchError, ProtocolError
-from ..protocol.framing import Frame, Space
+from ..protocol.framing import Frame
 from ..protocol.signature import describe_message, sig_compatible
 from .base import ANY_SOURCE, Key, Request
 
@@ -46,9 +46,9 @@ class Matcher:
     def post(self, req: Request) -> list[Request]:
         """Register a receive; returns the requests that completed right away."""
         space, tag, _ = req.key
-        if space == Space.P2P and req.peer != ANY_SOURCE:
+        if space & 1 and req.peer != ANY_SOURCE:
             req.key = (space, tag, self._take_seq(req.peer, tag))
-        if space == Space.P2P and req.peer == ANY_SOURCE:
+        if space & 1 and req.peer == ANY_SOURCE:
             found = self._oldest_unexpected_p2p(tag)
             if found is None:
                 self.any_source.append(req)
@@ -70,7 +70,7 @@ class Matcher:
     def _oldest_unexpected_p2p(self, tag: int) -> tuple[int, Key] | None:
         best = None
         for (peer, key), u in self.unexpected.items():
-            if key[0] == Space.P2P and key[1] == tag and u.claimed_by is None:
+            if key[0] & 1 and key[1] == tag and u.claimed_by is None:
                 if key[2] == self.recv_seq[(peer, tag)] and (best is None or u.order < best[0]):
                     best = (u.order, peer, key)
         return None if best is None else (best[1], best[2])
@@ -100,14 +100,14 @@ class Matcher:
         link reading early keeps at most EARLY_BUDGET such messages' worth per peer."""
         key = frame.key
         req = self.posted.get((peer, key))
-        if req is None and frame.space == Space.P2P:
+        if req is None and frame.space & 1:
             req = self._bind_any_source(peer, key)
         if req is not None:
             self._check(req, peer, frame.total, frame.sig)
             return req.buf[frame.offset : frame.offset + frame.length], req
         u = self.unexpected.get((peer, key))
         if u is None:
-            if early >= 0 and frame.space == Space.COLL and self._park(peer, frame, early):
+            if early >= 0 and not frame.space & 1 and self._park(peer, frame, early):
                 return None
             buffered = sum(x.total for x in self.unexpected.values())
             if buffered + frame.total > self.max_unexpected:  # a budget for all of them, not per message
@@ -128,7 +128,7 @@ class Matcher:
         through many small broadcasts the same way."""
         if frame.total > early:
             return True
-        kept = sum(u.total for (p, key), u in self.unexpected.items() if p == peer and key[0] == Space.COLL)
+        kept = sum(u.total for (p, key), u in self.unexpected.items() if p == peer and not key[0] & 1)
         return kept + frame.total > EARLY_BUDGET * early
 
     def _bind_any_source(self, peer: int, key: Key) -> Request | None:
@@ -162,7 +162,7 @@ class Matcher:
         """Before any byte of the message lands in the receive's buffer: the same size and signature."""
         if total != req.nbytes or not sig_compatible(sig, req.sig):
             sent, expected = describe_message(sig, total), describe_message(req.sig, req.nbytes)
-            where = f"tag {req.key[1]}" if req.key[0] == Space.P2P else f"op #{req.key[1]}"
+            where = f"tag {req.key[1]}" if req.key[0] & 1 else f"op #{req.key[1]}"
             same = (" (the same op, called with other element counts, split sizes, dtypes or layout on the two "
                     "ranks)" if sent == expected else "")
             raise MismatchError(
@@ -178,4 +178,4 @@ class Matcher:
     def collective_waits(self) -> list[Request]:
         """Pending collective receives from a named peer: what the mismatch checks look at."""
         return [r for r in self.pending()
-                if not r.is_send and not r.done and r.key[0] == Space.COLL and r.peer != ANY_SOURCE]
+                if not r.is_send and not r.done and not r.key[0] & 1 and r.peer != ANY_SOURCE]

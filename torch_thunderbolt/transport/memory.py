@@ -13,7 +13,7 @@ from typing import Sequence
 
 from ..errors import peer_lost
 from ..protocol import control
-from ..protocol.framing import AbortInfo, Frame, Kind, Space
+from ..protocol.framing import AbortInfo, Frame, Kind
 from .base import CountedCondition, Key, Link, LinkKind, Request
 from .engine import Transport
 from .window import BUFFERS, WindowMemory
@@ -38,9 +38,15 @@ class MemoryHub:
     def kill(self, rank: int) -> None:
         with self.cv:
             for t in self.transports:
-                if t.rank != rank and t.broken is None:
-                    t.fail(peer_lost(t.rank, rank, f"lost rank {rank} (its thread died)"), tell_peers=False)
+                if t.rank == rank:
+                    continue
+                for g in list(t.engine.groups.values()):  # every group over its engine that held the rank
+                    gr = g.rank_of.get(rank)
+                    if gr is not None and g.broken is None:
+                        g.fail(peer_lost(g.rank, gr, f"lost rank {gr} (its thread died)"), tell_peers=False)
+                t.engine._dead.add(rank)
             self.transports[rank].closed = True
+            self.transports[rank].engine.closed = True
             self.cv.signal()
 
 
@@ -65,15 +71,7 @@ class MemoryLink(Link):
                             f"rank's send ({Request(self.peer, key, sig, buf, True).describe()})")
         space, tag, seq = key
         n = len(buf)
-        frame = Frame(Kind.DATA, Space(space), sig, tag, seq, 0, n, n)
-        try:
-            got = dst.delivered(me, frame, -1)
-            assert got is not None  # (early -1: never held back)
-            view, target = got
-            view[:] = buf
-            dst.completed(me, frame.key, target, n)
-        except Exception as exc:  # a mismatch breaks the receiver (nothing was copied), which tells its peers
-            dst.fail(exc)
+        dst.engine.delivered_whole(me, Frame(Kind.DATA, space, sig, tag, seq, 0, n, n), buf)
         self.kind.bytes_sent += n
         dst.kinds[0].bytes_received += n
         dst.kinds[0].arrived += 1
@@ -85,25 +83,21 @@ class MemoryLink(Link):
         return self.kind.news()
 
     def say(self, msg: "control.Message") -> None:
-        dst = self.hub.transports[self.peer]
-        if not dst.closed and dst.broken is None:
+        dst = self.hub.transports[self.peer].engine
+        if not dst.closed:
             dst.said(self.sink.rank, msg)
             dst.wake_sleeper()
 
-    def abort(self, err: BaseException, body: "AbortInfo | None") -> None:
+    def abort(self, err: BaseException, body: "AbortInfo | None", group: int) -> None:
         """Sends are eager (none is ever queued); the ABORT is delivered at once, like a send."""
-        dst = self.hub.transports[self.peer]
-        if body is not None and not dst.closed:
-            dst.said(self.sink.rank, control.Abort(body))
-        return None
+        if body is not None:
+            self.say(control.Abort(body))
 
     def close(self, bye: bool) -> None:
         """Nothing to release; with `bye`, the peer learns at once that this rank left (a wait for its data
         fails then, as one over a wire does on BYE)."""
-        dst = self.hub.transports[self.peer]
-        if bye and not dst.closed and dst.broken is None:
-            dst.said(self.sink.rank, control.Bye())
-            dst.wake_sleeper()
+        if bye:
+            self.say(control.Bye())
 
 
 class MemoryLinks(LinkKind):

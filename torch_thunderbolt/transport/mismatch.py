@@ -13,7 +13,6 @@ from typing import Iterable
 
 from ..errors import MismatchError
 from ..protocol.control import Op
-from ..protocol.framing import Space
 from ..protocol.signature import describe_sig
 from .base import ANY_SOURCE, Key
 from .matching import Matcher
@@ -25,16 +24,17 @@ class MismatchDetector:
     """What this rank knows of the ops its peers are in. `op_sigs`: the signature of each recent collective
     op this rank posted messages for (tag -> sig); `peer_waits`: peer -> (op tag, rank it waits on)."""
 
-    def __init__(self, rank: int, matcher: Matcher) -> None:
+    def __init__(self, rank: int, matcher: Matcher, space: int = 0) -> None:
         self.rank = rank
         self.matcher = matcher
+        self.space = space  # the group's collective space: what an announcement of no op names
         self.op_sigs: dict[int, int] = {}
         self.peer_waits: dict[int, tuple[int, int]] = {}
 
     def note_post(self, key: Key, sig: int) -> None:
         """A message of op `key` (signature `sig`) is being posted: remember the op's signature the first
         time, and forget the op OPS_REMEMBERED before (runs on every post: kept to a few steps)."""
-        if key[0] == Space.COLL and sig:
+        if not key[0] & 1 and sig:
             tag = key[1]
             op_sigs = self.op_sigs
             if tag not in op_sigs:
@@ -48,11 +48,11 @@ class MismatchDetector:
         pending = self.matcher.pending()
         peers = set(peers)
         wanted = peers if any(r.peer == ANY_SOURCE for r in pending) else {r.peer for r in pending} & peers
-        waiting = {r.peer: r for r in pending if not r.is_send and r.key[0] == Space.COLL and r.sig}
+        waiting = {r.peer: r for r in pending if not r.is_send and not r.key[0] & 1 and r.sig}
         out = {}
         for p in wanted:
             r = waiting.get(p)
-            out[p] = Op(Space.COLL, r.key[1], r.sig) if r is not None else Op()
+            out[p] = Op(r.key[0], r.key[1], r.sig) if r is not None else Op(self.space)
         return out
 
     # -- what peers say ------------------------------------------------------------------------------------

@@ -60,10 +60,10 @@ from typing import Any, Sequence
 from ..errors import ProtocolError, RdmaError, ThunderboltError, peer_shut_down
 from ..platform import Platform, current, macos_version
 from ..protocol import control
-from ..protocol.framing import AbortInfo, Frame, Kind, Space
+from ..protocol.framing import DISCARD, AbortInfo, Frame, Kind
 from . import verbs as v
 from .verbs import WC, WC_BYTES
-from .base import NOT_YET, REFUSED, TAKEN, Key, Link, LinkKind, Request, SocketFarewell, close_control
+from .base import NOT_YET, REFUSED, TAKEN, Key, Link, LinkKind, Request, close_control
 
 log = logging.getLogger("torch_thunderbolt.rdma")
 
@@ -78,7 +78,6 @@ assert HEADER == 64
 T_DATA, T_CREDIT, T_HELLO = 1, 2, 3
 F_STARVING = 1
 M32 = 0xFFFFFFFF
-_SPACES = {int(s): s for s in Space}
 _TYPES = frozenset((T_DATA, T_CREDIT, T_HELLO))
 _NO_DEST = memoryview(b"")
 
@@ -666,7 +665,7 @@ class RdmaLink(Link):
         if qseq != lane.rx & M32:
             raise self._lost(lane, qseq)
         if (byte_len < HEADER + length or byte_len > lane.size or typ not in _TYPES
-                or space not in _SPACES or offset + length > total or total > MAX_MESSAGE):
+                or offset + length > total or total > MAX_MESSAGE):
             raise ProtocolError(f"rank {self.sink.rank}: rank {self.peer} sent a malformed frame on the RDMA "
                                 f"{lane.name} lane ({byte_len} bytes arrived, type {typ}, length {length}, "
                                 f"offset {offset} of {total})")
@@ -698,7 +697,7 @@ class RdmaLink(Link):
             kind.bytes_received += length
             kind.quick_messages += 1
             return
-        frame = Frame(Kind.DATA, _SPACES[space], sig, tag, seq, offset, length, total)
+        frame = Frame(Kind.DATA, space, sig, tag, seq, offset, length, total)
         if lane.backlog or not self._deliver(lane, slot, frame):
             lane.backlog.append((slot, frame))
 
@@ -710,6 +709,9 @@ class RdmaLink(Link):
         target = sink.delivered(self.peer, frame, 0)
         if target is None:
             return False
+        if target is DISCARD:  # a group that is over: the slot is posted again, its frame dropped
+            lane.post_recv(slot)
+            return True
         dest, obj = target
         length = frame.length
         if length:
@@ -779,7 +781,7 @@ class RdmaLink(Link):
         if not self.msg.backlog and (self.bulk is None or not self.bulk.backlog):
             return None  # (every op's retire asks)
         held = [lane.backlog[0][1] for lane in self.lanes if lane.backlog]
-        return min(held, key=lambda f: (f.space != Space.COLL, f.tag))
+        return min(held, key=lambda f: (f.space & 1, f.tag))
 
     def counters(self) -> tuple[int, ...]:
         """Frames sent, received and receives posted, message lane then bulk lane (for probes)."""
@@ -936,15 +938,19 @@ class RdmaLink(Link):
         del self.out[:k]
 
     # -- the end --------------------------------------------------------------------------------------------
-    def abort(self, err: BaseException, body: AbortInfo | None) -> SocketFarewell | None:
-        """Queued sends fail; the ABORT goes on the control connection (the RDMA path may be what broke)."""
-        for req, _ in self.sendq:
-            req.error = err
-        self.sendq.clear()
-        if body is None or self.eof or self.ctl.ours is not None:
-            return None
-        rest, self.out = bytes(self.out), bytearray()
-        return SocketFarewell([(self.sock, [memoryview(rest + self.ctl.send(control.Abort(body)))])])
+    def abort(self, err: BaseException, body: AbortInfo | None, group: int) -> None:
+        """Group `group`'s queued sends get `err` and are dropped (every group's, for -1): frames already on
+        the lanes stay, each whole in itself. The ABORT goes on the control connection (the RDMA path may be
+        what broke)."""
+        keep: deque[list] = deque()
+        for item in self.sendq:
+            if group < 0 or item[0].key[0] >> 1 == group:
+                item[0].error = err
+            else:
+                keep.append(item)
+        self.sendq = keep
+        if body is not None:
+            self.say(control.Abort(body))
 
     def close(self, bye: bool) -> None:
         self.sendq.clear()

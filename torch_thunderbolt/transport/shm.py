@@ -32,10 +32,10 @@ from collections import deque
 
 from ..errors import ProtocolError, ThunderboltError, peer_shut_down
 from ..protocol import control
-from ..protocol.framing import AbortInfo, Frame, Kind, Space
+from ..protocol.framing import DISCARD, AbortInfo, Frame, Kind
 from . import ordering
 from . import shm_ring as ring
-from .base import Key, Link, LinkKind, Request, SocketFarewell, close_control
+from .base import Key, Link, LinkKind, Request, close_control
 from .engine import Transport
 from .shm_segment import Segment
 from .shm_window import ShmWindowMemory, area_bytes
@@ -113,8 +113,7 @@ class ShmLink(Link):
     def held(self) -> Frame | None:
         if self.reader.pending():
             space, kind, sig, tag, seq, off, length, total = self.reader.peek()
-            if space in (Space.COLL, Space.P2P):
-                return Frame(Kind.DATA, Space(space), sig, tag, seq, off, length, total)
+            return Frame(Kind.DATA, space, sig, tag, seq, off, length, total)
         return None
 
     # -- the rings ------------------------------------------------------------------------------------------
@@ -147,18 +146,21 @@ class ShmLink(Link):
         try:
             while sink.broken is None and r.pending():
                 space, kind, sig, tag, seq, off, length, total = r.peek()
-                if kind != Kind.DATA or off + length > total or length > slot or space not in (Space.COLL, Space.P2P):
+                if kind != Kind.DATA or off + length > total or length > slot:
                     raise ProtocolError(f"rank {self.peer} wrote a corrupt slot into shared memory")
-                frame = Frame(Kind.DATA, Space(space), sig, tag, seq, off, length, total)
+                frame = Frame(Kind.DATA, space, sig, tag, seq, off, length, total)
                 target = sink.delivered(self.peer, frame, 0)  # (early data stays in the ring: nothing is copied)
                 if target is None:
                     self.parked = True
                     break
+                moved = True
+                if target is DISCARD:  # a group that is over: the slot is dropped
+                    r.pop()
+                    continue
                 dest, obj = target
                 if length:
                     dest[:] = r.payload(length)
                 r.pop()
-                moved = True
                 self.kind.bytes_received += length
                 sink.completed(self.peer, frame.key, obj, length)
         except ThunderboltError as exc:  # mismatch or corrupt slot: this group can't continue
@@ -236,17 +238,19 @@ class ShmLink(Link):
         except OSError:
             pass  # full buffer: it has bells to read anyway; a dead peer shows up as EOF
 
-    def abort(self, err: BaseException, body: AbortInfo | None) -> SocketFarewell | None:
-        """The ABORT goes on the control wire (the rings may be full, and a peer reads them only for data it
-        expects), after any control message still being written; slots already published stay valid for the
-        peer to read or drop."""
-        for req, _ in self.sendq:
-            req.error = err
-        self.sendq.clear()
-        if body is None or self.eof or self.ctl.ours is not None:
-            return None
-        rest, self.out = bytes(self.out), bytearray()
-        return SocketFarewell([(self.sock, [memoryview(rest + self.ctl.send(control.Abort(body)))])])
+    def abort(self, err: BaseException, body: AbortInfo | None, group: int) -> None:
+        """Group `group`'s queued sends get `err` and are dropped (every group's, for -1): slots already
+        published stay for the peer to read or drop, each whole in itself. The ABORT goes on the control
+        wire (the rings may be full, and a peer reads them only for data it expects)."""
+        keep: deque[list] = deque()
+        for item in self.sendq:
+            if group < 0 or item[0].key[0] >> 1 == group:
+                item[0].error = err
+            else:
+                keep.append(item)
+        self.sendq = keep
+        if body is not None:
+            self.say(control.Abort(body))
 
     def close(self, bye: bool) -> None:
         self.sendq.clear()

@@ -30,10 +30,10 @@ from typing import Any, Sequence
 from ..errors import ProtocolError, ThunderboltError
 from ..platform import SOCKET_IO_CAP, Platform, current
 from ..protocol import control
-from ..protocol.framing import (FRAME_HEADER_SIZE, AbortInfo, Frame, FrameDecoder, Kind, Space, control_frame_header,
-                                encode_control, encode_frame_header, pack_frame_header)
+from ..protocol.framing import (DISCARD, FRAME_HEADER_SIZE, AbortInfo, Frame, FrameDecoder, Kind, Space,
+                                control_frame_header, encode_control, encode_frame_header, pack_frame_header)
 from ..protocol.integrity import SEALED_HEADER_SIZE, Opener, SealedFrameDecoder, Sealer
-from .base import NOT_YET, REFUSED, TAKEN, Key, Link, LinkKind, Request, SocketFarewell, close_socket
+from .base import NOT_YET, REFUSED, TAKEN, Key, Link, LinkKind, Request, close_socket
 from .engine import Transport
 from .failover import Fields, RxCount, StreamLog, is_link_failure
 
@@ -354,7 +354,7 @@ class TcpLink(Link):
         return moved
 
     def held(self) -> Frame | None:
-        held = [c.parked for c in self.streams if c.parked is not None and c.parked.space == Space.COLL]
+        held = [c.parked for c in self.streams if c.parked is not None]
         return min(held, key=lambda f: f.tag) if held else None
 
     def say(self, msg: control.Message) -> None:
@@ -444,7 +444,10 @@ class TcpLink(Link):
                 if target is None:
                     c.parked = frame
                     return moved
-                c.inbound = [target[0], target[1], frame, 0]
+                if target is DISCARD:  # a group that is over: read (and check) it, and drop it
+                    c.inbound = [memoryview(bytearray(frame.length)), DISCARD, frame, 0]
+                else:
+                    c.inbound = [target[0], target[1], frame, 0]
                 moved = True
         except (BlockingIOError, InterruptedError):
             return moved
@@ -486,6 +489,8 @@ class TcpLink(Link):
             c.opener.check(dest)  # before the bytes count as received
         if target is CONTROL_PAYLOAD:
             return self._heard(c, c.ctl.receive(bytes(dest)))
+        if target is DISCARD:
+            return True
         self.kind.bytes_received += frame.length
         self.sink.completed(c.peer, frame.key, target, frame.length)
         return True
@@ -538,7 +543,7 @@ class TcpLink(Link):
             c.rx.consumed = self._checked(c)
         elif c.inbound is not None:  # payload bytes already in place count: the resend starts after them
             dest, target, frame, got = c.inbound
-            if target is not CONTROL_PAYLOAD and got:
+            if target is not CONTROL_PAYLOAD and target is not DISCARD and got:
                 self.sink.completed(c.peer, frame.key, target, got)
         c.inbound, c.parked = None, None
         unstarted = [o for o in c.sendq if o.entry is None and o.fields is not None]
@@ -582,32 +587,32 @@ class TcpLink(Link):
             self.enqueue(survivors[i % len(survivors)], out, front=True)
 
     # -- ending ---------------------------------------------------------------------------------------------
-    def abort(self, err: BaseException, body: AbortInfo | None) -> SocketFarewell | None:
-        """The ABORT on every live stream, after the rest of the frame being written there (the peer would
-        read an ABORT written in the middle of a frame as payload)."""
+    def abort(self, err: BaseException, body: AbortInfo | None, group: int) -> None:
+        """Group `group`'s sends not yet on their way get `err` and are dropped (every group's, for -1), except
+        a frame half-written on a stream: the peer would read what comes next as the rest of its payload. The
+        ABORT goes after it, in a CONTROL frame."""
         for c in self.streams:
-            for out in c.sendq:
+            keep: deque[Outgoing] = deque()
+            for i, out in enumerate(c.sendq):
+                g = (out.req.key[0] if out.req is not None else out.fields.space if out.fields is not None
+                     else -2) >> 1
+                if (i == 0 and out.sent) or (group >= 0 and g != group) or g < -1:
+                    keep.append(out)  # (in flight, another group's, or control)
+                    continue
                 if out.req is not None:
                     out.req.error = err
+                if i == 0 and c.sealer is not None and len(out.hdr) != FRAME_HEADER_SIZE:
+                    c.sealer.unseal(out.hdr)  # sealed, never written: the next frame takes its number
+            c.sendq = keep
+        kept: deque[list] = deque()
         for entry in self.unsent:
-            entry[0].error = err
-        self.unsent.clear()
-        writes = []
-        for c in self.streams:
-            bufs: list[memoryview] = []
-            if c.sendq and c.sendq[0].sent:
-                out, hl = c.sendq[0], len(c.sendq[0].hdr)
-                bufs = ([memoryview(out.hdr)[out.sent:], out.payload] if out.sent < hl
-                        else [out.payload[out.sent - hl:]])
-            elif c.sendq and c.sealer is not None and len(c.sendq[0].hdr) != FRAME_HEADER_SIZE:
-                c.sealer.unseal(c.sendq[0].hdr)  # sealed, never written: the ABORT takes its number
-            c.sendq.clear()
-            if body is not None and not c.dead and c.ctl.ours is None:
-                msg = c.ctl.send(control.Abort(body))
-                hdr = control_frame_header(len(msg))
-                abort = memoryview(hdr + msg if c.sealer is None else c.sealer.seal(hdr, msg) + msg)
-                writes.append((c.sock, bufs + [abort]))
-        return SocketFarewell(writes) if writes else None
+            if group < 0 or entry[0].key[0] >> 1 == group:
+                entry[0].error = err
+            else:
+                kept.append(entry)
+        self.unsent = kept
+        if body is not None:
+            self.say(control.Abort(body))
 
     def close(self, bye: bool) -> None:
         if bye:

@@ -18,8 +18,8 @@ from collections import deque
 
 from ...errors import ProtocolError, ThunderboltError, peer_shut_down
 from ...protocol import control
-from ...protocol.framing import AbortInfo, Frame, FrameDecoder, Kind, Space, control_frame_header, encode_frame_header
-from ...transport.base import Link, LinkKind, Request, SocketFarewell, close_socket
+from ...protocol.framing import DISCARD, AbortInfo, Frame, FrameDecoder, Kind, control_frame_header, encode_frame_header
+from ...transport.base import Link, LinkKind, Request, close_socket
 
 log = logging.getLogger("torch_thunderbolt.sock")
 _CONTROL = object()  # marks an inbound CONTROL frame's payload
@@ -94,18 +94,21 @@ class SockLink(Link):
 
     # -- what it knows --------------------------------------------------------------------------------------
     def held(self) -> Frame | None:
-        return self.held_frame if self.held_frame is not None and self.held_frame.space == Space.COLL else None
+        return self.held_frame
 
     # -- the end --------------------------------------------------------------------------------------------
-    def abort(self, err: BaseException, body: AbortInfo | None) -> SocketFarewell | None:
-        rest = self.sendq[0].rest() if self.sendq and self.sendq[0].sent else []  # finish the frame in flight
-        for out in self.sendq:
-            if out.req is not None:
+    def abort(self, err: BaseException, body: AbortInfo | None, group: int) -> None:
+        """Group `group`'s frames not begun get `err` and are dropped (every group's, for -1); a frame in
+        flight is finished first (the peer would read what follows as its payload), then the ABORT."""
+        keep: deque[_Out] = deque()
+        for i, out in enumerate(self.sendq):
+            if out.req is None or (i == 0 and out.sent) or (group >= 0 and out.req.key[0] >> 1 != group):
+                keep.append(out)
+            else:
                 out.req.error = err
-        self.sendq.clear()
-        if body is None or self.eof or self.ctl.ours is not None:
-            return None
-        return SocketFarewell([(self.sock, [*rest, memoryview(self._said(control.Abort(body)))])])
+        self.sendq = keep
+        if body is not None:
+            self.say(control.Abort(body))
 
     def close(self, bye: bool) -> None:
         if bye and not self.sendq and not self.eof and self.ctl.ours is None:
@@ -170,7 +173,10 @@ class SockLink(Link):
                     if target is None:
                         self.held_frame = frame
                         return moved
-                    self.inbound = [target[0], target[1], frame, 0]
+                    if target is DISCARD:  # a group that is over: read and drop
+                        self.inbound = [memoryview(bytearray(frame.length)), DISCARD, frame, 0]
+                    else:
+                        self.inbound = [target[0], target[1], frame, 0]
                 else:
                     raise ProtocolError(f"rank {self.peer} sent a {frame.kind.name} frame on a sock link")
         except (BlockingIOError, InterruptedError):
@@ -203,8 +209,9 @@ class SockLink(Link):
                 self.bye = True
             self.sink.said(self.peer, msg)
             return not isinstance(msg, (control.Abort, control.Bye))
-        self.kind.bytes_received += frame.length
-        self.sink.completed(self.peer, frame.key, target, frame.length)
+        if target is not DISCARD:
+            self.kind.bytes_received += frame.length
+            self.sink.completed(self.peer, frame.key, target, frame.length)
         return True
 
     def _lost(self, exc: BaseException) -> None:
