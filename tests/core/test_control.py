@@ -18,7 +18,7 @@ infos = st.builds(AbortInfo, error=st.text(max_size=40), reason=st.text(max_size
                   group=st.integers(0, 127))
 messages = st.one_of(
     st.builds(c.Bye, sent=counters), st.builds(c.Abort, info=infos), st.builds(c.Ping, op=ops),
-    st.builds(c.Answer, op=ops), st.builds(c.Leave, epoch=u64),
+    st.builds(c.Answer, op=ops), st.builds(c.Leave, epoch=u64, sent=counters),
     st.builds(c.Shrink, epoch=u64, ranks=st.sets(st.integers(0, 1 << 20), min_size=1, max_size=50).map(
         lambda s: tuple(sorted(s)))))
 
@@ -81,7 +81,7 @@ def test_encoding_refuses_what_it_cannot_carry() -> None:
 
 def test_the_wire_head_is_fixed() -> None:
     """Head: magic (first byte never 0, the shm wake-up byte), version, type, body length."""
-    assert c.encode(c.Leave(7)) == bytes([0xB7, 0x43, 1, 5, 8, 0, 0, 0]) + (7).to_bytes(8, "little")
+    assert c.encode(c.Leave(7)) == bytes([0xB7, 0x43, 1, 5, 9, 0, 0, 0]) + (7).to_bytes(8, "little") + b"\0"
 
 
 # -- the state machine ---------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..protocol.framing import Space
 from ..transport.base import Key, Request
 from ..transport.engine import Transport
 from .reduce_ops import Reducer
@@ -177,21 +176,21 @@ def _run_one_phase(plan: Plan, graph: _Graph, t: Transport, bufs: dict[str, torc
         view = views.get(s.buf)
         if view is None:
             view = views[s.buf] = tensor_bytes(bufs[s.buf])
-        (sends if s.kind == SEND else recvs).append(_part(s, view, es, tag))
+        (sends if s.kind == SEND else recvs).append(_part(s, view, es, t.coll, tag))
     t.exchange(sends, recvs, sig, deadline, what)
     for i in graph.local:
         _local(steps[i], bufs, reducer)
 
 
-def _part(s: Step, view: memoryview, es: int, tag: int) -> tuple[int, Key, memoryview]:
-    """(peer, key, bytes) of the SEND or RECV step `s` of op `tag` (`view`: the bytes of its buffer, `es`
-    bytes per element)."""
-    return s.peer, (Space.COLL, tag, s.msg), view[s.off * es : (s.off + s.n) * es]
+def _part(s: Step, view: memoryview, es: int, space: int, tag: int) -> tuple[int, Key, memoryview]:
+    """(peer, key, bytes) of the SEND or RECV step `s` of op `tag` in collective `space` (the group's: see
+    Transport.coll; `view`: the bytes of its buffer, `es` bytes per element)."""
+    return s.peer, (space, tag, s.msg), view[s.off * es : (s.off + s.n) * es]
 
 
 def _message(t: Transport, s: Step, view: memoryview, es: int, tag: int, sig: int) -> Request:
     """Post the SEND or RECV step `s` of op `tag`."""
-    peer, key, part = _part(s, view, es, tag)
+    peer, key, part = _part(s, view, es, t.coll, tag)
     return t.isend(peer, key, part, sig) if s.kind == SEND else t.irecv(peer, key, part, sig)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from ..protocol.framing import Space
 from ..transport.engine import Transport
 from .direct import peer_order
 from .plan import tensor_bytes
@@ -46,7 +45,7 @@ class DirectAllReduce:
         ptr = x.data_ptr()
         if ptr != self._ptr:  # (a view of the same size at the same address is a view of `x`)
             self._own, self._ptr = tensor_bytes(x), ptr
-        own, key = self._own, (Space.COLL, tag, 0)
+        own, key = self._own, (self.t.coll, tag, 0)
         self.t.exchange([(p, key, own) for p in self.to], [(p, key, view) for p, view in self.recvs], self.sig,
                         deadline, self.what, retire=tag)
         slots, combine, rank = self.slots, self.combine, self.rank

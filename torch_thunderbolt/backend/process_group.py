@@ -22,12 +22,13 @@ import torch.distributed as dist
 
 from ..algorithms.collectives import Communicator
 from ..algorithms.plan import tensor_bytes
-from ..algorithms.shape import Shape
+from ..algorithms.shape import Shape, cluster_shape
 from ..compression.allreduce import compressed_all_reduce
 from ..config import Config
 from ..errors import CollectiveTimeout
 from ..transport.base import ANY_SOURCE
 from ..transport.engine import Transport
+from ..transport.names import RankNames
 from .device import DeviceCompletions
 from .tensors import (Staged, byte_view, check_same_dtype, flat_cat, flat_view, on_device, reduce_op,
                       rows_to_elems, split_into, total_bytes)
@@ -54,14 +55,21 @@ def _timeout_s(opts: Any, default: float) -> float:
 
 
 class ThunderboltProcessGroup(dist.ProcessGroup):
+    """`nets` and `hosts`: every rank's networks and host, as the set-up found them (None where it had no
+    reason to look), for the shape of this group and of the groups split from it; `global_ranks`: each
+    rank's global rank (None: the ranks are the global ones)."""
+
     def __init__(self, transport: Transport, cfg: Config, timeout: float, description: str = "",
-                 shape: Shape | None = None) -> None:
+                 shape: Shape | None = None, *, nets: "list[list[str]] | None" = None,
+                 hosts: "list[str] | None" = None, global_ranks: "list[int] | None" = None) -> None:
         super().__init__(transport.rank, transport.world)
         self._rank, self._size = transport.rank, transport.world  # rank() is a C++ call, ~1 µs each
         self._transport = transport
         self._cfg = cfg
         self._timeout = timeout
-        self._comm = Communicator(transport, cfg, timeout, shape)
+        self._nets, self._hosts = nets, hosts
+        self._global_ranks = list(global_ranks) if global_ranks is not None else list(range(transport.world))
+        self._comm = Communicator(transport, cfg, timeout, shape if shape is not None else cluster_shape(nets, hosts))
         self._worker = Worker(f"tb-worker-r{transport.rank}")
         self._devices = DeviceCompletions()  # ops on device tensors not yet complete (device.py)
         self._group_name = ""
@@ -112,10 +120,62 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
     # the whole group and answers the lookups torch's Python side makes itself: every device type is served
     # by this group (tensors off the CPU are staged through host memory), and `init_process_group(...,
     # device_id=torch.device("mps", 0))` finds it.
-    supports_splitting = False
+    supports_splitting = True
+    supports_shrinking = True
 
     def _get_backend(self, device: Any) -> "ThunderboltProcessGroup":
         return self
+
+    # -- more groups over the same links (split, shrink) ------------------------------------------------
+    def split_group(self, ranks: list[int], timeout: Any = None, opts: Any = None, group_name: str | None = None,
+                    group_desc: str | None = None, device_types: Any = None) -> "ThunderboltProcessGroup | None":
+        """torch's `split_group` (and DeviceMesh where it splits): the group of this group's `ranks`, over
+        this group's links (no new connection or rendezvous). Every rank of this group calls it with its own
+        split (torch's rule); a rank in none gets None."""
+        if self._rank not in ranks:
+            return None
+        child = self.split(sorted(ranks), timeout, group_desc or group_name or "split_group")
+        if group_name:
+            child._set_group_name(group_name)
+        if group_desc:
+            child._set_group_desc(group_desc)
+        return child
+
+    def split(self, ranks: list[int], timeout: Any = None, what: str = "split_group") -> "ThunderboltProcessGroup":
+        """The group of this group's `ranks` (this rank among them) over the same links: its ranks call this
+        together (`new_group`'s creator, `split_group`)."""
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 \
+            else self._timeout
+        names = RankNames.for_group([self._global_ranks[r] for r in ranks], len(ranks), what)
+        view = self._transport.split(ranks, time.monotonic() + seconds, what, names)
+        return self._child(view, ranks, seconds, what)
+
+    def shrink(self, ranks_to_exclude: list[int], shrink_flags: int = 0,
+               pg_options: Any = None) -> "ThunderboltProcessGroup":
+        """torch's `shrink_group`, called by the ranks that stay: the group of this group's ranks but
+        `ranks_to_exclude`, over the live links (no rendezvous, no new connection; a lost rank's rendezvous
+        store is not needed). This group is over first: its ops in flight fail (with the loss's error, or if
+        none broke it, naming the shrink), never with a wrong result; an excluded rank that is alive hears why
+        in an ABORT. `shrink_flags` (SHRINK_DEFAULT, SHRINK_ABORT) change nothing: both end this group's ops
+        at once. `pg_options`: a Config for the new group, else this group's settings."""
+        excluded = sorted(set(ranks_to_exclude))
+        stay = [r for r in range(self._size) if r not in excluded]
+        names = RankNames.for_group([self._global_ranks[r] for r in stay], len(stay), "shrink_group")
+        view = self._transport.shrink(excluded, time.monotonic() + self._timeout, "shrink_group", names)
+        cfg = pg_options if isinstance(pg_options, Config) else self._cfg
+        return self._child(view, stay, self._timeout, "shrink_group", cfg)
+
+    def _child(self, view: Transport, ranks: list[int], timeout: float, what: str,
+               cfg: Config | None = None) -> "ThunderboltProcessGroup":
+        pick = (lambda xs: None if xs is None else [xs[r] for r in ranks])  # noqa: E731
+        return ThunderboltProcessGroup(view, cfg or self._cfg, timeout, description=what, nets=pick(self._nets),
+                                       hosts=pick(self._hosts), global_ranks=pick(self._global_ranks))
+
+    @property
+    def usable(self) -> bool:
+        """Whether this group can take more ops (and groups can be split from it): not broken, not closed."""
+        t = self._transport
+        return not self._closed and t.broken is None and not t.closed
 
     @property
     def _device_types(self) -> list[torch.device]:

@@ -39,8 +39,9 @@ DEVICES = ["cpu", "cuda", "mps"]
 def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
     """The creator torch calls for every group using our backend (extended API). `backend_opts`: the group's
     `pg_options`; a `Config` there replaces the one parsed from the environment (bench measures with the
-    settings it was given that way)."""
-    from ..algorithms.shape import cluster_shape
+    settings it was given that way). A subgroup (`new_group`, a DeviceMesh dimension) of the default group
+    runs over the default group's links when every member can (`_split_from_default`), else it is set up
+    on its own."""
     from ..config import Config
     from ..rendezvous.group import connect
     from ..transport.names import RankNames
@@ -49,13 +50,40 @@ def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
     cfg = backend_opts if isinstance(backend_opts, Config) else Config.from_env()
     rank, size = dist_opts.group_rank, dist_opts.group_size
     timeout = dist_opts.timeout.total_seconds() if isinstance(dist_opts.timeout, timedelta) else 1800.0
+    global_ranks = list(getattr(dist_opts, "global_ranks_in_group", None) or []) or None
+    name = str(getattr(dist_opts, "group_id", "") or "?")
+    if global_ranks and not isinstance(backend_opts, Config):
+        child = _split_from_default(dist_opts.store, rank, global_ranks, timeout, name)
+        if child is not None:
+            child._set_group_desc(name)
+            return child
     # In a subgroup, "rank 0" in an error is a group rank: name the global one too. torch gives an extended
     # backend's creator the group's global ranks (none for the default group, whose ranks are global).
-    names = RankNames.for_group(getattr(dist_opts, "global_ranks_in_group", None), size,
-                                str(getattr(dist_opts, "group_id", "") or "?"))
+    names = RankNames.for_group(global_ranks, size, name)
     group = connect(dist_opts.store, rank, size, cfg, timeout, names=names)
     return ThunderboltProcessGroup(group.transport, cfg, timeout, description=str(getattr(dist_opts, "group_id", "")),
-                                   shape=cluster_shape(group.nets, group.hosts))
+                                   nets=group.nets, hosts=group.hosts, global_ranks=global_ranks)
+
+
+SPLIT_KEY = "thunderbolt-split/"  # in the new group's store: whether each member can split it off
+
+
+def _split_from_default(store: Any, rank: int, global_ranks: list[int], timeout: float, name: str) -> Any:
+    """The new group of `global_ranks` as a split of the default group, if that is a thunderbolt group that
+    spans them and every member can split it (each says so in the new group's store and reads the others:
+    all split, or none does), else None. One store round instead of a set-up's connections and handshakes."""
+    import torch.distributed as dist
+
+    from .process_group import ThunderboltProcessGroup
+
+    parent = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    able = (isinstance(parent, ThunderboltProcessGroup) and parent.usable
+            and all(0 <= g < parent.size() for g in global_ranks))
+    store.set(f"{SPLIT_KEY}{rank}", b"1" if able else b"0")
+    everyone = [store.get(f"{SPLIT_KEY}{r}") for r in range(len(global_ranks))]
+    if not able or any(v != b"1" for v in everyone):
+        return None
+    return parent.split(sorted(global_ranks), timedelta(seconds=timeout), name)
 
 
 def _thunderbolt_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any):
@@ -204,6 +232,43 @@ def remove_probe(places: TorchPlaces | None = None) -> None:
     for scheme, handler in list(places.handlers.items()):
         if ours(handler):
             places.handlers[scheme] = handler.__wrapped__
+    shrunk = getattr(places.c10d, "_create_shrunk_process_group", None)
+    if ours(shrunk):
+        places.c10d._create_shrunk_process_group = shrunk.__wrapped__
+
+
+def _shrunk_as_it_is(create: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's `_create_shrunk_process_group`, taking a Python process group (ours) as the new group itself,
+    as torch's `_new_process_group_helper` takes what a Python backend's creator returns: torch would wrap
+    the backend `shrink` returned in a ProcessGroup of its own, which only a C++ backend can be registered
+    in (a Python ProcessGroup is refused there)."""
+    import torch.distributed as dist
+
+    @functools.wraps(create)
+    def _create_shrunk_process_group(new_backend: Any, remaining_ranks: list[int], metadata: dict,
+                                     is_default_group: bool) -> Any:
+        if not isinstance(new_backend, dist.ProcessGroup):
+            return create(new_backend, remaining_ranks, metadata, is_default_group)
+        new_backend._set_group_name(metadata["new_group_name"])
+        new_backend._set_group_desc("default:shrunken" if is_default_group
+                                    else f"{metadata['original_group_name']}:shrunk")
+        if metadata.get("bound_device_id") is not None:
+            new_backend.bound_device_id = metadata["bound_device_id"]
+        return new_backend
+
+    setattr(_create_shrunk_process_group, MARK, _create_shrunk_process_group)
+    return _create_shrunk_process_group
+
+
+def install_shrink(places: TorchPlaces) -> bool:
+    """Lets `dist.shrink_group` take the group our `shrink` returns (see `_shrunk_as_it_is`). Idempotent; False,
+    with nothing changed, on a torch without shrink_group (it has nothing to call then)."""
+    current = getattr(places.c10d, "_create_shrunk_process_group", None)
+    if not callable(current):
+        return False
+    if not ours(current):
+        places.c10d._create_shrunk_process_group = _shrunk_as_it_is(current)
+    return True
 
 
 def agent_store_elsewhere(port: int, env: "dict[str, str] | os._Environ[str]") -> bool:
@@ -245,4 +310,6 @@ def register() -> None:
     rdzv = importlib.import_module("torch.distributed.rendezvous")
     if "thunderbolt" not in getattr(rdzv, "_rendezvous_handlers", {}):
         rdzv.register_rendezvous_handler("thunderbolt", _thunderbolt_rendezvous)
-    install_probe(TorchPlaces.of_torch())
+    places = TorchPlaces.of_torch()
+    install_probe(places)
+    install_shrink(places)

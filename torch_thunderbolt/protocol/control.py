@@ -16,7 +16,8 @@ Messages:
 - `Ping(op)` / `Answer(op)`: an op announcement (`Op`): the collective op this rank is in or waits for
   (space, tag, signature), whom it waits on there, and the kind's own counters (RDMA's per-lane frames
   sent, received and receives posted). A Ping asks; an Answer replies to a Ping this end sent.
-- `Leave(epoch)`: this end closed group `epoch` (its id) in order: a wait for its data there is over.
+- `Leave(epoch, sent)`: this end closed group `epoch` (its id) in order: a wait for its data there is over,
+  once what it sent before is in (`sent`: per-lane counts, as BYE's, where the data path may deliver later).
 - `Shrink(epoch, ranks)`: a proposal of new membership, the surviving ranks, and the id this end proposes
   for the new group (`epoch`, only upwards): the survivors of a lost rank agree on it over the live links.
 
@@ -96,6 +97,7 @@ class Answer:
 @dataclass(frozen=True)
 class Leave:
     epoch: int = 0
+    sent: tuple[int, ...] = ()  # as Bye's: data frames sent per lane, where they may arrive after this
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,7 @@ def _body(msg: Message) -> tuple[Type, bytes]:
     if isinstance(msg, Leave):
         if not 0 <= msg.epoch <= _U64:
             raise ProtocolError(f"LEAVE epoch {msg.epoch} out of range")
-        return Type.LEAVE, _EPOCH.pack(msg.epoch)
+        return Type.LEAVE, _EPOCH.pack(msg.epoch) + _COUNT.pack(len(msg.sent)) + _u64s(msg.sent, "LEAVE")
     if isinstance(msg, Shrink):
         _check_ranks(msg.ranks)
         if not 0 <= msg.epoch <= _U64:
@@ -195,9 +197,10 @@ def _decode_body(typ: int, body: bytes) -> Message:
     if typ == Type.ANSWER:
         return Answer(_decode_op(body, "ANSWER"))
     if typ == Type.LEAVE:
-        if len(body) != _EPOCH.size:
+        n = body[_EPOCH.size] if len(body) > _EPOCH.size else -1
+        if n < 0 or n > MAX_COUNTERS or len(body) != _EPOCH.size + 1 + 8 * n:
             raise ProtocolError(f"LEAVE of {len(body)} bytes")
-        return Leave(_EPOCH.unpack(body)[0])
+        return Leave(_EPOCH.unpack_from(body)[0], tuple(struct.unpack_from(f"<{n}Q", body, _EPOCH.size + 1)))
     if typ == Type.SHRINK:
         if len(body) < _SHRINK.size:
             raise ProtocolError(f"SHRINK of {len(body)} bytes")

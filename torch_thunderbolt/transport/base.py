@@ -69,7 +69,7 @@ class Request:
     def describe(self) -> str:
         what = "send to" if self.is_send else "receive from"
         peer = "any rank" if self.peer == ANY_SOURCE else f"rank {self.peer}"
-        space = "p2p tag" if self.key[0] == Space.P2P else "op"
+        space = "p2p tag" if self.key[0] & 1 else "op"
         return f"{what} {peer} ({space} {self.key[1]}, message {self.key[2]}, {self.nbytes} bytes)"
 
 

@@ -76,6 +76,7 @@ class Engine(Sink):
         self.next_gid = 0  # the lowest gid no group over this engine has had (gids are never reused)
         self._orphans: list[tuple[int, Frame, bytes]] = []  # whole frames for a group not made here yet
         self.proposals: dict[int, deque[control.Shrink]] = defaultdict(deque)  # SHRINKs heard, by peer
+        self._proposed = -1  # the last gid this rank proposed (a SHRINK's epoch only grows)
         # Memory this host's ranks read directly, for the collectives designed for it (a kind that has some
         # offers it: shm); the group made at set-up uses it.
         self.window_memory: WindowMemory | None = None
@@ -202,28 +203,34 @@ class Engine(Sink):
             self.signal()
 
     def failed(self, peer: int, exc: BaseException, where: str = "", address: str = "") -> None:
-        """The link to `peer` cannot go on (its connection broke, or it spoke no protocol of ours): it is
-        closed, and every group holding `peer` fails, naming it."""
+        """The link to `peer` cannot go on: every group holding `peer` fails, naming it, and the link is used no
+        more. A broken connection (an OSError) is closed at once; over one that broke the protocol (a corrupt
+        frame, a failed MAC) each group first tells the peer why, in its ABORT, and the socket stays until
+        the engine closes, so that the ABORT reaches it."""
         if peer in self._dead or self.closed:
             return
-        self._dead.add(peer)
+        lost = not isinstance(exc, ThunderboltError)
+        if lost:
+            self._dead.add(peer)
         link = self._route.get(peer)
         address = address or (link.address if link is not None else "")
         for group in list(self.groups.values()):
             gr = group.rank_of.get(peer)
             if gr is None or group.broken is not None:
                 continue
-            if isinstance(exc, ThunderboltError) and not isinstance(exc, PeerLostError):
-                err: BaseException = type(exc)(str(exc))  # (a protocol violation: each group its own copy)
+            if not lost and not isinstance(exc, PeerLostError):
+                err: BaseException = exc if len(self.groups) == 1 else type(exc)(str(exc))  # each its own copy
             elif isinstance(exc, PeerLostError):
                 err = exc if len(self.groups) == 1 else peer_lost(group.rank, gr, str(exc).partition(": ")[2],
                                                                   address=address)
             else:
                 err = group.lost(gr, where, exc, address)
             group.fail(err)
+        self._dead.add(peer)
         if link is not None:
             link.abort(exc, None, -1)
-            link.close(bye=False)
+            if lost:
+                link.close(bye=False)
         self.signal()
 
     def said(self, peer: int, msg: "control.Message") -> None:
@@ -864,6 +871,78 @@ class Transport:
             engine._group_closed(self)
         if engine.closed:
             engine.join_threads()
+
+    # -- more groups over the same links ------------------------------------------------------------------------
+    def split(self, ranks: Sequence[int], deadline: float, what: object = "split_group",
+              names: RankNames | None = None) -> "Transport":
+        """A new group of this group's ranks `ranks` (this rank among them), over the same links: every rank
+        of `ranks` calls this together (the others need not). They agree on the new group's id over the
+        links (`_agree`); nothing else is set up, and this group goes on beside it. `names`: how the new
+        group's errors name its ranks."""
+        members = sorted({self.members[r] for r in ranks})
+        if self.engine.rank not in members:
+            raise ValueError(f"rank {self.rank}: {what} of ranks {sorted(ranks)}, which this rank is not in")
+        gid = self._agree(members, deadline, what)
+        return self.engine.add_group(gid, members, names)
+
+    def shrink(self, excluded: Sequence[int], deadline: float, what: object = "shrink_group",
+               names: RankNames | None = None) -> "Transport":
+        """The group of this group's ranks but `excluded`, over the same links, made by the ranks that stay
+        (each calls this): this group is over first (its ops in flight fail, never with a wrong result: if no
+        loss broke it already, its members hear why in an ABORT, the excluded ones too), then the ranks that
+        stay agree on the new group as `split` does. Frames of this group still on their way are dropped."""
+        excluded = sorted(set(excluded))
+        if self.rank in excluded:
+            raise ValueError(f"rank {self.rank}: {what} excludes this rank itself (only the ranks that stay call it)")
+        stay = [r for r in range(self.world) if r not in excluded]
+        self.fail(BackendClosedError(
+            f"rank {self.rank}: this group was shrunk to ranks {stay} by {what}, excluding ranks {excluded}: the "
+            f"ranks that stay go on in the group it returned; an excluded rank must stop or start again"))
+        return self.split(stay, deadline, what, names)
+
+    def _agree(self, members: list[int], deadline: float, what: object) -> int:
+        """The id of a new group over engine ranks `members`, agreed with every other member over the live
+        links: each sends each a SHRINK naming the members and the lowest id free on its side, and the
+        group takes the largest (free on every side). MismatchError when a member proposes other members,
+        PeerLostError when one is lost or gone, CollectiveTimeout naming those that did not answer by
+        `deadline`; errors name this group's ranks."""
+        engine = self.engine
+        others = [m for m in members if m != engine.rank]
+        name = lambda e: self.rank_of.get(e, e)  # noqa: E731 - engine rank as this group names it
+        with self._lock:
+            proposal = max(engine.next_gid, engine._proposed + 1)
+            if proposal >= MAX_GROUPS:
+                raise RuntimeError(f"rank {self.rank}: {what}: more than {MAX_GROUPS} groups over one set of links "
+                                   f"in this process's life; destroy the process group and start again")
+            engine._proposed = proposal
+            for p in others:
+                if p not in engine._dead and p not in engine._gone:
+                    engine._route[p].say(control.Shrink(proposal, tuple(members)))
+        got: dict[int, control.Shrink] = {}
+        while True:
+            with self._lock:
+                for p in others:
+                    if p not in got and engine.proposals[p]:
+                        got[p] = engine.proposals[p].popleft()
+                lost = [p for p in others if p not in got and (p in engine._dead or p in engine._gone)]
+            if lost:
+                raise peer_lost(self.rank, name(lost[0]), f"rank {name(lost[0])} is gone, so it cannot be in the new "
+                                f"group of ranks {sorted(name(m) for m in members)} ({what})",
+                                address=engine.peer_address(lost[0]))
+            if len(got) == len(others):
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                late = sorted(name(p) for p in others if p not in got)
+                raise CollectiveTimeout(f"rank {self.rank}: Timed out in {what}: ranks that did not join the new "
+                                        f"group: {late}", ranks=late)
+            engine.progress(min(0.2, deadline - now))
+        for p, m in sorted(got.items()):
+            if list(m.ranks) != members:
+                raise MismatchError(
+                    f"rank {self.rank}: {what}: rank {name(p)} makes a group of ranks {sorted(name(e) for e in m.ranks)}, "
+                    f"this rank one of ranks {sorted(name(e) for e in members)} (every rank must name the same ranks)")
+        return max([proposal, *(m.epoch for m in got.values())])
 
     # -- checks and errors ----------------------------------------------------------------------------------
     def held(self, peer: int) -> Frame | None:

@@ -450,6 +450,7 @@ class RdmaLink(Link):
         self._quick = Expected()  # what `take` looks for (restarted per message)
         self._posts = 0  # the sink's receive count when the held-back frames were last offered
         self.out = bytearray()  # control bytes not written yet (the socket was full)
+        self.leaves: deque[control.Leave] = deque()  # LEAVEs whose frames are not all in yet
         self.ctl = control.ControlConnection()  # what this end and the peer said on the control connection
         self.eof = False
         self.bye: tuple[int, int] | None = None  # the peer's BYE: frames it sent on each lane
@@ -607,6 +608,8 @@ class RdmaLink(Link):
                 if (self.peer_starving or self.msg.posted - self.told_m >= self.half_m
                         or (bulk is not None and bulk.posted - self.told_b >= self.half_b)):
                     self._maybe_credit()
+                if self.leaves:
+                    self._check_leaves()
                 if self.bye is not None and not self.left:
                     self._check_bye()
         except RdmaError as exc:
@@ -888,6 +891,10 @@ class RdmaLink(Link):
                     self.bye = (msg.sent[0], msg.sent[1])
                     self._poll()  # what it sent before leaving has most likely arrived
                     self._check_bye()  # (the sink hears BYE once every frame it counts is in)
+                elif isinstance(msg, control.Leave) and len(msg.sent) == BYE_COUNTS:
+                    self.leaves.append(msg)
+                    self._poll()  # what it sent before leaving has most likely arrived
+                    self._check_leaves()  # (the sink hears it once every frame it counts is in)
                 elif isinstance(msg, (control.Ping, control.Answer)) and len(msg.op.counters) == PROBE_COUNTERS:
                     self.kind.on_probe(self, msg.op)
                     sink.said(self.peer, msg)
@@ -903,6 +910,12 @@ class RdmaLink(Link):
         except ThunderboltError as exc:
             sink.failed(self.peer, exc)
 
+    def _check_leaves(self) -> None:
+        """The peer left groups after the frames each LEAVE counts: those whose frames are all in are told."""
+        b = self.bulk
+        while self.leaves and self.msg.rx >= self.leaves[0].sent[0] and (b is None or b.rx >= self.leaves[0].sent[1]):
+            self.sink.said(self.peer, self.leaves.popleft())
+
     def _check_bye(self) -> None:
         """The peer said BYE after `bye` frames: once they are all in, it has left in order."""
         assert self.bye is not None
@@ -917,6 +930,8 @@ class RdmaLink(Link):
         tell it what to expect."""
         if self.eof or self.ctl.ours is not None:
             return  # this end said BYE or ABORT: nothing more
+        if isinstance(msg, control.Leave):
+            msg = control.Leave(msg.epoch, (self.msg.sent, self.bulk.sent if self.bulk else 0))
         if isinstance(msg, (control.Ping, control.Answer)):
             op = msg.op
             op = control.Op(op.space, op.tag, op.sig, op.waits_on, self.counters())

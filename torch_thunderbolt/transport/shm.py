@@ -204,7 +204,8 @@ class ShmLink(Link):
     def _heard(self, msg: control.Message) -> None:
         if isinstance(msg, control.Bye):
             self.bye = True
-            self._read()  # what it sent before leaving is in the ring already
+        if isinstance(msg, (control.Bye, control.Leave)):
+            self._read()  # what it sent before leaving is in the ring already: it is delivered first
         self.sink.said(self.peer, msg)
 
     def say(self, msg: control.Message) -> None:

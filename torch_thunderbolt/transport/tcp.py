@@ -153,6 +153,7 @@ class TcpLink(Link):
         self._turn = 0  # the stream the next piece is offered to first
         self.address = self.streams[0].addr if self.streams else "?"
         self._posts = 0  # the sink's receive count when the parked frames were last matched
+        self._leaves: dict[int, set[int]] = {}  # per group the peer left: the streams that said so yet
         # A small message's header, written and compared in place (`send`, `take`): no bytes made per message.
         self._hdr = bytearray(FRAME_HEADER_SIZE)
         self._expect = bytearray(FRAME_HEADER_SIZE)
@@ -359,8 +360,10 @@ class TcpLink(Link):
 
     def say(self, msg: control.Message) -> None:
         live = [c for c in self.streams if not c.dead and c.ctl.ours is None]
-        if live:
-            self.enqueue(live[0], _said(live[0], msg), front=True)
+        # A LEAVE goes behind the group's data on every stream (the peer acts on it once every stream said it);
+        # anything else jumps the queue on the first stream.
+        for c in live if isinstance(msg, control.Leave) else live[:1]:
+            self.enqueue(c, _said(c, msg), front=not isinstance(msg, control.Leave))
 
     # -- writing --------------------------------------------------------------------------------------------
     def _flush(self, c: Stream) -> bool:
@@ -497,12 +500,20 @@ class TcpLink(Link):
 
     def _heard(self, c: Stream, msg: control.Message) -> "bool | None":
         """What the peer said on stream `c`: True to read on, None to stop reading the stream (after its
-        ABORT or BYE). BYE reaches the sink once the peer said it on every stream."""
+        BYE). BYE and LEAVE reach the sink once the peer said them on every stream: what it sent before them,
+        on any stream, is in by then."""
         if isinstance(msg, control.Bye):
             c.bye = True
             if all(x.bye or x.dead for x in self.streams):
                 self.sink.said(self.peer, msg)
             return None
+        if isinstance(msg, control.Leave):
+            said = self._leaves.setdefault(msg.epoch, set())
+            said.add(c.stream)
+            if all(x.stream in said or x.dead for x in self.streams):
+                del self._leaves[msg.epoch]
+                self.sink.said(self.peer, msg)
+            return True
         self.sink.said(c.peer, msg)
         return None if isinstance(msg, control.Abort) else True
 
