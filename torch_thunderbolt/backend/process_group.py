@@ -126,6 +126,14 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
     def _get_backend(self, device: Any) -> "ThunderboltProcessGroup":
         return self
 
+    def eager_connect_single_device(self, device: Any) -> None:
+        """torch asks a backend that splits to connect now (init_process_group with device_id): this group's
+        links were connected when it was made."""
+
+    def perform_nocolor_split(self, device: Any) -> None:
+        """torch's call on a rank outside a new group that is split off this one: nothing to do here (the
+        members split among themselves, over their own links)."""
+
     # -- more groups over the same links (split, shrink) ------------------------------------------------
     def split_group(self, ranks: list[int], timeout: Any = None, opts: Any = None, group_name: str | None = None,
                     group_desc: str | None = None, device_types: Any = None) -> "ThunderboltProcessGroup | None":

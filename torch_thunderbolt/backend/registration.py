@@ -20,6 +20,11 @@ torch.distributed import init_process_group` after `import torch` both reach it.
 behaviour, as on a torch whose init_process_group has no `backend` parameter, where nothing is wrapped.
 Each wrapper marks itself (`MARK`, `ours`), `install_probe` is idempotent and `remove_probe` puts torch's
 objects back.
+
+`dist.shrink_group` calls our group's `shrink` and wraps what it returns in a ProcessGroup of torch's own,
+which only takes a C++ backend: `install_shrink` lets `_create_shrunk_process_group` take our group as it
+is (as torch's `_new_process_group_helper` takes what a Python backend's creator returns). A torch without
+shrink_group has nothing to wrap, and `shrink` can still be called on the group itself.
 """
 from __future__ import annotations
 
@@ -141,7 +146,7 @@ class TorchPlaces(NamedTuple):
 def ours(obj: Any) -> bool:
     """Whether `obj` is a wrapper install_probe made. Its mark is the object itself, so a wrapper someone else
     puts around ours (functools.wraps copies the mark) is not taken for ours."""
-    return getattr(obj, MARK, None) is obj
+    return obj is not None and getattr(obj, MARK, None) is obj
 
 
 def names_thunderbolt(backend: str | None) -> bool:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import abc
 import logging
-import select
 import socket
 import threading
 from typing import Any, Iterable, Sequence
 
 from ..errors import (CollectiveTimeout, IntegrityError, MismatchError, PeerAbortedError, PeerLostError, ProtocolError,
                       peer_lost)
-from ..protocol.framing import AbortInfo, Frame, Space
+from ..protocol.framing import AbortInfo, Frame
 
 Key = tuple[int, int, int]  # (space, tag, seq)
 ANY_SOURCE = -1

@@ -49,6 +49,10 @@ from .spin import SLOW_YIELD, SpinGuard, yield_cpu
 from .window import WindowMemory
 
 MAX_GROUPS = 128  # groups per engine over its life (a frame's space byte holds 2 * gid + 1)
+# How long an engine keeps writing what a failed group still had to say (its ABORTs, behind the rest of a
+# frame in flight) when nobody else drives it. Normally a few milliseconds; only a peer that reads nothing
+# (frozen, or itself stuck) uses it all.
+ABORT_GRACE = 2.0
 
 
 def _never() -> bool:
@@ -95,6 +99,9 @@ class Engine(Sink):
         self.posts = 0  # (Sink.posts) receives posted, groups failed or made: links re-offer held frames
         self._gone: set[int] = set()  # peers that said BYE: they send nothing more
         self._dead: set[int] = set()  # peers whose link failed
+        self._failing: set[int] = set()  # peers whose link is failing now (its groups are being told)
+        self._flusher: threading.Thread | None = None  # writes what failed groups still have to say
+        self._flush_until = 0.0
         # Kinds with something to do after a round of posting or pumping (ring doorbells): only those.
         self._after = [k.after_pump for k in self.kinds if type(k).after_pump is not LinkKind.after_pump]
         self._last_probe = time.monotonic()  # (probes: see `_probe`)
@@ -203,22 +210,20 @@ class Engine(Sink):
             self.signal()
 
     def failed(self, peer: int, exc: BaseException, where: str = "", address: str = "") -> None:
-        """The link to `peer` cannot go on: every group holding `peer` fails, naming it, and the link is used no
-        more. A broken connection (an OSError) is closed at once; over one that broke the protocol (a corrupt
-        frame, a failed MAC) each group first tells the peer why, in its ABORT, and the socket stays until
-        the engine closes, so that the ABORT reaches it."""
-        if peer in self._dead or self.closed:
+        """The link to `peer` cannot go on: every group holding `peer` fails, naming it, and tells every member
+        why, `peer` too where its link can still carry it (RDMA's control connection outlives its queue pairs;
+        over a TCP stream the peer reset, the attempt fails quietly). The link is used no more; its sockets
+        stay until the engine closes, so that what was said reaches the peer."""
+        if peer in self._dead or peer in self._failing or self.closed:
             return
-        lost = not isinstance(exc, ThunderboltError)
-        if lost:
-            self._dead.add(peer)
+        self._failing.add(peer)
         link = self._route.get(peer)
         address = address or (link.address if link is not None else "")
         for group in list(self.groups.values()):
             gr = group.rank_of.get(peer)
             if gr is None or group.broken is not None:
                 continue
-            if not lost and not isinstance(exc, PeerLostError):
+            if isinstance(exc, ThunderboltError) and not isinstance(exc, PeerLostError):
                 err: BaseException = exc if len(self.groups) == 1 else type(exc)(str(exc))  # each its own copy
             elif isinstance(exc, PeerLostError):
                 err = exc if len(self.groups) == 1 else peer_lost(group.rank, gr, str(exc).partition(": ")[2],
@@ -227,10 +232,9 @@ class Engine(Sink):
                 err = group.lost(gr, where, exc, address)
             group.fail(err)
         self._dead.add(peer)
+        self._failing.discard(peer)
         if link is not None:
             link.abort(exc, None, -1)
-            if lost:
-                link.close(bye=False)
         self.signal()
 
     def said(self, peer: int, msg: "control.Message") -> None:
@@ -401,6 +405,31 @@ class Engine(Sink):
         except OSError:
             pass
 
+    def flush_soon(self) -> None:
+        """(Lock held.) What the links still have to write (a failed group's ABORTs, behind the rest of a frame
+        in flight) is written by a thread of the engine's, for at most ABORT_GRACE seconds, whether or not
+        anyone drives the engine: the rank that failed may return to a user who never calls it again, or exits
+        (closing the group first waits for it)."""
+        self._flush_until = time.monotonic() + ABORT_GRACE
+        if self._flusher is None or not self._flusher.is_alive():
+            self._flusher = threading.Thread(target=self._flush, name=f"tb-flush-r{self.rank}", daemon=True)
+            self._flusher.start()
+
+    def _flush(self) -> None:
+        while time.monotonic() < self._flush_until and not self.closed:
+            self.pump_if_idle()
+            with self._lock:
+                if self.closed or not any(events & select.POLLOUT for link in self._links if link.peer not in self._dead
+                                          for _, events in link.fds()):
+                    return
+            time.sleep(0.001)
+
+    def wait_flushed(self) -> None:
+        """Until the flusher is done (outside the lock)."""
+        flusher = self._flusher
+        if flusher is not None and flusher is not threading.current_thread():
+            flusher.join(max(0.0, self._flush_until - time.monotonic()) + 0.1)
+
     def eager(self) -> bool:
         """Whether a waiter may busy-poll now: this engine spins at all, its last wait did not sleep through
         a whole poll, and its core is not contended (see spin.py)."""
@@ -474,8 +503,9 @@ class Transport:
         self._p2p_send_seq: dict[tuple[int, int], int] = defaultdict(int)
         self._gone: set[int] = set()  # group ranks that left this group (their LEAVE, or BYE)
         # The link of each group rank (None: this rank), and the lock: the engine's.
-        self._link_of: list[Link | None] = [None if e == engine.rank else engine._route[e] for e in members]
+        self._link_of: list[Link | None] = [engine._route.get(e) for e in members]
         self._lock = engine._lock
+        self._cv = engine._cv
         self.window_memory: WindowMemory | None = None  # (the set-up group's: the engine's window memory)
 
     # -- what the engine has ---------------------------------------------------------------------------------
@@ -825,21 +855,23 @@ class Transport:
             if tell_peers:
                 info = AbortInfo.of(err, self.rank)
                 members = self.members
-                info = AbortInfo(info.error, info.reason, engine.rank,
-                                 members[info.peer] if 0 <= info.peer < self.world else -1,
-                                 tuple(members[r] for r in info.ranks if 0 <= r < self.world), self.gid)
+                on_engine = (lambda r: members[r] if 0 <= r < self.world else r)  # noqa: E731
+                info = AbortInfo(info.error, info.reason, engine.rank, on_engine(info.peer),
+                                 tuple(on_engine(r) for r in info.ranks), self.gid)
             for gr, link in enumerate(self._link_of):
                 if link is not None and self.members[gr] not in engine._dead:
                     link.abort(err, info if self.members[gr] not in engine._gone else None, self.gid)
             engine.posts += 1  # frames of this group held back by a link are dropped at its next pump
+            if info is not None:
+                engine.flush_soon()
             engine.signal()
 
     def peer_aborted(self, peer: int, info: AbortInfo) -> None:
         """Group rank `peer` told us why it failed (an ABORT's AbortInfo, ranks as engine ranks): fail with its
         reason, and forward it."""
         rank_of = self.rank_of
-        local = AbortInfo(info.error, info.reason, rank_of.get(info.rank, -1), rank_of.get(info.peer, -1),
-                          tuple(rank_of[r] for r in info.ranks if r in rank_of), self.gid)
+        local = AbortInfo(info.error, info.reason, rank_of.get(info.rank, info.rank), rank_of.get(info.peer, info.peer),
+                          tuple(rank_of.get(r, r) for r in info.ranks), self.gid)
         self.fail(remote_error(self.rank, peer, local))
 
     def peer_left(self, peer: int, where: str) -> None:
@@ -852,8 +884,10 @@ class Transport:
 
     def close(self) -> None:
         """This group is over on this rank: its members hear LEAVE (a wait for our data fails at once), and
-        the engine closes with its last group."""
+        the engine closes with its last group (once what failed groups had to say is written)."""
         engine = self.engine
+        if len(engine.groups) <= 1:
+            engine.wait_flushed()
         with self._lock:
             if self.closed:
                 return
@@ -965,7 +999,7 @@ class Transport:
             raise BackendClosedError(f"rank {self.rank}: the transport is closed")
 
     def _check_peer(self, peer: int) -> None:
-        if not 0 <= peer < self.world or peer == self.rank:
+        if not 0 <= peer < self.world or peer == self.rank or self._link_of[peer] is None:
             raise ValueError(f"rank {self.rank}: invalid peer rank {peer} (group size {self.world})")
 
     def _timeout_error(self, reqs: Sequence[Request], what: object, arrived: Iterable[int] = ()) -> CollectiveTimeout:

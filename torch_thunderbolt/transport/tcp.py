@@ -30,8 +30,7 @@ from typing import Any, Sequence
 from ..errors import ProtocolError, ThunderboltError
 from ..platform import SOCKET_IO_CAP, Platform, current
 from ..protocol import control
-from ..protocol.framing import (DISCARD, FRAME_HEADER_SIZE, AbortInfo, Frame, FrameDecoder, Kind, Space,
-                                control_frame_header, encode_control, encode_frame_header, pack_frame_header)
+from ..protocol.framing import (DISCARD, FRAME_HEADER_SIZE, AbortInfo, Frame, FrameDecoder, Kind, control_frame_header, encode_control, encode_frame_header, pack_frame_header)
 from ..protocol.integrity import SEALED_HEADER_SIZE, Opener, SealedFrameDecoder, Sealer
 from .base import NOT_YET, REFUSED, TAKEN, Key, Link, LinkKind, Request, close_socket
 from .engine import Transport
@@ -447,8 +446,8 @@ class TcpLink(Link):
                 if target is None:
                     c.parked = frame
                     return moved
-                if target is DISCARD:  # a group that is over: read (and check) it, and drop it
-                    c.inbound = [memoryview(bytearray(frame.length)), DISCARD, frame, 0]
+                if target is DISCARD:  # a group that is over: read its payload, and drop it
+                    c.inbound = [None, DISCARD, frame, 0]
                 else:
                     c.inbound = [target[0], target[1], frame, 0]
                 moved = True
@@ -467,6 +466,8 @@ class TcpLink(Link):
     def _read_payload(self, c: Stream) -> bool | None:
         """Move payload bytes of the current frame; None when the socket has nothing more right now."""
         dest, target, frame, got = c.inbound
+        if target is DISCARD:
+            return self._skip(c)
         if got < len(dest) and c.decoder.buffered:
             k = c.decoder.take_buffered_into(dest[got:])
             got += k
@@ -492,10 +493,31 @@ class TcpLink(Link):
             c.opener.check(dest)  # before the bytes count as received
         if target is CONTROL_PAYLOAD:
             return self._heard(c, c.ctl.receive(bytes(dest)))
-        if target is DISCARD:
-            return True
         self.kind.bytes_received += frame.length
         self.sink.completed(c.peer, frame.key, target, frame.length)
+        return True
+
+    def _skip(self, c: Stream) -> bool | None:
+        """Read and drop the payload of the current frame (its group is over here), a staging buffer's worth at
+        a time: what a frame announces is never allocated. (Its MAC is not checked: nothing of it is used, and
+        the next header's is.)"""
+        frame, got = c.inbound[2], c.inbound[3]
+        scratch = memoryview(c.staging)
+        while got < frame.length:
+            want = min(frame.length - got, len(scratch))
+            if c.decoder.buffered:
+                k = c.decoder.take_buffered_into(scratch[:want])
+            else:
+                k = c.sock.recv_into(scratch[:want])  # BlockingIOError when empty (inbound keeps `got`)
+                if k == 0:
+                    self._eof(c)
+                    return None
+                c.decoder.consumed_direct(k)
+            got += k
+            c.inbound[3] = got
+            if c.rx is not None:
+                c.rx.consumed += k
+        c.inbound = None
         return True
 
     def _heard(self, c: Stream, msg: control.Message) -> "bool | None":
