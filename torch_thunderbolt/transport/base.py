@@ -10,6 +10,7 @@ import abc
 import logging
 import socket
 import threading
+from collections import deque
 from typing import Any, Iterable, Sequence
 
 from ..errors import (CollectiveTimeout, IntegrityError, MismatchError, PeerAbortedError, PeerLostError, ProtocolError,
@@ -246,6 +247,32 @@ def close_control(sock: socket.socket, bye: "bytes | None") -> None:
         except OSError:
             pass
     close_socket(sock)
+
+
+def write_some(sock: socket.socket, out: bytearray) -> None:
+    """Write what the (non-blocking) control socket takes of `out` now, and drop that from it; on a dead socket
+    drop all of it (the peer shows up as EOF on the next read)."""
+    try:
+        k = sock.send(out)
+    except (BlockingIOError, InterruptedError):
+        return
+    except OSError:
+        out.clear()
+        return
+    del out[:k]
+
+
+def drop_group(sendq: "deque[list]", err: BaseException, group: int) -> "deque[list]":
+    """The queued sends (`[request, bytes handed out]`) of every group but `group` (-1: none); those of `group`
+    get `err`. For links whose frames are each whole in themselves (rings, queue pairs): a message half sent
+    may stop there, the peer drops its group's frames."""
+    keep: deque[list] = deque()
+    for item in sendq:
+        if group < 0 or item[0].key[0] >> 1 == group:
+            item[0].error = err
+        else:
+            keep.append(item)
+    return keep
 
 
 def bytes_view(buf: memoryview | bytearray | bytes) -> memoryview:

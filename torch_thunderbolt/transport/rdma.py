@@ -63,7 +63,7 @@ from ..protocol import control
 from ..protocol.framing import DISCARD, AbortInfo, Frame, Kind
 from . import verbs as v
 from .verbs import WC, WC_BYTES
-from .base import NOT_YET, REFUSED, TAKEN, Key, Link, LinkKind, Request, close_control
+from .base import NOT_YET, REFUSED, TAKEN, Key, Link, LinkKind, Request, close_control, drop_group, write_some
 
 log = logging.getLogger("torch_thunderbolt.rdma")
 
@@ -943,27 +943,14 @@ class RdmaLink(Link):
         self._write_control()
 
     def _write_control(self) -> None:
-        try:
-            k = self.sock.send(self.out)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self.out.clear()  # a dead peer shows up as EOF on the next read
-            return
-        del self.out[:k]
+        write_some(self.sock, self.out)
 
     # -- the end --------------------------------------------------------------------------------------------
     def abort(self, err: BaseException, body: AbortInfo | None, group: int) -> None:
         """Group `group`'s queued sends get `err` and are dropped (every group's, for -1): frames already on
         the lanes stay, each whole in itself. The ABORT goes on the control connection (the RDMA path may be
         what broke)."""
-        keep: deque[list] = deque()
-        for item in self.sendq:
-            if group < 0 or item[0].key[0] >> 1 == group:
-                item[0].error = err
-            else:
-                keep.append(item)
-        self.sendq = keep
+        self.sendq = drop_group(self.sendq, err, group)
         if body is not None:
             self.say(control.Abort(body))
 

@@ -35,7 +35,7 @@ from ..protocol import control
 from ..protocol.framing import DISCARD, AbortInfo, Frame, Kind
 from . import ordering
 from . import shm_ring as ring
-from .base import NOT_YET, REFUSED, TAKEN, Key, Link, LinkKind, Request, close_control
+from .base import NOT_YET, REFUSED, TAKEN, Key, Link, LinkKind, Request, close_control, drop_group, write_some
 from .engine import Transport
 from .shm_segment import Segment
 from .shm_window import ShmWindowMemory, area_bytes
@@ -233,14 +233,7 @@ class ShmLink(Link):
         self._write_control()
 
     def _write_control(self) -> None:
-        try:
-            k = self.sock.send(self.out)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self.out.clear()  # a dead peer shows up as EOF on the next read
-            return
-        del self.out[:k]
+        write_some(self.sock, self.out)
 
     @property
     def _where(self) -> str:
@@ -261,13 +254,7 @@ class ShmLink(Link):
         """Group `group`'s queued sends get `err` and are dropped (every group's, for -1): slots already
         published stay for the peer to read or drop, each whole in itself. The ABORT goes on the control
         wire (the rings may be full, and a peer reads them only for data it expects)."""
-        keep: deque[list] = deque()
-        for item in self.sendq:
-            if group < 0 or item[0].key[0] >> 1 == group:
-                item[0].error = err
-            else:
-                keep.append(item)
-        self.sendq = keep
+        self.sendq = drop_group(self.sendq, err, group)
         if body is not None:
             self.say(control.Abort(body))
 
