@@ -46,5 +46,9 @@ def run(args: argparse.Namespace) -> int:
     from ..selfcheck import local
 
     if args.hostfile:
-        return local.run_hostfile(opts, args.hostfile, opts.to_argv(), args.ssh_option)
+        from .main import main
+
+        if not local.hosts_answer(args.hostfile, args.ssh_option):
+            return 1
+        return main(local.launch_argv(args.hostfile, opts.to_argv(), args.ssh_option))
     return local.run_here(opts, opts.to_argv())

@@ -86,9 +86,9 @@ def answers(host: Host, ssh_options: Sequence[str] = ()) -> str | None:
     return None
 
 
-def run_hostfile(opts: Options, hostfile: str, argv: Sequence[str], ssh_options: Sequence[str] = ()) -> int:
-    """Check that every host answers (one FAIL line per host that does not), then launch the selfcheck on all."""
-    from ..cli.main import main
+def hosts_answer(hostfile: str, ssh_options: Sequence[str] = ()) -> bool:
+    """Whether every host of `hostfile` answers (one FAIL line per host that does not): the check before a
+    selfcheck is launched on all of them (by the command line, as `launch`)."""
     from ..launch.hostfile import read_hostfile
 
     hosts = read_hostfile(hostfile)
@@ -102,8 +102,10 @@ def run_hostfile(opts: Options, hostfile: str, argv: Sequence[str], ssh_options:
         print(format_line(Line(FAIL, f"host {h.name} answers", why,
                                f"is {h.name} up, on the network, and does `ssh {h.ssh or h.name} true` work "
                                "without a password (ssh-copy-id)?", seconds=seconds)), flush=True)
-    if silent:
-        return 1
-    launch = ["launch", "--hostfile", hostfile, *[f"--ssh-option={o}" for o in ssh_options], "--",
-              "python", "-m", "torch_thunderbolt", "selfcheck", *argv]
-    return main(launch)
+    return not silent
+
+
+def launch_argv(hostfile: str, argv: Sequence[str], ssh_options: Sequence[str] = ()) -> list[str]:
+    """The `torch-thunderbolt launch` command line that runs the selfcheck (`argv`) on every host."""
+    return ["launch", "--hostfile", hostfile, *[f"--ssh-option={o}" for o in ssh_options], "--",
+            "python", "-m", "torch_thunderbolt", "selfcheck", *argv]

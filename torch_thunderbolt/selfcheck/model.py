@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ..config import Injection
 
@@ -66,3 +66,19 @@ def format_line(line: Line, index: int | None = None, total: int | None = None) 
     if line.fix:
         text += f"\n{' ' * len(where)}     fix: {line.fix}"
     return text
+
+
+class Findings(Protocol):
+    """What a report is written from: a run's lines, figures and facts (`rank.Selfcheck` has them)."""
+
+    lines: list[Line]
+    opts: Any  # the run's Options (`quick`)
+    world: int
+    started: float
+    rank: int
+    hosts: list[dict[str, Any]]
+    doctor: Any
+    ddp_figures: Any
+    figures: Any
+    bench_meta: Any
+    bench_text: str

@@ -14,11 +14,10 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from ..bench.sizes import format_size
-from .model import REPORT_VERSION, STATUSES
+from .model import REPORT_VERSION, STATUSES, Findings
 
 if TYPE_CHECKING:
     from ..doctor import Facts, Finding
-    from .rank import Selfcheck
 
 # Published RDMA-over-Thunderbolt 5 figures between two Macs, measured by their sources (ib_send_* are the
 # verbs' own tests, below any library): shown beside ours when our bench ran over rdma. Each: (what, the
@@ -146,7 +145,7 @@ def bench_summary(records: list[dict], cable_rate: str | None, single_host: bool
     return out
 
 
-def document(sc: "Selfcheck", stuck: str | None) -> dict[str, Any]:
+def document(sc: Findings, stuck: str | None) -> dict[str, Any]:
     counts = {s: sum(1 for line in sc.lines if line.status == s) for s in STATUSES}
     return {
         "version": REPORT_VERSION,
