@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from ..algorithms import reference
 from ..algorithms.reduce_ops import make_combiner
-from .model import FAMILIES
 
 NUMEL = 37  # not a multiple of the world size or of a page: uneven splits, odd tails
 REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
