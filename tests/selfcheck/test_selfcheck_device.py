@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torch_thunderbolt.selfcheck import ops
+from torch_thunderbolt.selfcheck import model, ops
 from torch_thunderbolt.testing.ranks import run_ranks
 
 from .programs import device_ops
@@ -20,7 +20,7 @@ def test_no_float64_on_mps():
 def test_every_family_and_ddp_on_device_tensors(tmp_path):
     for res in run_ranks(device_ops, 2, tmp_path, timeout=270):
         out = res.json()
-        assert set(out["families"]) == set(ops.FAMILIES)
+        assert set(out["families"]) == set(model.FAMILIES)
         for family, (count, problems) in out["families"].items():
             assert count > 0 and problems == [], (res.rank, family, problems)
         count, problems = out["spoiled"]

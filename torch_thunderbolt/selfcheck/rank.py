@@ -29,7 +29,7 @@ from ..bench.config import RankEnv
 from ..config import Config
 from ..errors import CollectiveTimeout, ConfigError, PeerLostError, ThunderboltError
 from . import ops, report
-from .model import BENCH_SIZES, FAIL, KINDS, LEAD_STUCK, OK, WARN, Line, Options, format_line, worst
+from .model import BENCH_SIZES, FAIL, FAMILIES, KINDS, LEAD_STUCK, OK, WARN, Line, Options, format_line, worst
 
 GRACE = 5.0  # seconds the other ranks get to finish a check after its deadline on this one
 FAULT_BOUND = 20.0  # seconds within which survivors must get a named error when a rank leaves
@@ -293,7 +293,7 @@ class Selfcheck:
         devices = ["cpu"] + (["mps"] if all(h["mps"] for h in self.hosts) else [])
         for kind in KINDS:
             for device in devices:
-                for family in ops.FAMILIES:
+                for family in FAMILIES:
                     steps.append(lambda k=kind, d=device, f=family: self._family(k, d, f))
         steps += [self._no_mps] if devices == ["cpu"] else []
         steps += [self._ddp, self._bench, self._fault]

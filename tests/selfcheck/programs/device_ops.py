@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import torch_thunderbolt  # noqa: F401 - registers the backend
-from torch_thunderbolt.selfcheck import ddp, ops
+from torch_thunderbolt.selfcheck import ddp, model, ops
 from torch_thunderbolt.testing.fake_device import install
 from torch_thunderbolt.testing.program import main, result
 
@@ -19,7 +19,7 @@ def families() -> None:
     install()  # before the first backward pass: autograd counts devices then
     dist.init_process_group("thunderbolt", device_id=torch.device(D, 0), timeout=datetime.timedelta(seconds=60))
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
-    found = {f: ops.FAMILY_FUNCTIONS[f](group, rank, world, D, False) for f in ops.FAMILIES}
+    found = {f: ops.FAMILY_FUNCTIONS[f](group, rank, world, D, False) for f in model.FAMILIES}
     spoiled = ops.FAMILY_FUNCTIONS["all_to_all"](group, rank, world, D, True)
     grads_dev, problems_dev = ddp.ddp_step(group, rank, world, D)
     grads_cpu, problems_cpu = ddp.ddp_step(group, rank, world, "cpu")
