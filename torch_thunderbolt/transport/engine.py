@@ -181,10 +181,13 @@ class Engine(Sink):
             return None  # a group not made here yet: held back until it is (`add_group`)
         if group.broken is not None:
             return DISCARD
+        gr = group.rank_of.get(peer)
+        if gr is None:
+            raise ProtocolError(f"rank {self.rank}: rank {peer} sent a frame of group {gid}, which it is not in")
         try:
             if not frame.space & 1 and frame.tag <= group.retired:
-                raise group.stray(group.rank_of[peer], frame.sig, frame.tag)  # no receive can be waiting for it
-            return group.matcher.match(group.rank_of[peer], frame, early)
+                raise group.stray(gr, frame.sig, frame.tag)  # no receive can be waiting for it
+            return group.matcher.match(gr, frame, early)
         except (MismatchError, ProtocolError) as exc:  # the group's error (nothing was copied): not the link's
             group.fail(exc)
             return DISCARD
