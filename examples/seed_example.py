@@ -1,4 +1,4 @@
-"""The minimal program from the original description, made runnable: two ranks split a two-layer model.
+"""The smallest model-parallel program, runnable as written: two ranks split a two-layer model.
 
 Rank 0 runs layer1 and sends the activations; rank 1 receives them and runs layer2.
 
@@ -6,10 +6,10 @@ Rank 0 runs layer1 and sends the activations; rank 1 receives them and runs laye
     torchrun --nproc-per-node 2 examples/seed_example.py --backend gloo
     python examples/seed_example.py                                  # starts its own 2 local ranks
 
-Differences from the original text, all needed to run it: the rendezvous comes from torchrun (env://;
-the original's `thunderbolt://<MAC address>` was hypothetical), the model uses MPS when present and the
-CPU otherwise, and activations travel as CPU tensors (torch.distributed CPU backends do not take MPS
-tensors). Rank 1 also recomputes the whole model locally and checks the split result against it.
+What it needs to run: the rendezvous comes from torchrun (env://; a rendezvous URL needs an address the
+ranks reach, not a MAC address), the model uses MPS when present and the CPU otherwise, and activations
+travel as CPU tensors (torch.distributed CPU backends do not take MPS tensors). Rank 1 also recomputes
+the whole model locally and checks the split result against it.
 """
 import argparse
 import os

@@ -32,8 +32,8 @@ ranks' backward passes already keep every core busy; `--lab RATE` puts each rank
 lab (network namespaces, a cable of RATE between them), where the exchange waits on the cable instead.
 
 Every op of the fake device is a Python kernel, which holds the GIL: with Python's default 5 ms switch
-interval, the backend's worker waited up to 5 ms for the GIL at each step of the exchange while the fake
-device's backward pass ran (one 1 MB bucket took 450 ms instead of 40 at 1 Gbit/s). On mps the backward
+interval, the backend's worker waits up to 5 ms for the GIL at each step of the exchange while the fake
+device's backward pass runs (a 1 MB bucket takes 450 ms instead of 40 at 1 Gbit/s). On mps the backward
 pass is C++ and leaves the GIL free, as the CPU's kernels do. `--switch-interval` (0.5 ms by default, on
 both devices) takes that artefact out.
 """
@@ -196,10 +196,11 @@ def async_calls(calls: int, devices: dict[str, str], stagger: float) -> dict[str
 def summary(ranks: list[dict[str, list[float]]]) -> dict[str, float]:
     """Medians of each phase and of the per-iteration hidden share; each iteration's phase times are the
     slowest rank's."""
+    from torch_thunderbolt.bench.metrics import hidden_share
+
     its = range(len(ranks[0]["step"]))
     per = {k: [max(r[k][i] for r in ranks) for i in its] for k in ("compute", "step", "exchange")}
-    shares = [max(0.0, min(1.0, (per["compute"][i] + per["exchange"][i] - per["step"][i]) / per["exchange"][i]))
-              for i in its]
+    shares = [hidden_share(per["compute"][i], per["step"][i], per["exchange"][i]) for i in its]
     return {**{k: statistics.median(v) for k, v in per.items()}, "hidden": statistics.median(shares)}
 
 

@@ -288,7 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     tail = (f"python -m torch_thunderbolt bench --ops {BENCH_OPS} --sizes {args.sizes} -n {args.iters} "
             f"-w {args.warmup}")
-    out = ["<!-- written by scripts/lab_bench.py -->", f"## Emulated lab ({time.strftime('%Y-%m-%d')})", ""]
+    # The command that wrote the page, not a date: the page is a current figure with the command behind it.
+    command = shlex.join(["sudo", "python", "scripts/lab_bench.py", *(sys.argv[1:] if argv is None else argv)])
+    out = ["<!-- written by scripts/lab_bench.py -->", "# Lab results: the full tables", "",
+           f"Written by `{command}`; the summary and the bounds: "
+           "[BENCHMARKS.md](../BENCHMARKS.md#3-emulated-macs-network-namespace-lab) §3.", ""]
     for name in args.scenarios.split(","):
         print(f"lab_bench: {name} ...", file=sys.stderr, flush=True)
         if name in SCENARIOS:

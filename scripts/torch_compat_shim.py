@@ -93,7 +93,7 @@ if "BACKEND" in os.environ and "WORLD_SIZE" in os.environ:
         def setUp(self) -> None:
             super().setUp()
             if os.environ.get(START_ENV, "spawn") == "fork":
-                # Faster (no re-import of torch per rank); this torch no longer has _fork_processes.
+                # Faster (no re-import of torch per rank); this torch has no _fork_processes.
                 # fork-ok: opt-in only (spawn is the default); never use it on macOS
                 self._start_processes(torch.multiprocessing.get_context("fork").Process)
             else:

@@ -55,6 +55,7 @@ class Facts:
     # A connection to MASTER_ADDR:MASTER_PORT: "accepted", "refused" or the error's name ("" = not probed).
     store_probe: str = ""
     rdma: "RdmaFacts | None" = None  # gathered on a Mac, or where a job would use RDMA (forced, a fake fabric)
+    topology: dict[str, Any] = field(default_factory=dict)  # `topo --dump` of this host; {} if discovery failed
 
 
 @dataclass
@@ -450,8 +451,9 @@ def gather_facts(run: Callable[[list[str]], Any] | None = None, plat: Platform |
         mtus = {p.ifname: p.mtu for p in host.ports if p.ifname and p.mtu}
         speeds = {p.ifname: p.speed_gbps for p in host.ports if p.ifname}
         bridge = list(host.bridge.members) if host.bridge else []
+        topology = host.to_json()
     except Exception:  # noqa: BLE001 - discovery problems are reported by `topo`, not here
-        tb, mtus, speeds, bridge = [], {}, {}, []
+        tb, mtus, speeds, bridge, topology = [], {}, {}, [], {}
     plat = plat or current()
     env = dict(os.environ)
     try:
@@ -480,7 +482,8 @@ def gather_facts(run: Callable[[list[str]], Any] | None = None, plat: Platform |
                  max_socket_buffer=(int(_read_first("/proc/sys/net/core/rmem_max") or 0) if plat.has_proc else 0)
                  or _macos_maxsockbuf(run, plat),
                  bridge_members=bridge, effective_socket_buffer=effective,
-                 local_network_privacy=plat.local_network_privacy, local_network_probes=probes, rdma=rdma)
+                 local_network_privacy=plat.local_network_privacy, local_network_probes=probes, rdma=rdma,
+                 topology=topology)
 
 
 def _read_first(path: str) -> str:

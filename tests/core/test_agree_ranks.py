@@ -12,9 +12,9 @@ from .programs import agree_ranks
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 CASES = {
-    # An fp16 rank beside a bf16 one gave [3.56, 2.08] and [160.0, 2.63] for 1.5 + 2.5, with no error.
+    # Unchecked, an fp16 rank beside a bf16 one gets [3.56, 2.08] and [160.0, 2.63] for 1.5 + 2.5, no error.
     "compression": ("THUNDERBOLT_COMPRESSION", "fp16", "bf16", "tcp"),
-    # Caught before, but worded as a size mismatch between two identical all_reduce calls.
+    # Unchecked, a MismatchError worded as a size mismatch between two identical all_reduce calls.
     "small": ("THUNDERBOLT_SMALL", "1K", "64K", "tcp"),
     "shm_slots": ("THUNDERBOLT_SHM_SLOTS", "2", "8", "auto"),
 }

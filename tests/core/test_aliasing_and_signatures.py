@@ -95,8 +95,9 @@ def test_different_reduce_ops_are_a_mismatch_on_every_rank(window, ops, n):
     assert len(errors) == 2 and not any(isinstance(e, CollectiveTimeout) for e in errors), errors
 
 
-def test_the_old_8_bit_layout_checksum_collided_and_the_signature_does_not():
-    """Block layouts with the same total that the old check (crc32 & 0xFF) could not tell apart."""
+def test_an_8_bit_layout_checksum_collides_and_the_signature_does_not():
+    """Block layouts with the same total that an 8-bit check (crc32 & 0xFF) cannot tell apart: the
+    signature's 32-bit digest must."""
     layouts = [list(c) for c in itertools.product(range(1, 64), repeat=2)]
     by_total: dict = {}
     for c in layouts:
@@ -107,7 +108,7 @@ def test_the_old_8_bit_layout_checksum_collided_and_the_signature_does_not():
             old += (zlib.crc32(repr(a).encode()) & 0xFF) == (zlib.crc32(repr(b).encode()) & 0xFF)
             new += encode_sig("reduce_scatter", "float32", 0, sum(a), "sum", tuple(a)) == encode_sig(
                 "reduce_scatter", "float32", 0, sum(b), "sum", tuple(b))
-    assert old > 0  # the weakness was real
+    assert old > 0  # the weakness is real: the search finds 8-bit collisions
     assert new == 0
 
 

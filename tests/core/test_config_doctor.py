@@ -67,7 +67,7 @@ def test_doctor_reports_what_the_job_would_reject(var: str, text: str) -> None:
 
 
 def test_doctor_reports_one_shm_slot_as_an_error() -> None:
-    """The job fails mid-rendezvous with THUNDERBOLT_SHM_SLOTS=1; doctor used to say [ok]."""
+    """The job fails mid-rendezvous with THUNDERBOLT_SHM_SLOTS=1, so doctor must not say [ok]."""
     found = by_check(run_checks(facts(env={"THUNDERBOLT_SHM_SLOTS": "1"})))["configuration"]
     assert found.status == FAIL and "THUNDERBOLT_SHM_SLOTS: expected an integer from 2 to 1024" in found.detail
 

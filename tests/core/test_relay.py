@@ -97,8 +97,8 @@ def world():
 
 
 def _value(raw: bytes):
-    """What a record holds, as anyone reading the store sees it (records.unchecked_value; written without
-    it so that this file also runs against a version whose records were plain JSON)."""
+    """What a record holds, as anyone reading the store sees it (as records.unchecked_value reads it; written
+    out here so that the test also reads a record that is plain JSON, without a MAC)."""
     rec = json.loads(raw)
     return json.loads(rec["value"]) if "value" in rec else rec
 
@@ -118,7 +118,8 @@ def _rewrite_port(view, port: int, relay: int) -> None:
 
 
 def _outcome(world: SetUpOnThreads) -> str:
-    """How the set-up ended, for the assertion message: today's failure was a silent wrong result."""
+    """How the set-up ended, for the assertion message: the failure this guards against is a silent wrong
+    result, so the message says whether the sums came out right."""
     if world.errors:
         return repr(world.errors)
     got = all_reduce_on_threads(world.results, lambda r: torch.arange(64, dtype=torch.float32) * (r + 1))

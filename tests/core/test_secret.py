@@ -84,8 +84,8 @@ def test_with_a_secret_a_stranger_holding_the_store_is_refused_and_the_job_runs(
 
 @pytest.mark.timeout(60)
 def test_without_a_secret_the_store_alone_lets_a_stranger_in(world, caplog) -> None:
-    """Today's weakness, kept for jobs without a secret (torchrun users): the same attack succeeds, rank 0
-    takes the stranger for rank 1 — and every rank has warned about it."""
+    """The weakness of jobs without a secret (torchrun users): the same attack succeeds, rank 0 takes the
+    stranger for rank 1 — and every rank has warned about it."""
     caplog.set_level(logging.WARNING, logger="torch_thunderbolt")
     world.start(0, Config(streams=2))
     socks = stranger_joins_as_rank_1(world.view, 2)  # no HandshakeError: accepted as rank 1

@@ -230,7 +230,7 @@ def test_a_failure_is_announced_once_and_raised_by_whoever_waits_for_that_rank()
 
 def test_giving_up_one_kind_is_raised_by_whoever_waits_in_that_kind_only() -> None:
     """A rank that gives up RDMA alone (its device failed) ends every wait for it in the RDMA set-up, as the
-    error it was and naming where it failed, while the group's other records are read as before; how each
+    error it was and naming where it failed, while the group's other records are read as usual; how each
     rank's set-up of the kind ended is read back, signed and bound to the group like every record."""
     a, b, store = _pair()
     a.join_group(), b.join_group()

@@ -20,7 +20,7 @@ def _input(rank: int, n: int, seed: int) -> torch.Tensor:
 
 
 def _by_plan(comm, x: torch.Tensor, op: str) -> None:
-    """What the Communicator ran before the small path: the direct plan, walked."""
+    """The same all_reduce the general way, the direct plan walked: the small path must match it."""
     n = x.numel()
     plan = direct.direct_allreduce(comm.rank, comm.world, n)
     comm.seq += 1

@@ -1,6 +1,6 @@
-"""Cases found by testers with PyTorch's own tests and real training code, where gloo was right and we were
-not: each runs on real processes, on the default transport (shared memory for 2 ranks on one host) and on
-TCP, against a reference computed locally."""
+"""Cases from PyTorch's own tests and real training code that gloo gets right and a backend can easily get
+wrong: each runs on real processes, on the default transport (shared memory for 2 ranks on one host) and
+on TCP, against a reference computed locally."""
 from __future__ import annotations
 
 import json

@@ -36,7 +36,7 @@ def fake_mac(uuid: str, boot: str, calls: list | None = None):
 def test_two_macs_with_the_same_hostname_are_different_hosts() -> None:
     a = host_identity(DARWIN, fake_mac("5B2E6C1A-0000-4D3E-9F00-000000000001", "B00T-A"))
     b = host_identity(DARWIN, fake_mac("5B2E6C1A-0000-4D3E-9F00-000000000002", "B00T-A"))
-    assert a != b  # before: both were just the (same) hostname plus Linux-only /proc facts
+    assert a != b  # the hostname alone (plus Linux-only /proc facts) would make them one host
 
 
 def test_the_same_mac_is_the_same_host_and_a_reboot_is_not() -> None:
@@ -60,7 +60,7 @@ def test_linux_host_identity_keeps_boot_id_and_network_namespace() -> None:
 
 def test_a_segment_is_seen_without_dev_shm_and_gone_once_unlinked() -> None:
     """macOS has no /dev/shm to list: the leftovers check and live_segments still see a live segment (from
-    its marker, probed) and no longer see it once unlinked. Before, both listed /dev/shm only."""
+    its marker, probed) and no longer see it once unlinked; listing /dev/shm would find nothing there."""
     assert DARWIN.shm_list_dir is None
     seg = segs.create(4096)
     try:
@@ -113,17 +113,21 @@ def test_ring_head_and_tail_sit_on_separate_128_byte_cache_lines() -> None:
 
 def test_shared_memory_is_refused_where_no_full_memory_barrier_is_known() -> None:
     from torch_thunderbolt.rendezvous.kinds import KINDS, choose, refused
-    from torch_thunderbolt.transport import shm_ring as ring
+    from torch_thunderbolt.transport import ordering
 
     barrier = lambda: None  # noqa: E731 - stands in for libSystem's OSMemoryBarrier
     missing = lambda name: None  # noqa: E731 - a libSystem without it
-    assert ring.full_barrier(DARWIN, lambda name: barrier if name == "OSMemoryBarrier" else None) is barrier
-    assert ring.shm_refusal(DARWIN, lambda name: barrier) is None
-    assert "OSMemoryBarrier" in ring.shm_refusal(DARWIN, missing)  # before: a lock, no full barrier on arm64
-    assert "riscv64" in ring.shm_refusal(Platform.for_system("linux", "riscv64"))
-    assert ring.shm_refusal(Platform.for_system("linux", "x86_64")) is None
+    mac_fences = ordering.fences(DARWIN, lambda name: barrier if name == "OSMemoryBarrier" else None)
+    assert mac_fences == ordering.Fences(barrier, barrier, barrier)  # all three are the dmb (arm64 reorders all)
+    x86 = ordering.fences(Platform.for_system("linux", "x86_64"))
+    # x86 is TSO: acquire and release cost nothing, only the sleep handshake's store-then-load needs a fence
+    assert x86.acquire is x86.release is ordering.nothing and x86.full is not ordering.nothing
+    assert ordering.shm_refusal(DARWIN, lambda name: barrier) is None
+    assert "OSMemoryBarrier" in ordering.shm_refusal(DARWIN, missing)  # a lock is no full barrier on arm64
+    assert "riscv64" in ordering.shm_refusal(Platform.for_system("linux", "riscv64"))
+    assert ordering.shm_refusal(Platform.for_system("linux", "x86_64")) is None
     # Such a rank offers no shared memory: the table gives its pairs TCP, and it says why (group.connect logs it).
-    ok, mac = {"shm": None, "tcp": None}, {"shm": ring.shm_refusal(DARWIN, missing), "tcp": None}
+    ok, mac = {"shm": None, "tcp": None}, {"shm": ordering.shm_refusal(DARWIN, missing), "tcp": None}
     for setting in ("shm", "auto"):
         kinds = choose(KINDS, setting, ["h"] * 3, [ok, ok, mac])
         assert kinds[2] == ["tcp", "tcp", ""] and kinds[0][1] == "shm"

@@ -64,8 +64,8 @@ class DarwinSocket:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_message_over_int_max_bytes_moves_in_calls_macos_accepts() -> None:
-    """One 2 GiB + message over one stream: every sendmsg/recv_into stays within the 1 GiB cap. Before the
-    cap, the first sendmsg asked for the whole message and the fake (like XNU) failed it with EINVAL."""
+    """One 2 GiB + message over one stream: every sendmsg/recv_into stays within the 1 GiB cap. Without the
+    cap, the first sendmsg would ask for the whole message, and the fake (like XNU) fails that with EINVAL."""
     n = INT_MAX + 1 + 4099
     with socket.create_server(("127.0.0.1", 0)) as lst:
         a = socket.create_connection(lst.getsockname())

@@ -62,8 +62,9 @@ def _wait_in_thread(t, reqs) -> "tuple[threading.Thread, list[BaseException]]":
 
 def test_an_abort_behind_a_frame_in_flight_still_reaches_the_peer() -> None:
     """Rank 0 is half-way through writing a 32 MB frame to rank 1 when it learns that rank 2 died. The ABORT
-    cannot go in the middle of the frame; before, it was skipped, the socket closed, and rank 1 blamed rank 0
-    ("lost the connection to rank 0"). Found by kill -9 trials at 64 MB (11 of 31 on 3 ranks)."""
+    cannot go in the middle of the frame: rank 0 finishes the frame, then sends the ABORT. Were it skipped
+    and the socket closed, rank 1 would blame rank 0 ("lost the connection to rank 0"): the case kill -9
+    trials at 64 MB on 3 ranks run into."""
     n = 32 << 20
     with tcp_world(3) as (t0, t1, t2):
         big = t0.isend(1, (Space.COLL, 1, 0), memoryview(bytearray(n)))

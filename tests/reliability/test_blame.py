@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 @pytest.mark.parametrize("n", [1 << 10, 1 << 20])
 def test_sigstopped_rank_is_named_by_both_survivors_not_the_rank_waiting_on_it(n: int, tmp_path) -> None:
     """Ring all_reduce on 3 ranks, rank 2 SIGSTOPped: rank 0 waits on rank 2, rank 1 waits on rank 0. Rank
-    1 used to time out naming rank 0 ("arrived but stopped sending: [0]"), which was itself waiting."""
+    1 must not name rank 0 ("arrived but stopped sending: [0]"), which is itself waiting."""
     with start_ranks(blame, 3, tmp_path, args=["sigstop"], env={"TB_TIMEOUT": "6", "TB_N": str(n)},
                      setup=reliability_setup()) as ranks:
         deadline = time.time() + 60  # ranks 0 and 1 exit; rank 2 stays stopped until kill_all
@@ -33,9 +33,9 @@ def test_sigstopped_rank_is_named_by_both_survivors_not_the_rank_waiting_on_it(n
 
 @pytest.mark.parametrize("op", ["broadcast", "send"])
 def test_a_rank_frozen_while_a_peer_sends_it_64_mb_is_named_by_the_sender_at_the_timeout(op: str, tmp_path) -> None:
-    """The sender waits for its peer to take the bytes, not to send any: its CollectiveTimeout used to blame
-    nobody (`.ranks` empty, the frozen rank only under "pending"), and came ABORT_GRACE (2 s) after the group
-    timeout, spent waiting for the frozen peer to read the ABORT."""
+    """The sender waits for its peer to take the bytes, not to send any: its CollectiveTimeout must blame the
+    frozen rank (in `.ranks`, not only under "pending"), and come at the group timeout, not ABORT_GRACE (2 s)
+    later, spent waiting for the frozen peer to read the ABORT."""
     timeout = 4.0
     with start_ranks(blame, 2, tmp_path, args=["frozen_receiver"], setup=reliability_setup(),
                      env={"TB_TIMEOUT": str(timeout), "TB_N": str(16 << 20), "TB_OP": op}) as ranks:
@@ -48,14 +48,14 @@ def test_a_rank_frozen_while_a_peer_sends_it_64_mb_is_named_by_the_sender_at_the
     err = errors[0]
     assert err["type"] == "CollectiveTimeout" and err["ranks"] == [1], err
     assert "[1]" in err["msg"].split("pending:")[0], err
-    # Raised at the timeout: the time the ABORT to the frozen rank takes is not added to it any more. (A
-    # bound, not a measurement: the grace alone made it timeout + 2 s.)
+    # Raised at the timeout: the time the ABORT to the frozen rank takes is not added to it. (A bound, not a
+    # measurement: the grace alone would make it timeout + 2 s.)
     assert timeout <= err["seconds"] < timeout + 1.5, err
 
 
 @pytest.mark.parametrize("dies", [1, 2])
 def test_a_rank_that_dies_during_set_up_is_named_within_seconds(dies: int, tmp_path) -> None:
-    """A rank publishes its endpoint and dies. Its listener now refuses: a rank connecting to it, and a rank
+    """A rank publishes its endpoint and dies. Its listener then refuses: a rank connecting to it, and a rank
     waiting for it to connect, must say within seconds that it died, not time out after the connect deadline
     (40 s here) naming only "ranks that did not connect"."""
     res = run_ranks(blame, 3, tmp_path, args=["dies_in_set_up"], timeout=100, expect_ok=False,

@@ -23,8 +23,8 @@ def test_kill_9_every_survivor_raises_peer_lost_within_5s(seed: int, tmp_path) -
 
 @pytest.mark.parametrize("op", ["gather", "all_gather"])
 def test_kill_9_at_64_mb_on_3_ranks_every_survivor_names_the_killed_rank(op: str, tmp_path) -> None:
-    """Large frames in flight between the survivors when one learns of the death (its ABORT used to be
-    skipped there, and the other survivor blamed it); seed 100000 misnamed the killed rank before."""
+    """Large frames in flight between the survivors when one learns of the death: its ABORT must follow the
+    frame, or the other survivor blames it (seed 100000 reaches that moment)."""
     out = run_kill_trial(KillCase.fixed(100000, 3, op, 64 << 20), tmp_path)
     assert not out.hang and len(out.errors) == 2, out.record()
     assert not out.problems, out.record()

@@ -45,8 +45,8 @@ def test_mismatched_calls_fail_on_every_rank(kind: str, tmp_path) -> None:
             assert out["ok"] is False, f"rank {rank} finished a mismatched {kind} call without an error: {outs}"
         # A root that only sends may finish before the other root's data shows up: then the next call fails.
         first = out if not out["ok"] else out["after"]
-        # On 3 ranks a rank may hear of it first as the FIN of a rank that already failed (bug 1, patch 1;
-        # test_abort_relay.py checks that case deterministically).
+        # On 3 ranks a rank may hear of it first as the FIN of a rank that already failed
+        # (test_abort_relay.py checks that case deterministically).
         allowed = ("MismatchError", "PeerLostError") if world > 2 else ("MismatchError",)
         assert first["ok"] is False and first["type"] in allowed, (rank, outs)
         assert first["seconds"] < 5, (rank, out)

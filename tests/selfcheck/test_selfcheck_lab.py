@@ -47,4 +47,8 @@ def test_selfcheck_on_three_emulated_macs(chain3, tmp_path, quick):
     assert leaving["status"] == "ok" and "rank 2 left" in leaving["detail"], leaving
     assert len(doc["doctor"]) == 3  # one doctor per emulated host
     assert "bound" in checks["bench against gloo"]["detail"]
+    assert len(set(doc["bench"]["meta"]["cabling"]["host_index"])) == 3
+    assert doc["ddp"]["cpu"]["transport"] == "tcp" and checks["DDP step"]["status"] == "ok"
+    assert [h["rank"] for h in doc["hosts"]] == [0, 1, 2] and doc["cables"]
+    assert "Traceback" not in done.stdout
     print(f"selfcheck {'--quick ' if quick else ''}on the 3-host lab: {took:.1f} s wall, {doc['seconds']} s in the ranks")

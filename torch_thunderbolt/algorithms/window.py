@@ -91,7 +91,7 @@ class Window:
         # spin (only while the engine would spin at all: never when ranks outnumber cores).
         if memory.reached(peers, value, 1) or (engine.eager() and memory.reached(peers, value, PRESPIN_LOOKS)):
             return
-        ready = lambda: all(counter(p) >= value for p in peers)  # noqa: E731
+        ready = lambda: memory.reached(peers, value, 1)  # noqa: E731 - one acquire fence when it is True
         while not ready():
             now = time.monotonic()
             if now >= deadline:
@@ -135,7 +135,8 @@ class Window:
             owner = self._position.get(req.peer)
             if owner is None or owner == self.rank or not self.started_beyond(owner):
                 continue
-            # The counter was read first: ring writes made before that post show now.
+            # The counter was read first: ring writes made before that post show now (past the fence).
+            self.memory.fence()
             if not engine.has_unread(req.peer):
                 engine.fail(MismatchError(
                     f"rank {engine.rank}: mismatched operation with rank {req.peer}: rank {req.peer} has begun "

@@ -2,13 +2,34 @@
 
 Kept import-light: the autoload hook runs at the end of `import torch`, so nothing here may import the
 rest of the package until a group is actually created.
+
+The store probe (rendezvous/store_probe.py) must run inside torch's env:// and tcp:// rendezvous handlers,
+before they connect the TCPStore, and only when the group being created is a thunderbolt one: a gloo or
+nccl job keeps torch's behaviour, and our settings are never checked for it. torch tells a handler nothing
+about the backend: init_process_group resolves `backend` and then calls `rendezvous(init_method, rank,
+world_size, timeout=timeout)` (torch 2.13 and 2.14), the handler gets the URL and the timeout, our creator
+(the backend plugin, with its `_DistributedBackendOptions`) runs only once the store exists, and no
+environment variable carries the backend. So init_process_group itself is wrapped, thinly: the wrapper binds
+the call's arguments to torch's own signature, keeps the backend they ask for in a ContextVar for the
+duration of the call, and calls torch's function with the arguments unchanged; the probing handler reads
+that ContextVar. The wrapper has torch's name, module, docstring and (through `__wrapped__`) signature, and
+returns or raises what torch does. It replaces the function where torch defines it (distributed_c10d) and
+where torch re-exports it (`torch.distributed`), so `dist.init_process_group` and `from
+torch.distributed import init_process_group` after `import torch` both reach it. A binding taken earlier
+(autoload off and torch_thunderbolt imported after that import) keeps torch's function: no probe, torch's
+behaviour, as on a torch whose init_process_group has no `backend` parameter, where nothing is wrapped.
+Each wrapper marks itself (`MARK`, `ours`), `install_probe` is idempotent and `remove_probe` puts torch's
+objects back.
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import os
+from contextvars import ContextVar
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, NamedTuple
 from urllib.parse import urlencode, urlparse, parse_qsl
 
 BACKEND = "thunderbolt"
@@ -64,38 +85,126 @@ def _thunderbolt_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30)
 
 
 PROBED_SCHEMES = ("env", "tcp")  # torch's rendezvous handlers that connect a TCPStore client
+MARK = "thunderbolt_probe"  # on what install_probe puts in torch's place: the object itself (see `ours`)
+
+# The backend asked of the init_process_group running in this context, for the rendezvous handler it calls.
+# A ContextVar, not a module global: set and reset by each call, so concurrent threads or tasks never see
+# another's request.
+_REQUESTED: ContextVar[str | None] = ContextVar("thunderbolt_requested_backend", default=None)
+
+
+class TorchPlaces(NamedTuple):
+    """Where torch keeps what install_probe wraps: the module defining init_process_group, the modules that
+    re-export it, and the rendezvous handler table."""
+    c10d: Any
+    reexports: tuple[Any, ...]
+    handlers: dict[str, Any]
+
+    @classmethod
+    def of_torch(cls) -> "TorchPlaces":
+        """torch's own: distributed_c10d, re-exported by `torch.distributed` (`from .distributed_c10d import
+        *`), and rendezvous.py's `_rendezvous_handlers`."""
+        rdzv = importlib.import_module("torch.distributed.rendezvous")
+        handlers = getattr(rdzv, "_rendezvous_handlers", None)
+        return cls(importlib.import_module("torch.distributed.distributed_c10d"),
+                   (importlib.import_module("torch.distributed"),), handlers if isinstance(handlers, dict) else {})
+
+
+def ours(obj: Any) -> bool:
+    """Whether `obj` is a wrapper install_probe made. Its mark is the object itself, so a wrapper someone else
+    puts around ours (functools.wraps copies the mark) is not taken for ours."""
+    return getattr(obj, MARK, None) is obj
+
+
+def names_thunderbolt(backend: str | None) -> bool:
+    """Whether a backend string of init_process_group makes a thunderbolt group: `thunderbolt`, or one
+    device's part of `cpu:thunderbolt,cuda:nccl`. Pure."""
+    parts = str(backend or "").lower().split(",")
+    return any(part.rpartition(":")[2].strip() == BACKEND for part in parts)
+
+
+def requested_backend(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The backend a call of init_process_group asks for, as torch resolves it before its rendezvous: the
+    `backend` argument, or for `device_id=torch.device(...)` without one the device's default backend. None
+    when the arguments do not fit (torch's call then raises its own error)."""
+    try:
+        arguments = signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        return None
+    backend, device = arguments.get("backend"), arguments.get("device_id")
+    if backend is None and isinstance(getattr(device, "type", None), str):
+        import torch.distributed as dist
+
+        backend = dist.Backend.default_device_backend_map.get(device.type)
+    return None if backend is None else str(backend)
+
+
+def _recording(init: Callable[..., Any]) -> Callable[..., Any] | None:
+    """torch's init_process_group, recording the backend it was asked for while it runs; None when `init` has
+    no `backend` parameter to read (a torch whose API differs: then nothing is wrapped and nothing probed)."""
+    try:
+        signature = inspect.signature(init)
+    except (TypeError, ValueError):
+        return None
+    if "backend" not in signature.parameters:
+        return None
+
+    @functools.wraps(init)  # torch's name, module and docs; inspect.signature follows __wrapped__ to torch's
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        token = _REQUESTED.set(requested_backend(signature, args, kwargs))
+        try:
+            return init(*args, **kwargs)
+        finally:
+            _REQUESTED.reset(token)
+
+    setattr(init_process_group, MARK, init_process_group)
+    return init_process_group
 
 
 def _probing_handler(torch_handler: Any) -> Any:
-    """torch's env:// or tcp:// handler, preceded in a thunderbolt job by a probe of the store (see
-    rendezvous/store_probe.py). Other backends' jobs get torch's handler unchanged."""
+    """torch's env:// or tcp:// handler, preceded by a probe of the store (rendezvous/store_probe.py) when the
+    init_process_group that calls it was asked for our backend. Otherwise torch's handler alone."""
+    @functools.wraps(torch_handler)
     def handler(url: str, **kwargs: Any) -> Any:
-        if _creating_a_thunderbolt_group():
+        if names_thunderbolt(_REQUESTED.get()):
             from ..rendezvous.store_probe import probe_url
 
             probe_url(url, kwargs.get("timeout"))
         return torch_handler(url, **kwargs)
 
-    handler.thunderbolt_probe = True  # type: ignore[attr-defined]
-    handler.__wrapped__ = torch_handler  # type: ignore[attr-defined]
+    setattr(handler, MARK, handler)
     return handler
 
 
-def _creating_a_thunderbolt_group() -> bool:
-    """Whether the rendezvous running now was asked for by init_process_group with our backend.
-    torch hands a rendezvous handler no backend, so this reads init_process_group's own `backend` from its
-    frame; when it cannot be found (another caller, another torch), the answer is no: torch's behaviour."""
-    import sys
+def install_probe(places: TorchPlaces) -> bool:
+    """Wraps init_process_group (where it is defined and where it is re-exported) to record the backend asked
+    for, and the handlers of PROBED_SCHEMES to probe the store when that is ours. Idempotent. False, with
+    nothing changed, when init_process_group has no `backend` to read."""
+    current = getattr(places.c10d, "init_process_group", None)
+    hooked = current if ours(current) else _recording(current) if callable(current) else None
+    if hooked is None:
+        return False
+    for module in (places.c10d, *places.reexports):
+        if getattr(module, "init_process_group", None) in (hooked.__wrapped__, hooked):
+            module.init_process_group = hooked
+    for scheme in PROBED_SCHEMES:  # into torch's table: register_rendezvous_handler refuses to replace one
+        if scheme in places.handlers and not ours(places.handlers[scheme]):
+            places.handlers[scheme] = _probing_handler(places.handlers[scheme])
+    return True
 
-    frame = sys._getframe(1)
-    for _ in range(32):
-        if frame is None:
-            return False
-        if (frame.f_code.co_name == "init_process_group"
-                and frame.f_globals.get("__name__") == "torch.distributed.distributed_c10d"):
-            return BACKEND in str(frame.f_locals.get("backend", "")).lower()
-        frame = frame.f_back
-    return False
+
+def remove_probe(places: TorchPlaces | None = None) -> None:
+    """Puts back what install_probe replaced (by default in torch): thunderbolt groups are then created with
+    torch's rendezvous alone, as every other backend's are. `register()` installs the probe again."""
+    places = places or TorchPlaces.of_torch()
+    for module in (places.c10d, *places.reexports):
+        init = getattr(module, "init_process_group", None)
+        if ours(init):
+            module.init_process_group = init.__wrapped__
+    for scheme, handler in list(places.handlers.items()):
+        if ours(handler):
+            places.handlers[scheme] = handler.__wrapped__
+
 
 def agent_store_elsewhere(port: int, env: "dict[str, str] | os._Environ[str]") -> bool:
     """Whether torchrun's agent serves the job's store (every rank would be a client of HOST:PORT) but PORT
@@ -136,7 +245,4 @@ def register() -> None:
     rdzv = importlib.import_module("torch.distributed.rendezvous")
     if "thunderbolt" not in getattr(rdzv, "_rendezvous_handlers", {}):
         rdzv.register_rendezvous_handler("thunderbolt", _thunderbolt_rendezvous)
-    handlers = getattr(rdzv, "_rendezvous_handlers", None)  # register_rendezvous_handler refuses to replace
-    for scheme in PROBED_SCHEMES if isinstance(handlers, dict) else ():
-        if scheme in handlers and not getattr(handlers[scheme], "thunderbolt_probe", False):
-            handlers[scheme] = _probing_handler(handlers[scheme])
+    install_probe(TorchPlaces.of_torch())

@@ -17,7 +17,7 @@ _OPS = {
 
 
 # By the enum's integer value: looking a pybind enum up in a dict compares it through a Python-level
-# __eq__, which made this conversion cost a small all_reduce more than a µs.
+# __eq__, which would cost a small all_reduce more than a µs per conversion.
 _OPS_BY_VALUE = {int(kind): name for kind, name in _OPS.items()}
 
 

@@ -134,11 +134,14 @@ def run_rank(cfg: BenchConfig, env: RankEnv, out: TextIO = sys.stdout, err: Text
 
 
 def run_in_groups(cfg: BenchConfig, env: RankEnv, backend: Config, groups: list[Any], out: TextIO = sys.stdout,
-                  err: TextIO = sys.stderr) -> int:
+                  err: TextIO = sys.stderr) -> tuple[int, dict | None]:
     """The benchmark inside a job a tool already set up (the default group initialised, one group per
-    `measured_backends(cfg)` made by the caller): how `selfcheck` runs it among its other checks."""
+    `measured_backends(cfg)` made by the caller): how `selfcheck` runs it among its other checks. Returns
+    the exit code and, on rank 0, the document `--json` would write (in memory: no file is written)."""
     validate_for_world(cfg, env.world_size)
-    return _Session(cfg, env, backend, groups, out, err, None).run()
+    session = _Session(cfg, env, backend, groups, out, err, None)
+    code = session.run()
+    return code, session.document if env.rank == 0 else None
 
 
 class _Session:
@@ -151,6 +154,7 @@ class _Session:
         self.backends = measured_backends(cfg)  # the --backends, and the floor last
         self.transports = {b.label: _transport_of(b.kind, g, backend) for b, g in zip(self.backends, groups)}
         self.records: list[dict] = []
+        self.document: dict | None = None  # rank 0: meta and records, once run() has ended
         self.nets: list[list[str]] = []  # every rank's networks and host identity (_discover_cabling)
         self.host_ids: list[str] = []
         self.memcpy_bound: bounds.Bound | None = None
@@ -199,6 +203,7 @@ class _Session:
         for results in self.deferred:
             self._finish(results, link_gbps)
         if self.lead:
+            self.document = report.document(meta, self.records)
             self._write(meta)
         if self.wrong_results:
             if self.lead:
@@ -353,7 +358,7 @@ class _Session:
 
     def _write(self, meta: dict) -> None:
         if self.cfg.json_path:
-            report.write_json(self.cfg.json_path, report.document(meta, self.records))
+            report.write_json(self.cfg.json_path, self.document or report.document(meta, self.records))
             self.say(f"# wrote {self.cfg.json_path}")
         if self.cfg.plot_path:
             report.write_plot(self.cfg.plot_path, self.records)

@@ -1,6 +1,6 @@
-"""Single-core memcpy bandwidth: the yardstick for shared-memory collectives (issue: "≥ 40 % of single-core
-memcpy measured in the same run"). Measured on rank 0 before and after the collectives, so drift of this
-VM's memory bandwidth during the run shows up."""
+"""Single-core memcpy bandwidth: the yardstick for shared-memory collectives, which are judged as a share of
+single-core memcpy measured in the same run. Measured on rank 0 before and after the collectives, so drift
+of the machine's memory bandwidth during the run shows up."""
 from __future__ import annotations
 
 import time

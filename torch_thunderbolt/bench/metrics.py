@@ -39,6 +39,15 @@ def max_over_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
     return [max(column) for column in zip(*per_rank)]
 
 
+def hidden_share(compute: float, step: float, exchange: float) -> float:
+    """How much of DDP's gradient exchange a training step hides behind its backward pass, from one
+    iteration's phases: 1 when the exchange costs the step nothing, 0 when it is paid in full on top
+    (clamped: timing noise can put a phase slightly outside)."""
+    if exchange <= 0:
+        return 0.0
+    return max(0.0, min(1.0, (compute + exchange - step) / exchange))
+
+
 @dataclass
 class Result:
     """One row of a table and one JSON record: a backend running an op at one size."""

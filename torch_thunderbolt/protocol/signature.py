@@ -3,9 +3,10 @@
 The high 32 bits say what the op is, readably: op | dtype | reduce op | root (low 8 bits). The low 32 bits
 are a 32-bit BLAKE2 digest of everything that must agree and does not fit there: the full root, the element count, the
 reduce op and a layout (uneven block sizes). Two ranks in different ops differ in the readable half or, for
-the same kind of op, in a 32-bit checksum: an accidental collision is a one-in-four-billion event, where the
-8-bit checksum this replaced was found colliding by a random search. (Not a CRC: CRCs are linear, so two
-different layouts mixed into two different op signatures can cancel out exactly.)
+the same kind of op, in a 32-bit checksum: an accidental collision is a one-in-four-billion event, where an
+8-bit checksum collides among layouts of two blocks (tests/core/test_aliasing_and_signatures.py finds such
+pairs). Not a CRC: CRCs are linear, so two different layouts mixed into two different op signatures can
+cancel out exactly.
 """
 from __future__ import annotations
 

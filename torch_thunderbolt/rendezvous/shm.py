@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 from ..config import Config
 from ..errors import ConfigError, HandshakeError, peer_lost
+from ..transport import ordering
 from ..transport import shm_ring as ring
 from ..transport import shm_segment as segs
 from ..transport.engine import Transport
@@ -129,8 +130,8 @@ def _accept(lst: socket.socket, rank: int, higher: set[int], token: bytes, deadl
 
 def offer(cfg: Config) -> str | None:
     """None where shared memory is safe on this machine, else why not (no full memory barrier is known:
-    see shm_ring.shm_refusal). Every rank of a host decides alike."""
-    return ring.shm_refusal()
+    see ordering.shm_refusal). Every rank of a host decides alike."""
+    return ordering.shm_refusal()
 
 
 def connect_shm(store: Any, rank: int, world: int, cfg: Config, timeout: float,
@@ -146,7 +147,7 @@ def connect_shm_links(setup: SetUp, opts: ShmOptions | None = None) -> ShmLinks:
     """This rank's shared-memory links to `setup.peers` (all on this host), e.g. every other rank, or a
     host's share of a multi-host job. `opts`: sizes overriding the Config's."""
     rank, world, cfg, timeout, records = setup.rank, setup.world, setup.cfg, setup.timeout, setup.records
-    why = ring.shm_refusal()
+    why = ordering.shm_refusal()
     if why is not None:
         raise ConfigError(f"rank {rank}: shared memory is not safe on this machine ({why}); set "
                           f"THUNDERBOLT_TRANSPORT=tcp (auto chooses TCP here by itself)")

@@ -9,11 +9,12 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from ..bench import spawn
 from ..launch.hostfile import Host
-from .model import FAIL, Line, Options, format_line
+from .model import FAIL, LEAD_STUCK, Line, Options, format_line
 
 ANSWER_SECONDS = 8.0  # how long a host gets to answer `true` over its way in
 
@@ -33,12 +34,15 @@ def run_here(opts: Options, argv: Sequence[str]) -> int:
     base["THUNDERBOLT_SECRET"] = base.get("THUNDERBOLT_SECRET", "").strip() or secrets.token_hex(32)
     previous = signal.signal(signal.SIGTERM, spawn._raise_terminated)
     try:
+        print(f"# starting {opts.nproc} ranks of the selfcheck on this machine", flush=True)
         for rank in range(opts.nproc):
             env = spawn.child_env(base, rank, opts.nproc, port)
             procs.append(subprocess.Popen([sys.executable, "-m", "torch_thunderbolt", "selfcheck", *argv], env=env,
                                           start_new_session=True))
         deadline = time.monotonic() + _whole_run_seconds(opts)
         while procs[0].poll() is None and time.monotonic() < deadline:
+            if any(p.poll() == LEAD_STUCK for p in procs[1:]):
+                return 1  # another rank named rank 0 stuck and wrote the report: nothing more will come
             time.sleep(spawn.POLL_SECONDS)
         if procs[0].poll() is None:
             alive = [r for r, p in enumerate(procs) if p.poll() is None]
@@ -66,7 +70,8 @@ def answers(host: Host, ssh_options: Sequence[str] = ()) -> str | None:
     else:
         if shutil.which("ssh") is None:
             return "ssh is not installed here"
-        argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(ANSWER_SECONDS)}", *ssh_options,
+        # ssh takes the first value given for an option: the user's --ssh-option go first.
+        argv = ["ssh", *ssh_options, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(ANSWER_SECONDS)}",
                 host.ssh or host.name, "true"]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=ANSWER_SECONDS + 2,
@@ -87,11 +92,16 @@ def run_hostfile(opts: Options, hostfile: str, argv: Sequence[str], ssh_options:
     from ..launch.hostfile import read_hostfile
 
     hosts = read_hostfile(hostfile)
-    silent = [(h, why) for h in hosts if (why := answers(h, ssh_options)) is not None]
+    start = time.monotonic()
+    # Every host at once: a host that does not answer costs its timeout once, not once per host.
+    with ThreadPoolExecutor(max_workers=len(hosts) or 1) as pool:
+        whys = list(pool.map(lambda h: answers(h, ssh_options), hosts))
+    seconds = time.monotonic() - start
+    silent = [(h, why) for h, why in zip(hosts, whys) if why is not None]
     for h, why in silent:
         print(format_line(Line(FAIL, f"host {h.name} answers", why,
                                f"is {h.name} up, on the network, and does `ssh {h.ssh or h.name} true` work "
-                               "without a password (ssh-copy-id)?")), flush=True)
+                               "without a password (ssh-copy-id)?", seconds=seconds)), flush=True)
     if silent:
         return 1
     launch = ["launch", "--hostfile", hostfile, *[f"--ssh-option={o}" for o in ssh_options], "--",

@@ -9,6 +9,8 @@ from ..config import Injection
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 STATUSES = (OK, WARN, FAIL)
 REPORT_VERSION = 1
+# The exit code of a rank that found rank 0 stuck and wrote the report in its place (the run is over).
+LEAD_STUCK = 3
 
 FAMILIES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
             "send_recv", "barrier", "objects")

@@ -25,6 +25,11 @@ _TORCH_OPS = {"sum": "SUM", "avg": "AVG", "product": "PRODUCT", "min": "MIN", "m
 Family = Callable[[Any, int, int, str, bool], "tuple[int, list[str]]"]
 
 
+def dtypes_on(device: str) -> tuple[str, ...]:
+    """The dtypes checked on `device`: MPS has no float64 (torch refuses to make such a tensor there)."""
+    return tuple(d for d in DTYPES if not (device == "mps" and d == "float64"))
+
+
 def rank_input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Small values (1..3, or alternating bools) so that products of a few ranks stay exact in every dtype."""
     i = torch.arange(numel)
@@ -60,7 +65,7 @@ def _valid(op: str, dtype: torch.dtype) -> bool:
 
 def all_reduce(group: Any, rank: int, world: int, device: str, corrupt: bool) -> tuple[int, list[str]]:
     problems, count = [], 0
-    for name in DTYPES:
+    for name in dtypes_on(device):
         dtype = getattr(torch, name)
         for op in REDUCE_OPS:
             if not _valid(op, dtype):
@@ -155,8 +160,9 @@ def scatter(group: Any, rank: int, world: int, device: str, corrupt: bool) -> tu
 def send_recv(group: Any, rank: int, world: int, device: str, corrupt: bool) -> tuple[int, list[str]]:
     """A ring: each rank sends to the next and receives from the previous (even ranks send first)."""
     nxt, prev = (rank + 1) % world, (rank - 1) % world
-    mine = rank_input(rank, NUMEL, torch.float64).to(device)
-    got = torch.zeros(NUMEL, dtype=torch.float64, device=device)
+    dtype = torch.float64 if "float64" in dtypes_on(device) else torch.float32
+    mine = rank_input(rank, NUMEL, dtype).to(device)
+    got = torch.zeros(NUMEL, dtype=dtype, device=device)
     to, frm = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
     if rank % 2 == 0:
         dist.send(mine, dst=to, group=group)
@@ -166,7 +172,7 @@ def send_recv(group: Any, rank: int, world: int, device: str, corrupt: bool) -> 
         dist.send(mine, dst=to, group=group)
     if corrupt:
         _spoil(got)
-    return 1, _compare(f"recv from group rank {prev}", got, rank_input(prev, NUMEL, torch.float64))
+    return 1, _compare(f"recv from group rank {prev}", got, rank_input(prev, NUMEL, dtype))
 
 
 def barrier(group: Any, rank: int, world: int, device: str, corrupt: bool) -> tuple[int, list[str]]:

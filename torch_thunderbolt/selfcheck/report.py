@@ -2,6 +2,7 @@
 as Markdown, to attach to an issue. Also what goes into it about each host (`system_facts`)."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -13,16 +14,26 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from ..bench.sizes import format_size
-from .model import REPORT_VERSION, STATUSES, Line
+from .model import REPORT_VERSION, STATUSES
 
 if TYPE_CHECKING:
+    from ..doctor import Facts, Finding
     from .rank import Selfcheck
 
-# Published RDMA-over-Thunderbolt 5 figures (shared/reference/rdma-tb5-facts.md), shown beside ours over rdma.
+# Published RDMA-over-Thunderbolt 5 figures between two Macs, measured by their sources (ib_send_* are the
+# verbs' own tests, below any library): shown beside ours when our bench ran over rdma. Each: (what, the
+# message size our closest row has, or None, the figure, where it was published).
 PUBLISHED_RDMA = (
-    "ib_send_lat 64 B Mac<->Mac 4.15 us avg (hellas-ai PR #28)",
-    "PyTorch RDMA prototype all_reduce 1 MiB 7.08 GB/s, 16 MiB 9.07 GB/s (pytorch PR #181087)",
-    "TCCL ~7.6 GB/s per rank (pytorch PR #189856)",
+    ("ib_send_lat, UC, 1 QP", 4 << 10, "4.64 us average, p99 5.96 us (64 B: 4.15 us)",
+     "github.com/hellas-ai/thunderbolt-ibverbs PRs #27, #28"),
+    ("ib_send_bw, UC, 64 KiB messages, 1 QP", None, "75 Gbit/s (9.4 GB/s)",
+     "github.com/hellas-ai/thunderbolt-ibverbs PR #27"),
+    ("PyTorch RDMA prototype, all_reduce", 1 << 20, "1 MiB 7.08 GB/s; 16 MiB 9.07 GB/s",
+     "github.com/pytorch/pytorch PR #181087"),
+    ("TCCL (c10d backend for mps), all_reduce", None, "~7.6 GB/s per rank (claimed)",
+     "github.com/pytorch/pytorch PR #189856"),
+    ("IP over the same Thunderbolt 5 cable, iperf3 4 streams", None, "52-64 Gbit/s, RTT 0.34-0.70 ms",
+     "github.com/exo-explore/exo PR #2063"),
 )
 
 
@@ -47,6 +58,17 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
+def _model() -> str:
+    """Which computer: the Mac's model identifier (Mac16,9), elsewhere what the firmware says, if anything."""
+    if sys.platform == "darwin":
+        return _first_line(["sysctl", "-n", "hw.model"])
+    try:
+        with open("/sys/devices/virtual/dmi/id/product_name") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def system_facts() -> dict[str, Any]:
     """Versions and hardware of this host (read only)."""
     import torch
@@ -54,11 +76,56 @@ def system_facts() -> dict[str, Any]:
     from ..version import __version__
 
     mac = platform.mac_ver()[0]
-    return {"os": f"macOS {mac}" if mac else platform.platform(), "machine": platform.machine(), "cpu": _cpu(),
-            "python": platform.python_version(), "torch": torch.__version__, "torch_thunderbolt": __version__}
+    return {"os": f"macOS {mac}" if mac else platform.platform(), "machine": platform.machine(), "model": _model(),
+            "cpu": _cpu(), "python": platform.python_version(), "torch": torch.__version__,
+            "torch_thunderbolt": __version__}
 
 
-def bench_summary(records: list[dict], cable_rate: str | None) -> str:
+def doctor_record(facts: "Facts", findings: "list[Finding]") -> dict[str, Any]:
+    """What the report keeps of one host's doctor run: its findings, and the facts behind the open questions
+    (interfaces and cables, RDMA's state). Never the environment (it may hold the job's secret)."""
+    ports = facts.topology.get("ports", [])
+    return {"findings": [dataclasses.asdict(f) for f in findings], "interfaces": facts.interfaces,
+            "thunderbolt_ifnames": facts.thunderbolt_ifnames, "mtus": facts.mtus,
+            # The link rate of each cabled Thunderbolt port (what the cable bound is taken from).
+            "port_speeds": {p["ifname"]: p["speed_gbps"] for p in ports
+                            if p.get("ifname") and p.get("status") == "connected" and p.get("speed_gbps")},
+            "chosen_addresses": facts.chosen_addresses, "congestion_control": facts.congestion_control,
+            "bridge_members": facts.bridge_members,
+            "rdma": dataclasses.asdict(facts.rdma) if facts.rdma else None, "topology": facts.topology}
+
+
+def cables(doctor: dict[str, dict]) -> str:
+    """Which cable joins which hosts' ports, at what speed, as `topo` sees them from every host's discovery."""
+    from ..errors import ThunderboltError
+    from ..topology.model import Host
+    from ..topology.report import analyse, cluster_report
+
+    dumps = {key: d["topology"] for key, d in doctor.items() if d.get("topology")}
+    names = [t.get("name") for t in dumps.values()]
+    try:
+        # Two Macs may share a name ("MacBook-Pro"); the report's key for each ("name (rank r)") does not.
+        hosts = [Host.from_json(t if names.count(t.get("name")) == 1 else {**t, "name": key})
+                 for key, t in dumps.items()]
+        if not hosts:
+            return "no host could be discovered"
+        text = cluster_report(analyse(hosts))
+    except (ThunderboltError, ValueError, KeyError) as exc:
+        return f"the hosts' discoveries do not make one cluster: {exc}"
+    return text.split("\n\nAddress plan")[0]  # the plan and its commands are `topo`'s business
+
+
+def _published_beside(ours: dict[int, dict]) -> list[str]:
+    out = []
+    for what, size, figure, source in PUBLISHED_RDMA:
+        mine = ours.get(size) if size is not None else None
+        beside = f" (ours at {format_size(size)}B: {mine['time_us']:.1f} us, {mine['busbw_gbps']:.2f} GB/s)" \
+            if mine else ""
+        out.append(f"{what}: {figure}{beside} [{source}]")
+    return out
+
+
+def bench_summary(records: list[dict], cable_rate: str | None, single_host: bool) -> str:
     """One sentence per size: our busbw beside gloo's, the ratio, the bound reached; over rdma the published."""
     ours = {r["bytes"]: r for r in records if r.get("backend") == "thunderbolt" and r.get("op") == "all_reduce"}
     gloo = {r["bytes"]: r for r in records if r.get("backend") == "gloo" and r.get("op") == "all_reduce"}
@@ -72,10 +139,10 @@ def bench_summary(records: list[dict], cable_rate: str | None) -> str:
             text += f", {100 * r['bound_fraction']:.0f}% of its {r['bound_kind']} bound"
         parts.append(text)
     out = "all_reduce " + "; ".join(parts)
-    if cable_rate is None:
+    if cable_rate is None and not single_host:
         out += "; no cable bound (cable rate unknown: pass --cable-rate)"
     if any("rdma" in str(r.get("transport")) for r in ours.values()):
-        out += "; published over RDMA: " + "; ".join(PUBLISHED_RDMA)
+        out += "; published over RDMA between two Macs: " + "; ".join(_published_beside(ours))
     return out
 
 
@@ -91,13 +158,21 @@ def document(sc: "Selfcheck", stuck: str | None) -> dict[str, Any]:
         "result": "FAIL" if stuck or counts["FAIL"] else "warn" if counts["warn"] else "ok",
         "counts": counts,
         "stopped": stuck,
-        "hosts": [{k: h[k] for k in ("rank", "hostname", "os", "machine", "cpu", "python", "torch",
+        "reported_by": sc.rank,
+        "hosts": [{k: h[k] for k in ("rank", "hostname", "os", "machine", "model", "cpu", "python", "torch",
                                      "torch_thunderbolt", "mps")} for h in sc.hosts],
-        "doctor": getattr(sc, "doctor", {}),
+        "doctor": sc.doctor,
+        "cables": cables(sc.doctor) if sc.doctor else "",
         "checks": [line.to_json() for line in sc.lines],
-        "bench": {"records": sc.figures, "text": getattr(sc, "bench_text", ""),
-                  "published_rdma": list(PUBLISHED_RDMA)},
+        "ddp": sc.ddp_figures,
+        "bench": {"records": sc.figures, "meta": sc.bench_meta, "text": sc.bench_text,
+                  "published_rdma": [{"what": w, "figure": f, "source": src} for w, _, f, src in PUBLISHED_RDMA]},
     }
+
+
+def _cell(text: str) -> str:
+    """`text` inside one cell of a Markdown table."""
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -105,28 +180,49 @@ def markdown(doc: dict[str, Any]) -> str:
            f"{doc['created']}, {doc['world_size']} ranks, {doc['seconds']} s{', quick' if doc['quick'] else ''}; "
            f"ok {doc['counts']['ok']}, warn {doc['counts']['warn']}, FAIL {doc['counts']['FAIL']}"
            + (f"; stopped: {doc['stopped']}" if doc["stopped"] else ""), "", "## Hosts", "",
-           "| rank | host | os | cpu | python | torch | torch-thunderbolt | mps |", "|---|---|---|---|---|---|---|---|"]
-    out += [f"| {h['rank']} | {h['hostname']} | {h['os']} | {h['cpu']} | {h['python']} | {h['torch']} | "
-            f"{h['torch_thunderbolt']} | {h['mps']} |" for h in doc["hosts"]]
-    out += ["", "## Interfaces", ""]
+           "| rank | host | os | model, chip | python | torch | torch-thunderbolt | mps |", "|---|---|---|---|---|---|---|---|"]
+    out += [f"| {h['rank']} | {h['hostname']} | {h['os']} | {' '.join(filter(None, (h['model'], h['cpu'])))} | "
+            f"{h['python']} | {h['torch']} | {h['torch_thunderbolt']} | {h['mps']} |" for h in doc["hosts"]]
+    out += ["", "## Interfaces and cables", ""]
     for host, d in doc["doctor"].items():
-        out.append(f"- {host}: Thunderbolt {d.get('thunderbolt_ifnames') or 'none'}; "
-                   + ", ".join(f"{k} {v} (mtu {d.get('mtus', {}).get(k, '?')})" for k, v in d["interfaces"].items()))
+        speeds = ", ".join(f"{k} {v:g} Gb/s" for k, v in d["port_speeds"].items()) or "none cabled"
+        out.append(f"- {host}: Thunderbolt {', '.join(d['thunderbolt_ifnames']) or 'none'} ({speeds}); "
+                   f"a job uses {', '.join(d['chosen_addresses']) or '?'}; "
+                   + ", ".join(f"{k} {' '.join(v)}" + (f" (mtu {d['mtus'][k]})" if k in d["mtus"] else "")
+                               for k, v in d["interfaces"].items()))
+        rdma = d.get("rdma")
+        if rdma:
+            out.append(f"  - RDMA: rdma_ctl {rdma['rdma_ctl']!r}, provider {rdma['provider'] or '-'}, "
+                       f"{len(rdma['devices'])} device(s){', error: ' + rdma['error'] if rdma['error'] else ''}"
+                       f"{', the probe hung' if rdma['hung'] else ''}")
+    if doc["cables"]:
+        out += ["", "```", doc["cables"], "```"]
     out += ["", "## Checks", "", "| status | check | detail | fix |", "|---|---|---|---|"]
-    out += [f"| {c['status']} | {c['check']} | {c['detail']} | {c['fix']} |".replace("\n", " ") for c in doc["checks"]]
+    out += ["| " + " | ".join(_cell(c[k]) for k in ("status", "check", "detail", "fix")) + " |" for c in doc["checks"]]
     errors = [(c["check"], e) for c in doc["checks"] for e in c["errors"]]
     if errors:
         out += ["", "## Errors in full", ""]
         for check, e in errors:
             out += [f"### {check}", "", "```", e, "```", ""]
+    if doc["ddp"]:
+        out += ["", "## DDP: the exchange behind the backward pass", "",
+                "| device | over | parameters | backward alone (ms) | with the exchange (ms) | exchange alone (ms) "
+                "| share hidden |", "|---|---|---|---|---|---|---|"]
+        out += [f"| {d} | {f['transport']} | {f['parameters']} | {1e3 * f['compute_s']:.1f} | {1e3 * f['step_s']:.1f} | "
+                f"{1e3 * f['exchange_s']:.1f} | {f['hidden']:.2f} |" for d, f in doc["ddp"].items()]
     if doc["bench"]["text"]:
         out += ["", "## Bench", "", "```", doc["bench"]["text"].rstrip(), "```"]
+        if any("rdma" in str(r.get("transport")) for r in doc["bench"]["records"]):
+            out += ["", "Published over RDMA between two Macs (not ours):", ""]
+            out += [f"- {p['what']}: {p['figure']} ({p['source']})" for p in doc["bench"]["published_rdma"]]
     return "\n".join(out) + "\n"
 
 
-def write(directory: str, doc: dict[str, Any]) -> tuple[str, str]:
+def write(directory: str, doc: dict[str, Any], rank: int = 0) -> tuple[str, str]:
+    """`selfcheck-<date>.md` and `.json` in `directory`; written by a rank other than 0 (rank 0 stuck), the
+    names say which."""
     stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
-    base = os.path.join(directory, f"selfcheck-{stamp}")
+    base = os.path.join(directory, f"selfcheck-{stamp}" + (f"-rank{rank}" if rank else ""))
     with open(base + ".json", "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")

@@ -19,6 +19,9 @@ Two ways to run them:
 
 `MUTANTS` break a kind on purpose (drop a message, send two out of order, swallow the ABORT): the
 checks must fail on them (tests/conformance shows they do); `mutate(transport, name)` applies one.
+
+The runners run any `Suite` (checks, mutants, the module of its rank processes): `LINKS` is this one, the
+default; `window_conformance.WINDOW` checks window memory the same way.
 """
 from __future__ import annotations
 
@@ -584,11 +587,22 @@ class Outcome:
         return f"{self.check}: " + ("passed" if not bad else "; ".join(f"rank {r}: {v}" for r, v in bad.items()))
 
 
-def run_check(name: str, ctx: Ctx) -> "str | None":
-    """Run check `name` as one rank: None if it passed, else what went wrong (the group is then aborted, so
-    the other ranks stop waiting on this one)."""
+@dataclass(frozen=True)
+class Suite:
+    """Checks run the same way: by name, in the order they run; how mutant `name` breaks one rank's
+    transport, `mutate(transport, name)`; and the module whose main runs a rank process of the suite."""
+
+    checks: Mapping[str, Callable[[Ctx], None]]
+    mutate: Callable[["Transport", str], None]
+    program: str
+
+
+def run_check(name: str, ctx: Ctx, suite: "Suite | None" = None) -> "str | None":
+    """Run check `name` of `suite` (default: LINKS) as one rank: None if it passed, else what went wrong (the
+    group is then aborted, so the other ranks stop waiting on this one)."""
+    check = (suite or LINKS).checks[name]
     try:
-        CHECKS[name](ctx)
+        check(ctx)
         return None
     except Died:
         return None
@@ -599,25 +613,27 @@ def run_check(name: str, ctx: Ctx) -> "str | None":
         except Exception:  # noqa: BLE001 - already broken or closed
             pass
         where = traceback.extract_tb(exc.__traceback__)
-        line = next((f"line {f.lineno}" for f in reversed(where) if f.filename == __file__), "")
+        line = next((f"line {f.lineno}" for f in reversed(where) if f.filename == check.__code__.co_filename), "")
         return f"{type(exc).__name__}: {exc} ({line})"
 
 
 def run_on_threads(make: "Callable[[int], tuple[Sequence[Transport], Callable[[int], None]]]", world: int = 3,
                    checks: "Sequence[str] | None" = None, mutant: str | None = None,
-                   wait: float = WAIT) -> dict[str, Outcome]:
-    """Every check on `world` thread ranks, each over fresh transports `make(world)` returns, with the
-    function that kills a rank (MemoryHub.kill, say). `wait`: seconds any one wait may take."""
+                   wait: float = WAIT, suite: "Suite | None" = None) -> dict[str, Outcome]:
+    """Every check of `suite` (default: LINKS) on `world` thread ranks, each over fresh transports
+    `make(world)` returns, with the function that kills a rank (MemoryHub.kill, say). `wait`: seconds any
+    one wait may take."""
     import torch.distributed as dist
 
     from .worlds import on_threads
 
+    suite = suite or LINKS
     out = {}
-    for name in checks or list(CHECKS):
+    for name in checks or list(suite.checks):
         transports, kill = make(world)
         if mutant:
             for t in transports:
-                mutate(t, mutant)
+                suite.mutate(t, mutant)
         store = dist.HashStore()
 
         def rank(r: int) -> "str | None":
@@ -626,7 +642,7 @@ def run_on_threads(make: "Callable[[int], tuple[Sequence[Transport], Callable[[i
                 raise Died
             ctx = Ctx(r, world, transports[r], dist.PrefixStore(f"{name}/", store), die, name, wait=wait)
             try:
-                return run_check(name, ctx)
+                return run_check(name, ctx, suite)
             finally:
                 transports[r].close()
 
@@ -640,15 +656,17 @@ def run_on_threads(make: "Callable[[int], tuple[Sequence[Transport], Callable[[i
 
 def run_in_processes(kind: str, world: int, workdir: Path, *, checks: "Sequence[str] | None" = None,
                      env: "Mapping[str, str] | None" = None, setup: Any = None, mutant: str | None = None,
-                     wait: float = WAIT, timeout: float = 300.0) -> dict[str, Outcome]:
-    """Every check on `world` rank processes whose every pair uses `kind` (set up as a job does, through
-    rendezvous.group.connect; the kinds of testing/kinds are added to the table). `env`: the kind's settings; `setup`: a
-    testing.ranks.Setup; `wait`: seconds any one wait may take; `timeout`: for the whole run."""
+                     wait: float = WAIT, timeout: float = 300.0, suite: "Suite | None" = None) -> dict[str, Outcome]:
+    """Every check of `suite` (default: LINKS) on `world` rank processes whose every pair uses `kind` (set up
+    as a job does, through rendezvous.group.connect; the kinds of testing/kinds are added to the table).
+    `env`: the kind's settings; `setup`: a testing.ranks.Setup; `wait`: seconds any one wait may take;
+    `timeout`: for the whole run."""
     from . import ranks as rank_runs
 
-    names = list(checks or CHECKS)
+    suite = suite or LINKS
+    names = list(checks or suite.checks)
     extra = {"TB_CONFORMANCE_WAIT": str(wait), **({"TB_CONFORMANCE_MUTANT": mutant} if mutant else {})}
-    results = rank_runs.run_ranks(__name__, world, workdir, args=[kind, *names], env={**(env or {}), **extra},
+    results = rank_runs.run_ranks(suite.program, world, workdir, args=[kind, *names], env={**(env or {}), **extra},
                                   setup=setup or rank_runs.LOOPBACK, timeout=timeout, expect_ok=False)
     out = {}
     for name in names:
@@ -661,8 +679,9 @@ def run_in_processes(kind: str, world: int, workdir: Path, *, checks: "Sequence[
     return out
 
 
-def _process_rank(kind: str, names: Sequence[str]) -> None:
-    """One rank process of `run_in_processes`: each check on a fresh group of `kind` links."""
+def process_rank(kind: str, names: Sequence[str], suite: "Suite | None" = None) -> None:
+    """One rank process of `run_in_processes` (a suite's main): each check of `suite` (default: LINKS) on a
+    fresh group of `kind` links."""
     import dataclasses
     import datetime
 
@@ -675,6 +694,7 @@ def _process_rank(kind: str, names: Sequence[str]) -> None:
     from .program import emit, rank, register_pid, world
 
     register_pid()
+    suite = suite or LINKS
     r, w = rank(), world()
     store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), w, r == 0,
                           timeout=datetime.timedelta(seconds=WAIT * 4))
@@ -699,9 +719,9 @@ def _process_rank(kind: str, names: Sequence[str]) -> None:
             emit("CHECK", {"check": name, "rank": r, "error": f"set-up failed: {type(exc).__name__}: {exc}"})
             continue
         if mutant:
-            mutate(t, mutant)
+            suite.mutate(t, mutant)
         ctx = Ctx(r, w, t, sub, die, name, alive=list(alive), wait=wait)
-        error = run_check(name, ctx) if t.kind == kind else f"the group runs over {t.kind!r} links, not {kind!r}"
+        error = run_check(name, ctx, suite) if t.kind == kind else f"the group runs over {t.kind!r} links, not {kind!r}"
         t.close()
         alive = ctx.alive
         emit("CHECK", {"check": name, "rank": r, "error": error})
@@ -754,5 +774,8 @@ def mutate(t: "Transport", name: str) -> None:
             MUTANTS[name](link)
 
 
+LINKS = Suite(CHECKS, mutate, __name__)
+
+
 if __name__ == "__main__":
-    _process_rank(sys.argv[1], sys.argv[2:] or list(CHECKS))
+    process_rank(sys.argv[1], sys.argv[2:] or list(CHECKS))

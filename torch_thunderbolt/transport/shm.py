@@ -33,6 +33,7 @@ from collections import deque
 from ..errors import ProtocolError, ThunderboltError, peer_shut_down
 from ..protocol import control
 from ..protocol.framing import AbortInfo, Frame, Kind, Space
+from . import ordering
 from . import shm_ring as ring
 from .base import Key, Link, LinkKind, Request, SocketFarewell, close_control
 from .engine import Transport
@@ -283,17 +284,21 @@ class ShmLinks(LinkKind):
 
     # -- engine hooks ---------------------------------------------------------------------------------------
     def note_post(self, key: Key, sig: int) -> None:
-        """Publish the collective op this rank is in on its op board (tag last: it says the sig is current)."""
+        """Publish the collective op this rank is in on its op board, as a seqlock: tag 0 (op tags start at
+        1) while the sig changes, then the tag, so a reader never pairs one op's tag with another's sig."""
         space, tag, _ = key
-        if space == Space.COLL and sig and self._my_board[0] != tag:
-            self._my_board[1] = sig
-            ring.publish_fence()
-            self._my_board[0] = tag
+        board = self._my_board
+        if space == Space.COLL and sig and board[0] != tag:
+            board[0] = 0
+            ordering.release()  # the 0 before the new sig
+            board[1] = sig
+            ordering.release()  # the sig before the tag that says it is current
+            board[0] = tag
 
     def after_pump(self) -> None:
         if not self.to_ring:
             return
-        ring.fence()  # our head/tail stores before the peer's flag load
+        ordering.full()  # our head/tail stores before the load of the peer's flag (the sleeper: the reverse)
         for link in self.to_ring:
             if link.flag[0] and not link.eof:
                 link.ring_bell()
@@ -307,7 +312,7 @@ class ShmLinks(LinkKind):
 
     def before_sleep(self, quiet: bool) -> float:
         self._my_flag[0] = 1
-        ring.fence()  # the flag store must be visible before the engine looks at the rings one last time
+        ordering.full()  # the flag store before the engine's last look at the rings and counters
         return QUIET_CAP if quiet else BLOCK_CAP
 
     def after_sleep(self) -> None:
@@ -319,7 +324,7 @@ class ShmLinks(LinkKind):
 
     def wake_sleepers(self) -> None:
         """After a window post: ring the bell of every peer asleep in poll() (it may wait for that post)."""
-        ring.fence()  # our counter store before their flag loads (they fence between flag store and check)
+        ordering.full()  # our counter store before the loads of their flags (they fence the reverse)
         for link in self._list:
             if link.flag[0] and not link.eof:
                 link.ring_bell()
@@ -334,9 +339,10 @@ class ShmLinks(LinkKind):
             if board is None:
                 continue
             tag = board[0]
-            ring.publish_fence()
+            ordering.acquire()  # the tag before the sig (see note_post)
             sig = board[1]
-            if board[0] == tag:
+            ordering.acquire()  # the sig before the tag's second load
+            if tag and board[0] == tag:
                 try:
                     engine.ops.peer_runs(peer, tag, sig)
                 except ThunderboltError as exc:

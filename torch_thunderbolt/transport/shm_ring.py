@@ -12,18 +12,16 @@ copy and only reads the other's. A message of n bytes takes ceil(n / slot bytes)
 each carrying its part's offset, so the receiver copies every part straight into the posted buffer.
 Head and tail sit on cache lines of their own (128 bytes: Apple silicon's line; 64 on x86), so the
 sender's stores to one never invalidate the receiver's line of the other.
-Ordering: the payload is written before `head` is stored and read after `head` is loaded; on x86 (TSO)
-that is enough, on arm64 `publish_fence` orders it (see `fence`). Where no full memory barrier is known
-(`full_barrier` returns None) shared memory is refused (`shm_refusal`) and the group uses TCP.
+Ordering (`ordering.py` argues each fence): the writer stores a slot, then `release`, then `head`; the
+reader loads `head`, then `acquire` (once for every slot that load showed), then the slots; it reads a
+slot's payload, then `release`, then stores `tail`; the writer that finds the ring full loads `tail`, then
+`acquire`, before it writes into the freed slots.
 """
 from __future__ import annotations
 
-import ctypes
 import struct
-import threading
-from typing import Callable
 
-from ..platform import Platform, current
+from . import ordering
 
 MAGIC = 0x54425348_4D303032  # "TBSHM002" (002: tail moved to byte 128; a 001 peer's layout differs)
 CACHE_LINE = 128  # Apple silicon's; twice x86's, so it separates on both
@@ -79,59 +77,6 @@ def op_board(mv: memoryview) -> memoryview:
     return mv[OPBOARD_OFFSET : OPBOARD_OFFSET + 16].cast("Q")
 
 
-def _lock_fence() -> Callable[[], None]:
-    lock = threading.Lock()
-
-    def fence() -> None:
-        lock.acquire()
-        lock.release()
-
-    return fence
-
-
-def _libc_symbol(name: str) -> "Callable[[], None] | None":
-    try:
-        fn = getattr(ctypes.CDLL(None), name)
-    except (OSError, AttributeError):
-        return None
-    fn.restype = None
-    return fn
-
-
-def full_barrier(plat: Platform | None = None,
-                 lookup: "Callable[[str], Callable[[], None] | None]" = _libc_symbol) -> "Callable[[], None] | None":
-    """A full memory barrier on `plat`, for the sleep/wake handshake (a store then a load on both sides) and
-    the arm64 payload ordering; None where none is known (then `shm_refusal` refuses shared memory).
-
-    CPython has no fence primitive; a lock acquire/release is a locked read-modify-write on x86 (a full
-    barrier). On arm64 macOS, libSystem's OSMemoryBarrier is a `dmb ish`. arm64 Linux keeps the lock, as
-    before (no libc symbol offers a barrier there). `lookup` finds a libc function by name, for tests."""
-    plat = plat or current()
-    if plat.is_x86:
-        return _lock_fence()
-    if plat.is_arm64 and plat.name == "darwin":
-        return lookup("OSMemoryBarrier")
-    if plat.is_arm64 and plat.name == "linux":
-        return _lock_fence()
-    return None
-
-
-def shm_refusal(plat: Platform | None = None,
-                lookup: "Callable[[str], Callable[[], None] | None]" = _libc_symbol) -> str | None:
-    """Why shared memory must not be used on `plat` (None: it may): without a full memory barrier a ring
-    reader could see `head` before the payload it publishes."""
-    plat = plat or current()
-    if full_barrier(plat, lookup) is not None:
-        return None
-    what = "OSMemoryBarrier was not found in libSystem" if plat.name == "darwin" else "no full memory barrier is known"
-    return f"{what} on {plat.name}/{plat.machine}"
-
-
-# Unknown platforms get the lock, but never use it: shm_refusal keeps their groups on TCP.
-fence: Callable[[], None] = full_barrier() or _lock_fence()
-publish_fence: Callable[[], None] = fence if current().is_arm64 else (lambda: None)
-
-
 class RingWriter:
     """Sender side of one ring (lives in the receiver's segment)."""
 
@@ -148,6 +93,8 @@ class RingWriter:
         if free <= 0:
             self.tail_seen = self.ctl[_TAIL]
             free = self.slots - (self.head - self.tail_seen)
+            if free > 0:
+                ordering.acquire()  # the reader's loads of a freed slot before our stores into it
         return free
 
     def put(self, space: int, kind: int, sig: int, tag: int, seq: int, offset: int, payload: memoryview,
@@ -159,7 +106,7 @@ class RingWriter:
                         offset, n, total)
         if n:
             self.mv[base + SLOT_HDR : base + SLOT_HDR + n] = payload
-        publish_fence()
+        ordering.release()  # the slot before the head that publishes it
         self.head += 1
         self.ctl[_HEAD] = self.head
 
@@ -174,14 +121,19 @@ class RingReader:
         self.mv, self.slots, self.slot_bytes = mv, slots, slot_bytes
         self.ctl = mv[:CTL_BYTES].cast("Q")
         self.tail = self.ctl[_TAIL]
+        self.acquired = self.tail  # slots below this were seen published before an acquire fence
         self.stride = SLOT_HDR + slot_bytes
 
     def pending(self) -> bool:
+        """A look (no ordering: `peek` orders what it reads)."""
         return self.ctl[_HEAD] != self.tail
 
     def peek(self) -> tuple[int, int, int, int, int, int, int, int]:
-        """(space, kind, sig, tag, seq, offset, length, total) of the oldest unconsumed slot."""
-        publish_fence()
+        """(space, kind, sig, tag, seq, offset, length, total) of the oldest unconsumed slot (the caller saw
+        `pending()`)."""
+        if self.tail >= self.acquired:
+            self.acquired = self.ctl[_HEAD]
+            ordering.acquire()  # the head load before the loads of every slot it published
         space, kind, lo, tag, seq, hi, off, length, total = _SLOT.unpack_from(
             self.mv, CTL_BYTES + (self.tail % self.slots) * self.stride)
         return space, kind, (hi << 32) | lo, tag, seq, off, length, total
@@ -191,7 +143,7 @@ class RingReader:
         return self.mv[base : base + length]
 
     def pop(self) -> None:
-        publish_fence()  # our payload loads complete before the slot is handed back (arm64 reorders)
+        ordering.release()  # our payload loads before the store that hands the slot back
         self.tail += 1
         self.ctl[_TAIL] = self.tail
 

@@ -1,4 +1,4 @@
-"""When a waiting rank should busy-poll instead of sleeping (shared by the tcp, shm and hybrid engines).
+"""When a waiting rank should busy-poll instead of sleeping (the engine's `SpinGuard`, for every kind of link).
 
 A cross-core wake-up costs tens of µs, more than a small message, so a waiter first spins for a short
 while, yielding the CPU between looks. A yield that takes long means other runnable tasks wanted this core:
@@ -6,8 +6,8 @@ that spin ends at once (the waiter sleeps, and the scheduler serves its wake-up 
 stays contended, spin after spin, makes the guard stop spinning for a while: a pause that starts short and
 doubles while the contention lasts. A single slow yield is common and says little: another library's I/O
 thread (gloo's, between our ops) or the launcher briefly taking the core. Pausing on it would turn the
-spin off for the very ops that follow, which is what a flat half-second pause after one slow yield did
-(ping-pong 4 KB over shared memory at 90 µs instead of 22 after each gloo op in the bench).
+spin off for the very ops that follow: a flat half-second pause after one slow yield puts a 4 KB
+ping-pong over shared memory at 90 µs instead of 22 after each gloo op in the bench.
 """
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ class WindowMemory(abc.ABC):
 
     @abc.abstractmethod
     def counter(self, owner: int) -> int:
-        """The last value `owner` published (loads after this one see everything stored before it)."""
+        """The last value `owner` published, as a look: it orders nothing (wait with `reached` before reading
+        what `owner` published)."""
 
     @abc.abstractmethod
     def word(self, owner: int, k: int) -> int:
@@ -44,12 +45,13 @@ class WindowMemory(abc.ABC):
 
     def reached(self, peers: list[int], value: int, looks: int) -> bool:
         """Whether every owner in `peers` has published at least `value`, looking up to `looks` times in a
-        row (at least once) without yielding. Implementations whose loads are cheap spin; the default
-        looks once."""
+        row (at least once) without yielding; once True, loads after it see everything they stored before
+        publishing it. Implementations whose loads are cheap spin; the default looks once."""
         return all(self.counter(p) >= value for p in peers)
 
     def fence(self) -> None:
-        """Order loads: those before it (a peer's ring) complete before those after it (its counter)."""
+        """An acquire fence: loads before it (a peer's ring, or its counter) are ordered before the loads
+        after it (its counter, or its ring)."""
 
     def release(self) -> None:
         """Unmap what the implementation mapped (the transport calls this when it closes)."""

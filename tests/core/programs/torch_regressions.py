@@ -1,6 +1,6 @@
-"""Ranks of test_torch_regressions.py: cases found by testers with PyTorch's own tests and real training
-code, where gloo was right and we were not. Each scenario checks its results against references computed
-locally and reports them with result()."""
+"""Ranks of test_torch_regressions.py: cases from PyTorch's own tests and real training code that gloo gets
+right. Each scenario checks its results against references computed locally and reports them with
+result()."""
 from __future__ import annotations
 
 import datetime

@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ...transport import verbs as v
-from ...transport.shm_ring import fence, publish_fence
+from ...transport import ordering
 from .fabric import (DESTROYED, H_ARMED, H_CHANNEL, H_CLAIMED, H_CQ, H_DEVICE, H_GID0, H_GID1, H_HEAD, H_MAGIC,
                      H_PID, H_POSTED, H_REMOTE_QPN, H_RING_BYTES, H_RQ_PSN, H_STATE, H_TAIL, HEADER_BYTES,
                      QP_MAGIC, RECORD, RECORD_BYTES, W_DROP_EVERY, W_DROP_NEXT, W_DROPPED, W_GENERATION,
@@ -833,9 +833,9 @@ class FakeProvider:
             ctypes.memmove(dest, addr, length)
             dest += length
         h[H_CLAIMED] += 1
-        publish_fence()  # the record before the head that publishes it (arm64)
+        ordering.release()  # the record before the head that publishes it
         h[H_HEAD] = head + need
-        fence()  # our head store before the load of the armed flag (the receiver: the reverse)
+        ordering.full()  # our head store before the load of the armed flag (the receiver: the reverse)
         if h[H_ARMED]:
             h[H_ARMED] = 0
             self._notify(peer)
@@ -871,7 +871,7 @@ class FakeProvider:
         head, tail = h[H_HEAD], h[H_TAIL]
         if tail == head:
             return
-        publish_fence()  # the head before the records it publishes (arm64)
+        ordering.acquire()  # the head before the records it publishes
         size = q.ring_bytes
         while tail < head:
             pos = tail % size
@@ -899,6 +899,7 @@ class FakeProvider:
                     left -= n
             # no event: the sender raised it when the message arrived (if the queue was armed)
             self._complete(q.recv_cq, (wr_id, status, v.IBV_WC_RECV, length, q.qpn, src, None, 0), notify=False)
+        ordering.release()  # our record loads before the tail store that lets the sender reuse the space
         h[H_TAIL] = tail
 
     def _poll_cq(self, cq: int | None, n: int, wc: int | None) -> int:
@@ -933,7 +934,7 @@ class FakeProvider:
         c.armed = True
         for q in c.recv_qps:
             q.hdr[H_ARMED] = 1
-        fence()  # the armed flags before the caller's next poll reads the heads
+        ordering.full()  # the armed flags before the caller's next poll reads the heads
         return 0
 
 
