@@ -1,10 +1,11 @@
 """DDP training that survives a Mac leaving: checkpoints every K steps, resumes with however many ranks
 the elastic restart gives it, and reaches the same weights whatever the world size.
 
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1       # a new store per restart (docs/fault-tolerance.md)
     torchrun --nnodes=2:3 --nproc-per-node=1 --max-restarts=3 --rdzv-backend=c10d \\
-        --rdzv-endpoint=MAC0_TB_ADDRESS:29400 --rdzv-id=job1 \\
-        --rdzv-conf=join_timeout=60,last_call_timeout=2,close_timeout=10 \\
-        examples/elastic_train.py --checkpoint-dir /shared/ckpt --steps 60 --every 10
+        --rdzv-endpoint=MAC0_TB_ADDRESS:29400 --rdzv-id=job1 --local-addr=THIS_MAC_TB_ADDRESS \\
+        --rdzv-conf=last_call_timeout=3,keep_alive_interval=2,keep_alive_max_attempt=3,is_host=true \\
+        examples/elastic_train.py --checkpoint-dir /shared/ckpt --steps 60 --every 10    # is_host=false elsewhere
     python examples/elastic_train.py --reference --steps 60 --out ref.pt      # one process, no torch.distributed
 
 Why the result does not depend on the world size: step s always trains on the same global batch of

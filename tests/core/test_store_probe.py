@@ -130,6 +130,21 @@ def test_every_rank_checks_the_settings_before_the_store(monkeypatch) -> None:
         probe_url("env://", None, {"THUNDERBOLT_TRANSPORT": "carrier-pigeon"})
 
 
+def test_rank_0_warns_when_torchrun_restarts_over_one_shared_store(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(store_probe, "probe_store", lambda *a: None)
+    agent = {"MASTER_ADDR": "10.77.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    quiet = [({**agent, "TORCHELASTIC_MAX_RESTARTS": "0"}, 0), ({**agent, "TORCHELASTIC_MAX_RESTARTS": "3"}, 1),
+             ({"MASTER_ADDR": "10.77.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "False",
+               "TORCHELASTIC_MAX_RESTARTS": "3"}, 0)]  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a store per round
+    for env, rank in quiet:
+        probe_url(f"env://?rank={rank}&world_size=2", 60.0, env)
+    assert not caplog.records
+    probe_url("env://?rank=0&world_size=2", 60.0, {**agent, "TORCHELASTIC_MAX_RESTARTS": "3"})
+    [record] = caplog.records
+    assert record.getMessage().startswith("rank 0: torchrun may restart this job (--max-restarts 3)")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in record.getMessage()
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_refused_setting_stops_every_rank_at_once(tmp_path) -> None:

@@ -523,6 +523,26 @@ def test_closing_a_device_frees_its_queue_pairs_and_regions(tmp_path) -> None:
         assert list((fab.path / "rdma_fake0" / "mr").iterdir()) == []
 
 
+def test_what_a_process_holds_and_what_its_binding_left_open(tmp_path) -> None:
+    """`held_by` counts this process's objects while they exist; a provider closed with its device still
+    open frees them for the binding and counts them in `left_open` (a Mac would keep them)."""
+    import os
+
+    nothing = {"qps": 0, "mrs": 0, "pds": 0, "contexts": 0, "cqs": 0, "channels": 0}
+    with fake_fabric(tmp_path / "f") as fab:
+        end = make_end("fake", str(fab.path), "rdma_fake0", channel=True)
+        assert fab.held_by(os.getpid()) == dict.fromkeys(nothing, 1)
+        assert fab.held_by(os.getpid() + 1) == nothing
+        end.device.close()  # the binding destroys each object before the provider closes
+        assert fab.held_by(os.getpid()) == nothing
+        end.verbs.close()
+        assert fab.left_open("rdma_fake0") == 0
+        careless = make_end("fake", str(fab.path), "rdma_fake1")
+        careless.verbs.close()  # without closing the device: the provider frees its QP, MR, CQ, PD, context
+        assert fab.held_by(os.getpid()) == nothing
+        assert (fab.left_open("rdma_fake1"), fab.left_open("rdma_fake0")) == (5, 0)
+
+
 def test_no_verbs_library_is_a_clear_error() -> None:
     with pytest.raises(RdmaError, match="no verbs library could be loaded.*macOS 26.2"):
         v.NativeProvider(candidates=["libnot-a-verbs-library.so.9"])

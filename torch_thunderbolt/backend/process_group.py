@@ -84,8 +84,10 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         # monitored_barrier's receive buffers, kept past the call (see there)
         self._monitored_tokens: list[torch.Tensor] = []
         # Closed at interpreter exit if still open: joins the worker thread before Python tears down.
-        # Through a weak reference, so the exit hook keeps no group alive.
-        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        # Through a weak reference, so the exit hook keeps no group alive; a hook of its own (a partial
+        # compares by identity), so that shutdown removes this group's hook and no other.
+        self._exit_hook = functools.partial(_shutdown_at_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
         if cfg.debug:
             enable_debug_logging()
             log.debug("rank %d: group %r of %d ranks on %s (shape %s); %s", self._rank, description, self._size,
@@ -705,6 +707,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             if self._closed:
                 return
             self._closed = True
+        atexit.unregister(self._exit_hook)  # a process that makes group after group must not collect hooks
         self._worker.stop()
         self._transport.close()
 

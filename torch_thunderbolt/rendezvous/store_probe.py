@@ -16,11 +16,13 @@ the same kind of error and fix:
   seen and what to check.
 
 The probe connection is closed before a byte is sent; the store's server drops it like any client that
-leaves.
+leaves. Rank 0 also warns when torchrun may restart the job but keeps one store for every restart (torch's
+default; `restarts_share_the_store`), which a restarted group's set-up cannot tell from the last one's.
 """
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import socket
 import time
@@ -33,6 +35,11 @@ from ..errors import ConfigError, PeerLostError, peer_lost
 from ..platform import LOCAL_NETWORK_SETTING, Platform, current
 from .tcp import LOCAL_NETWORK_ERRNOS, LOCAL_NETWORK_TRIES
 
+SHARED_STORE_WARNING = (
+    "rank 0: torchrun may restart this job (--max-restarts %s) but keeps one rendezvous store for every restart, "
+    "where a restarted group can read the previous attempt's records and fail to start; set "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment of every torchrun (see docs/fault-tolerance.md)")
+log = logging.getLogger("torch_thunderbolt")
 PROBE_TIMEOUT = 2.0  # seconds per connection attempt: long enough for a busy Mac, short enough to retry
 RETRY_EVERY = 0.1
 DOCTOR_HINT = "`MASTER_ADDR={host} MASTER_PORT={port} torch-thunderbolt doctor` on this Mac probes it"
@@ -48,6 +55,18 @@ def store_is_client(rank: int, env: Mapping[str, str]) -> bool:
     """Whether this rank's TCPStore is a client (the store is served elsewhere): every rank but 0, and under
     torchrun (TORCHELASTIC_USE_AGENT_STORE) every rank, since the agent serves it."""
     return rank != 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def restarts_share_the_store(env: Mapping[str, str]) -> bool:
+    """Whether torchrun may restart this job (--max-restarts above 0) and keeps one store for every restart:
+    torch 2.13's c10d rendezvous does unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and its workers key their
+    records the same way in every round, so a restarted group may read the previous round's records (ours
+    and gloo's set-ups then fail, and each failure uses up a restart)."""
+    try:
+        restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return False
+    return restarts > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def probe_url(url: str, timeout: "timedelta | float | None" = None, env: Mapping[str, str] | None = None) -> None:
@@ -73,6 +92,8 @@ def probe_url(url: str, timeout: "timedelta | float | None" = None, env: Mapping
         port = parsed.port or int(env.get("MASTER_PORT", ""))
     except ValueError:
         return
+    if rank == 0 and restarts_share_the_store(env):
+        log.warning(SHARED_STORE_WARNING, env.get("TORCHELASTIC_MAX_RESTARTS"))
     if not host or not store_is_client(rank, env):
         return
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout

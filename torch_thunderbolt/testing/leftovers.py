@@ -1,5 +1,6 @@
 """What a test run may leave behind, and how to see it: child processes, rank processes, listening sockets,
-lab namespaces, shared-memory segments and doorbell sockets.
+lab namespaces, shared-memory segments and doorbell sockets; and what one process holds (`holdings`: file
+descriptors, threads, shared memory, fake-fabric objects), for tests that re-create groups in one process.
 
 Two users: the runner in `testing.ranks`, which checks after each shared-memory run that its ranks left no
 segment behind, and the test suite's end-of-session check (tests/conftest.py), which compares what exists
@@ -7,15 +8,18 @@ at the end with a `Snapshot` taken before the first test (other people's labs an
 """
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import re
 import shutil
 import subprocess
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import psutil
 
@@ -83,6 +87,56 @@ def new_with_dead_creator(before: set[str]) -> list[str]:
         if pid is None or not shm_segment.process_alive(pid):
             left.append(name)
     return sorted(left)
+
+
+def holdings(fabric: Any = None, plat: Platform | None = None) -> dict[str, Any]:
+    """What this process holds now: open file descriptors (`fds`, and `fd_kinds`: how many of each kind,
+    for telling a leak apart), OS threads (`threads`, and the Python ones' names in `py_threads`), shared
+    memory (`shm`: segments and doorbell sockets it created that still exist; `shm_maps`: shared-memory
+    objects it still maps, its peers' included), the package's objects still alive (`objects`: instances of
+    its classes, and partials of its functions such as exit hooks), its RSS in MB, and with a fake verbs fabric (a
+    testing.fake_verbs.Fabric) what it holds there (`fabric`: queue pairs, memory regions, PDs ...)."""
+    plat = plat or current()
+    proc = psutil.Process()
+    kinds: Counter[str] = Counter()
+    fd_dir = "/proc/self/fd" if plat.has_proc else "/dev/fd"
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(f"{fd_dir}/{fd}")
+        except OSError:
+            continue  # the listing's own descriptor, closed by now
+        kinds[re.sub(r"[:\[]?\d+\]?$", "", target) if not target.startswith("/") else _path_kind(target, plat)] += 1
+    shm_dir = plat.shm_list_dir
+    maps = {m.path.removesuffix(" (deleted)") for m in proc.memory_maps(grouped=True)
+            if shm_dir and m.path.startswith(shm_dir + "/")} if plat.has_proc else set()
+    return {"fds": sum(kinds.values()), "fd_kinds": dict(sorted(kinds.items())), "threads": proc.num_threads(),
+            "py_threads": sorted(t.name for t in threading.enumerate()),
+            "shm": len(segments_and_doorbells({os.getpid()})), "shm_maps": len(maps),
+            "objects": package_objects(),
+            "rss_mb": round(proc.memory_info().rss / 2**20, 1),
+            "fabric": fabric.held_by(os.getpid()) if fabric is not None else {}}
+
+
+def package_objects(package: str = "torch_thunderbolt") -> int:
+    """How many objects the garbage collector tracks that are instances of `package`'s classes or partials
+    of its functions (an exit hook registered per group is one): a count that grows with each group made
+    and ended means something keeps what should have gone."""
+    prefix = package + "."
+    n = 0
+    for o in gc.get_objects():
+        module = type(o).__module__ or ""
+        if isinstance(o, functools.partial):
+            module = getattr(o.func, "__module__", "") or ""
+        if module == package or module.startswith(prefix):
+            n += 1
+    return n
+
+
+def _path_kind(path: str, plat: Platform) -> str:
+    """A file descriptor's path as a kind: shared memory and our doorbell sockets by kind, others as is."""
+    if plat.shm_list_dir and path.startswith(plat.shm_list_dir + "/"):
+        return "shm"
+    return path
 
 
 def child_processes() -> list[str]:

@@ -166,9 +166,21 @@ class Rank:
 
 @dataclass
 class Ranks:
-    """The ranks of one run. Use as a context manager (or call kill_all) so that none outlives the test."""
+    """The ranks of one run. Use as a context manager (or call kill_all) so that none outlives the test.
+    `ranks[r]` is rank r's first process; `restart` appends replacements after them."""
     workdir: Path
     ranks: list[Rank] = field(default_factory=list)
+    spawn: Callable[[int, Env, str], Rank] | None = None  # (rank, extra env, output file stem) -> a new process
+
+    def restart(self, rank: int, env: Env = _NO_ENV) -> Rank:
+        """A new process for `rank` (replacing one that died: an elastic job's new worker), with `env` over
+        the rank's environment; its output goes to rank<r>.<n>.out/.err (n: its number among rank r's
+        processes). It is one of `ranks` from now on, so kill_all ends it too."""
+        if self.spawn is None:
+            raise RuntimeError("these ranks were not started by start_ranks: nothing knows how to restart one")
+        n = sum(1 for r in self.ranks if r.rank == rank)
+        self.ranks.append(self.spawn(rank, env, f"rank{rank}.{n}"))
+        return self.ranks[-1]
 
     def __enter__(self) -> Ranks:
         return self
@@ -247,15 +259,19 @@ def start_ranks(program: Program, world: int, workdir: Path, *, args: Sequence[s
                  "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", WORKDIR_ENV: str(workdir)})
     base.update(setup.env)
     argv = [sys.executable, *program_argv(program), *args]
-    ranks = Ranks(workdir)
+
+    def spawn(r: int, extra: Env, stem: str) -> Rank:
+        e = {**base, **setup.rank_env(r, world), **(env or {}), **(per_rank or {}).get(r, {}), **extra}
+        out, err = workdir / f"{stem}.out", workdir / f"{stem}.err"
+        with open(out, "w") as fo, open(err, "w") as fe:
+            p = subprocess.Popen([*(setup.wrap(r) if setup.wrap else []), *argv], env=e, stdout=fo, stderr=fe,
+                                 start_new_session=True, cwd=workdir)
+        return Rank(r, p, out, err)
+
+    ranks = Ranks(workdir, spawn=spawn)
     try:
         for r in range(world):
-            e = {**base, **setup.rank_env(r, world), **(env or {}), **(per_rank or {}).get(r, {})}
-            out, err = workdir / f"rank{r}.out", workdir / f"rank{r}.err"
-            with open(out, "w") as fo, open(err, "w") as fe:
-                p = subprocess.Popen([*(setup.wrap(r) if setup.wrap else []), *argv], env=e, stdout=fo, stderr=fe,
-                                     start_new_session=True, cwd=workdir)
-            ranks.ranks.append(Rank(r, p, out, err))
+            ranks.ranks.append(spawn(r, _NO_ENV, f"rank{r}"))
     except BaseException:
         ranks.kill_all()
         raise

@@ -6,6 +6,7 @@ the faults any of them may set. The provider that turns it into verbs calls is `
     lock                flock()ed around every read-modify-write of `control` and every count of QPs/MRs
     <device>/qp<N>      a queue pair's receive side: a header and a ring the peer's sends are copied into
     <device>/mr/...     one marker per registered memory region (counted against the limit)
+    <device>/held/...   one marker per open device context, protection domain and completion queue
     chan/...            completion channels: FIFOs a sender writes a CQ id into when that CQ is armed
 
 Faults, per device, settable at any time from any process (`Fabric`): `drop_next` (lose that many of
@@ -17,6 +18,11 @@ or to it are held, neither delivered nor lost nor completed, until cleared: a st
 (the first RTR after any QP of the device was destroyed wedges the port: that RTR and every later one fail
 with ETIMEDOUT and query_port fails with ETIMEDOUT after `hang_ms`, until `reboot`). Dropped messages are
 counted in the sending device's slot (`Fabric.dropped`).
+
+What a process holds on the fabric (`Fabric.held_by(pid)`: its queue pairs, memory regions, protection
+domains, contexts, completion queues and channels) is what a Mac's kernel would hold for it; a provider
+closed with objects still open frees them and counts them in the device's slot (`Fabric.left_open`), so a
+binding that skips a destroy call is seen even though the fake cleans up after it.
 """
 from __future__ import annotations
 
@@ -50,7 +56,7 @@ DEFAULT_LIMITS: dict[str, Any] = {
 
 # control: one slot of 16 int64 words per device
 W_PRESENT, W_PORT_UP, W_IPV4, W_DROP_NEXT, W_DROP_EVERY, W_STALL, W_WEDGE_ON_RECONNECT, W_WEDGED, W_HANG_MS, \
-    W_QP_DESTROYED, W_NEXT_QPN, W_GENERATION, W_DROPPED = range(13)
+    W_QP_DESTROYED, W_NEXT_QPN, W_GENERATION, W_DROPPED, W_LEFT_OPEN = range(14)
 SLOT_WORDS = 16
 SLOT = struct.Struct(f"<{SLOT_WORDS}q")
 FAULTS = {"present": W_PRESENT, "port_up": W_PORT_UP, "drop_next": W_DROP_NEXT, "drop_every": W_DROP_EVERY,
@@ -65,6 +71,16 @@ DESTROYED = 99  # a QP state word past the verbs ones: the owner destroyed it
 RECORD = struct.Struct("<QII")  # length, source QP number, flags
 RECORD_BYTES = RECORD.size
 WRAP = 1  # flags: the rest of the ring is unused, the next record is at its start
+
+
+# What `Fabric.held_by` counts; markers in <device>/held/ are named <what>.<pid>.<key> for the last three.
+HELD = ("qps", "mrs", "pds", "contexts", "cqs", "channels")
+
+
+def _owner(name: str) -> int | None:
+    """The pid a marker's name starts with (<pid>.<...>)."""
+    head = name.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 def pad8(n: int) -> int:
@@ -130,6 +146,7 @@ class Fabric:
             ifname = name.removeprefix("rdma_")
             entries.append({"name": name, "ifname": ifname, "ipv4": ipv4})
             (root / name / "mr").mkdir(parents=True, exist_ok=True)
+            (root / name / "held").mkdir(exist_ok=True)
         (root / "chan").mkdir(exist_ok=True)
         (root / "lock").touch()
         control = bytearray(len(entries) * SLOT.size)
@@ -206,6 +223,37 @@ class Fabric:
         """Messages from `device` the fabric lost so far (faults, no receive, peer not ready or gone)."""
         return self.word(self.index(device), W_DROPPED)
 
+    def left_open(self, device: str) -> int:
+        """Objects of `device` that providers freed when they closed because the binding had not (a queue
+        pair, region, CQ, channel, PD or context never destroyed): on a Mac those stay until the process exits."""
+        return self.word(self.index(device), W_LEFT_OPEN)
+
+    def held_by(self, pid: int) -> dict[str, int]:
+        """What process `pid` holds on the fabric now, over every device: its queue pairs, memory regions,
+        protection domains, device contexts, completion queues and completion channels."""
+        held = dict.fromkeys(HELD, 0)
+        for i, d in enumerate(self.devices):
+            for p in (self.path / d.name).glob("qp*"):
+                try:
+                    with open(p, "rb") as fh:
+                        magic, owner = struct.unpack("<QQ", fh.read(16))
+                except (OSError, struct.error):
+                    continue
+                if magic == QP_MAGIC and owner == pid:
+                    held["qps"] += 1
+            held["mrs"] += sum(1 for p in (self.path / d.name / "mr").iterdir() if _owner(p.name) == pid)
+            held_dir = self.path / d.name / "held"
+            for p in held_dir.iterdir() if held_dir.is_dir() else ():
+                what, _, rest = p.name.partition(".")
+                if _owner(rest) == pid and what in held:
+                    held[what] += 1
+        held["channels"] = sum(1 for p in (self.path / "chan").iterdir() if _owner(p.name) == pid)
+        return held
+
+    def held_marker(self, device: int, what: str, pid: int, key: str) -> Path:
+        """The marker of one held object (`what`: one of HELD besides qps, mrs and channels)."""
+        return self.path / self.devices[device].name / "held" / f"{what}.{pid}.{key}"
+
     def gid(self, device: int, index: int) -> bytes:
         if index == 0:
             return link_local_gid(device)
@@ -249,4 +297,4 @@ class Fabric:
         return n
 
 
-__all__ = ["DEFAULT_LIMITS", "FAULTS", "Fabric", "FabricDevice", "link_local_gid"]
+__all__ = ["DEFAULT_LIMITS", "FAULTS", "HELD", "Fabric", "FabricDevice", "link_local_gid"]

@@ -68,8 +68,8 @@ from ...transport import ordering
 from .fabric import (DESTROYED, H_ARMED, H_CHANNEL, H_CLAIMED, H_CQ, H_DEVICE, H_GID0, H_GID1, H_HEAD, H_MAGIC,
                      H_PID, H_POSTED, H_REMOTE_QPN, H_RING_BYTES, H_RQ_PSN, H_STATE, H_TAIL, HEADER_BYTES,
                      QP_MAGIC, RECORD, RECORD_BYTES, W_DROP_EVERY, W_DROP_NEXT, W_DROPPED, W_GENERATION,
-                     W_HANG_MS, W_NEXT_QPN, W_PORT_UP, W_PRESENT, W_QP_DESTROYED, W_STALL, W_WEDGE_ON_RECONNECT,
-                     W_WEDGED, WRAP, Fabric, pad8)
+                     W_HANG_MS, W_LEFT_OPEN, W_NEXT_QPN, W_PORT_UP, W_PRESENT, W_QP_DESTROYED, W_STALL,
+                     W_WEDGE_ON_RECONNECT, W_WEDGED, WRAP, Fabric, pad8)
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +223,7 @@ class FakeProvider:
         self._cqs: dict[int, _CQ] = {}
         self._cq_ids: dict[int, _CQ] = {}
         self._qps: dict[int, _QP] = {}
+        self._held: dict[int, Path] = {}  # address of a context, PD or CQ -> its marker (fabric.held_marker)
         self._thunks: dict[str, Any] = {}
         for name, proto in v.CONTROL_PROTOTYPES.items():
             fail = None if proto._restype_ in (None, c_void_p) else errno.EIO
@@ -239,8 +240,13 @@ class FakeProvider:
         return ctypes.cast(thunk, c_void_p).value if thunk is not None else None
 
     def close(self) -> None:
-        """Free whatever the binding left open (files of QPs, MR markers, channels)."""
+        """Free whatever the binding left open (files of QPs, MR markers, channels, the markers of CQs, PDs
+        and contexts), counting each in its device's `left_open`: the binding should have destroyed it."""
         with self._lock:
+            left = [q.context.device for q in self._qps.values()] + [m.context.device for m in self._mrs.values()]
+            left += [ch.context.device for ch in self._channels.values()]
+            left += [q.context.device for q in self._cqs.values()] + [c.device for _, c in self._pds.values()]
+            left += [c.device for c in self._contexts.values()]
             for q in list(self._qps.values()):
                 self._destroy_qp_files(q)
             self._qps.clear()
@@ -251,7 +257,28 @@ class FakeProvider:
             for ch in self._channels.values():
                 self._close_channel(ch)
             self._channels.clear()
+            for marker in self._held.values():
+                with contextlib.suppress(OSError):
+                    marker.unlink()
+            self._held.clear()
+            if left:
+                with self.fabric.locked():
+                    for device in left:
+                        self.fabric.set_word(device, W_LEFT_OPEN, self.fabric.word(device, W_LEFT_OPEN) + 1)
             self.fabric.close()
+
+    def _hold(self, address: int, device: int, what: str) -> None:
+        """A marker for the object at `address` (`what`: pds, contexts or cqs), for `Fabric.held_by`."""
+        marker = self.fabric.held_marker(device, what, self._pid, f"{self._instance}.{self._next()}")
+        marker.parent.mkdir(exist_ok=True)  # a fabric made before markers had no such directory
+        marker.touch()
+        self._held[address] = marker
+
+    def _release(self, address: int) -> None:
+        marker = self._held.pop(address, None)
+        if marker is not None:
+            with contextlib.suppress(OSError):
+                marker.unlink()
 
     def _guard(self, name: str, fn: Callable[..., Any], fail: Any, locked: bool = True) -> Callable[..., Any]:
         """A callback must not raise (ctypes would print and return garbage to C): a bug in the fake becomes
@@ -321,11 +348,13 @@ class FakeProvider:
         for name, address in self._ops.items():
             setattr(s.ops, name, address)
         self._contexts[ctypes.addressof(s)] = _Context(s, i, self.fabric.word(i, W_GENERATION))
+        self._hold(ctypes.addressof(s), i, "contexts")
         return ctypes.addressof(s)
 
     def _ibv_close_device(self, ctx: int | None) -> int:
         if self._contexts.pop(ctx or 0, None) is None:
             return self._rc(errno.EINVAL)
+        self._release(ctx or 0)
         return 0
 
     def _ibv_query_device(self, ctx: int | None, attr: int | None) -> int:
@@ -389,6 +418,7 @@ class FakeProvider:
             return self._null(errno.ENODEV)
         s = v.ibv_pd(context=ctypes.pointer(c.struct), handle=self._next())
         self._pds[ctypes.addressof(s)] = (s, c)
+        self._hold(ctypes.addressof(s), c.device, "pds")
         return ctypes.addressof(s)
 
     def _ibv_dealloc_pd(self, pd: int | None) -> int:
@@ -397,6 +427,7 @@ class FakeProvider:
         if any(m.pd == pd for m in self._mrs.values()) or any(q.pd == pd for q in self._qps.values()):
             return self._rc(errno.EBUSY)
         del self._pds[pd]  # type: ignore[arg-type]
+        self._release(pd or 0)
         return 0
 
     def _ibv_reg_mr(self, pd: int | None, addr: int | None, length: int, access: int) -> int | None:
@@ -480,6 +511,7 @@ class FakeProvider:
         q = _CQ(s, c, cq_id, cqe, ch)
         self._cqs[ctypes.addressof(s)] = q
         self._cq_ids[cq_id] = q
+        self._hold(ctypes.addressof(s), c.device, "cqs")
         return ctypes.addressof(s)
 
     def _ibv_destroy_cq(self, cq: int | None) -> int:
@@ -492,6 +524,7 @@ class FakeProvider:
         del self._cq_ids[q.id]
         if q.channel is not None:
             q.channel.cqs -= 1
+        self._release(cq or 0)
         return 0
 
     def _ibv_get_cq_event(self, channel: int | None, cq_out: int | None, ctx_out: int | None) -> int:
