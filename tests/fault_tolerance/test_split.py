@@ -52,6 +52,15 @@ def test_split_group_as_torch_calls_it_and_a_non_member_gets_none(tmp_path: Path
         assert out["sum"] == [4.0] and out["bcast"] == [2.0] and out["gathered"] == [0.0, 1.0], out
 
 
+def test_torchs_split_group_on_a_mac_with_an_accelerator(tmp_path: Path) -> None:
+    runs = run("torch_split_group", 3, tmp_path)
+    assert runs[1].json() == {"member": False}
+    for res in (runs[0], runs[2]):
+        out = res.json()
+        assert out == {"member": True, "rank": res.rank // 2, "ranks": [0, 2], "same_engine": True, "sum": [4.0],
+                       "bcast": [2.0]}, out
+
+
 def test_a_subgroup_destroyed_while_the_parent_goes_on(tmp_path: Path) -> None:
     runs = run("destroy_sub", 3, tmp_path)
     for res in runs:

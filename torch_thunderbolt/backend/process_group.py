@@ -123,6 +123,13 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
     # device_id=torch.device("mps", 0))` finds it.
     supports_splitting = True
     supports_shrinking = True
+    # torch's split_group (taken where an accelerator is present: a Mac's MPS device bound to the default
+    # group) copies the parent backend's `options` for the child and sets its sequence number: a thunderbolt
+    # group has no options of torch's kind (a Config comes as pg_options) and no sequence numbers to set.
+    options = None
+
+    def _set_sequence_number_for_group(self) -> None:
+        pass
 
     def _get_backend(self, device: Any) -> "ThunderboltProcessGroup":
         return self

@@ -74,6 +74,29 @@ def split_group() -> None:
     dist.destroy_process_group()
 
 
+def torch_split_group() -> None:
+    """torch's own dist.split_group, as it runs on a Mac whose default group is bound to its MPS device
+    (an accelerator: torch then splits through the backend): here the accelerator is pretended, bound to
+    the CPU. Ranks 0 and 2 get a group torch knows (its functions take it, with global ranks); rank 1 None."""
+    default = _init()
+    default.bound_device_id = torch.device("cpu", 0)
+    torch.accelerator.is_available = lambda: True
+    torch.accelerator.current_accelerator = lambda *args, **kwargs: torch.device("cpu", 0)
+    child = dist.split_group(split_ranks=[[0, 2]], group_desc="split test")
+    if child is None:
+        result({"member": False})
+    else:
+        x = torch.full((LARGE,), float(rank() + 1))
+        dist.all_reduce(x, group=child)
+        y = torch.full((100,), float(rank()))
+        dist.broadcast(y, src=2, group=child)
+        result({"member": True, "rank": dist.get_rank(child), "ranks": dist.get_process_group_ranks(child),
+                "same_engine": child.transport.engine is default.transport.engine, "sum": x.unique().tolist(),
+                "bcast": y.unique().tolist()})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def destroy_sub() -> None:
     """3 ranks: a new_group of ranks 0 and 1 runs large ops, then its members destroy it at once (no
     barrier: the other member may still be taking the last op's data); the default group goes on exact, and
@@ -149,5 +172,5 @@ def _fresh(default: Any, sub: Any) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main({"mesh": mesh, "split_group": split_group, "destroy_sub": destroy_sub, "broken_default": broken_default,
+    main({"mesh": mesh, "split_group": split_group, "torch_split_group": torch_split_group, "destroy_sub": destroy_sub, "broken_default": broken_default,
           "half_broken": half_broken})
