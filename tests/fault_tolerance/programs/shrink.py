@@ -158,6 +158,31 @@ def _excluded_alive() -> Exit:
     return Exit(0)
 
 
+def timing() -> Exit:
+    """For the figures (scripts/shrink_times.py): every rank runs small all_reduces; the last rank, at the
+    30th, says when (KILLED, wall clock) and SIGKILLs itself. The others report when the loss reached them,
+    and when the first all_reduce on the group they shrank to was done."""
+    _init()
+    r, w = rank(), world()
+    x = torch.ones(1000)
+    err_at = None
+    for i in range(100000):
+        if r == w - 1 and i == 30:
+            emit("KILLED", {"at": time.time()})
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            dist.all_reduce(x)
+        except Exception:  # noqa: BLE001 - the loss
+            err_at = time.time()
+            break
+    dist.shrink_group([w - 1])
+    y = torch.ones(1000)
+    dist.all_reduce(y)
+    result({"err_at": err_at, "done_at": time.time(), "exact": y.tolist() == [float(w - 1)] * 1000})
+    dist.destroy_process_group()
+    return Exit(0)
+
+
 def mismatch() -> Exit:
     """4 ranks; rank 3 exits hard; the others disagree on whom to exclude (rank 0: [3], rank 1: [2, 3], rank 2:
     [1, 3]), then all retry with [3]."""
@@ -180,4 +205,4 @@ def mismatch() -> Exit:
 
 
 if __name__ == "__main__":
-    main({"shrink": shrink, "mismatch": mismatch})
+    main({"shrink": shrink, "mismatch": mismatch, "timing": timing})
