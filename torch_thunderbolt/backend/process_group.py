@@ -45,6 +45,7 @@ _COLLECTIVES = ("all_gather", "all_gather_coalesced", "all_gather_into_tensor", 
 MONITORED_BARRIER_TAG = -0x6D62  # a point-to-point tag of our own: user tags are not negative
 _SUM = dist.ReduceOp.SUM
 _NO_TIME = timedelta(0)
+SHRINK_ABORT = 0x01  # torch's flag of shrink_group (distributed_c10d.SHRINK_ABORT; SHRINK_DEFAULT is 0)
 
 
 def _timeout_s(opts: Any, default: float) -> float:
@@ -124,6 +125,13 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
     # device_id=torch.device("mps", 0))` finds it.
     supports_splitting = True
     supports_shrinking = True
+    # torch's split_group (taken where an accelerator is present: a Mac's MPS device bound to the default
+    # group) copies the parent backend's `options` for the child and sets its sequence number: a thunderbolt
+    # group has no options of torch's kind (a Config comes as pg_options) and no sequence numbers to set.
+    options = None
+
+    def _set_sequence_number_for_group(self) -> None:
+        pass
 
     def _get_backend(self, device: Any) -> "ThunderboltProcessGroup":
         return self
@@ -164,14 +172,16 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                pg_options: Any = None) -> "ThunderboltProcessGroup":
         """torch's `shrink_group`, called by the ranks that stay: the group of this group's ranks but
         `ranks_to_exclude`, over the live links (no rendezvous, no new connection; a lost rank's rendezvous
-        store is not needed). This group is over first: its ops in flight fail (with the loss's error, or if
+        store is not needed). This group is over: its ops in flight fail (with the loss's error, or if
         none broke it, naming the shrink), never with a wrong result; an excluded rank that is alive hears why
-        in an ABORT. `shrink_flags` (SHRINK_DEFAULT, SHRINK_ABORT) change nothing: both end this group's ops
-        at once. `pg_options`: a Config for the new group, else this group's settings."""
+        in an ABORT. `shrink_flags`: SHRINK_ABORT ends the ops in flight of every member at once; with
+        SHRINK_DEFAULT this group is over once the ranks that stay agree, so each finishes the ops it ran
+        before its call. `pg_options`: a Config for the new group, else this group's settings."""
         excluded = sorted(set(ranks_to_exclude))
         stay = [r for r in range(self._size) if r not in excluded]
         names = RankNames.for_group([self._global_ranks[r] for r in stay], len(stay), "shrink_group")
-        view = self._transport.shrink(excluded, time.monotonic() + self._timeout, "shrink_group", names)
+        view = self._transport.shrink(excluded, time.monotonic() + self._timeout, "shrink_group", names,
+                                      abort=bool(shrink_flags & SHRINK_ABORT))
         cfg = pg_options if isinstance(pg_options, Config) else self._cfg
         return self._child(view, stay, self._timeout, "shrink_group", cfg)
 

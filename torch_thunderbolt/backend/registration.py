@@ -76,14 +76,18 @@ SPLIT_KEY = "thunderbolt-split/"  # in the new group's store: whether each membe
 def _split_from_default(store: Any, rank: int, global_ranks: list[int], timeout: float, name: str) -> Any:
     """The new group of `global_ranks` as a split of the default group, if that is a thunderbolt group that
     spans them and every member can split it (each says so in the new group's store and reads the others:
-    all split, or none does), else None. One store round instead of a set-up's connections and handshakes."""
+    all split, or none does), else None. One store round instead of a set-up's connections and handshakes.
+    A default group that was itself made over the links (shrunk) is split with no store round: its store
+    may have died with a rank it lost (the one serving it), and every member's default group is that one."""
     import torch.distributed as dist
 
     from .process_group import ThunderboltProcessGroup
 
     parent = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
-    able = (isinstance(parent, ThunderboltProcessGroup) and parent.usable
-            and all(0 <= g < parent.size() for g in global_ranks))
+    spans = isinstance(parent, ThunderboltProcessGroup) and all(0 <= g < parent.size() for g in global_ranks)
+    if spans and parent.transport.gid != 0:
+        return parent.split(sorted(global_ranks), timedelta(seconds=timeout), name)
+    able = spans and parent.usable
     store.set(f"{SPLIT_KEY}{rank}", b"1" if able else b"0")
     everyone = [store.get(f"{SPLIT_KEY}{r}") for r in range(len(global_ranks))]
     if not able or any(v != b"1" for v in everyone):

@@ -234,6 +234,8 @@ class Engine(Sink):
             else:
                 err = group.lost(gr, where, exc, address)
             group.fail(err)
+            if link is not None and lost:  # its sends queued to the dead peer: its error too (fail skips them)
+                link.abort(err, None, group.gid)
         self._dead.add(peer)
         self._failing.discard(peer)
         if link is not None:
@@ -923,19 +925,27 @@ class Transport:
         return self.engine.add_group(gid, members, names)
 
     def shrink(self, excluded: Sequence[int], deadline: float, what: object = "shrink_group",
-               names: RankNames | None = None) -> "Transport":
+               names: RankNames | None = None, abort: bool = True) -> "Transport":
         """The group of this group's ranks but `excluded`, over the same links, made by the ranks that stay
-        (each calls this): this group is over first (its ops in flight fail, never with a wrong result: if no
-        loss broke it already, its members hear why in an ABORT, the excluded ones too), then the ranks that
-        stay agree on the new group as `split` does. Frames of this group still on their way are dropped."""
+        (each calls this): the ranks that stay agree on the new group as `split` does, and this group is over
+        (its ops in flight fail, never with a wrong result: if no loss broke it already, its members hear why
+        in an ABORT, the excluded ones too). Frames of this group still on their way are dropped. `abort`:
+        this group is over before the agreement, ending the ops in flight of every member at once; else
+        after it, so that each rank that stays finishes the ops it runs before its own call (a healthy
+        group shrunk right after an op: the others may still be in that op when this rank is done)."""
         excluded = sorted(set(excluded))
         if self.rank in excluded:
             raise ValueError(f"rank {self.rank}: {what} excludes this rank itself (only the ranks that stay call it)")
         stay = [r for r in range(self.world) if r not in excluded]
-        self.fail(BackendClosedError(
+        over = BackendClosedError(
             f"rank {self.rank}: this group was shrunk to ranks {stay} by {what}, excluding ranks {excluded}: the "
-            f"ranks that stay go on in the group it returned; an excluded rank must stop or start again"))
-        return self.split(stay, deadline, what, names)
+            f"ranks that stay go on in the group it returned; an excluded rank must stop or start again")
+        if abort:
+            self.fail(over)
+        try:
+            return self.split(stay, deadline, what, names)
+        finally:
+            self.fail(over)
 
     def _agree(self, members: list[int], deadline: float, what: object) -> int:
         """The id of a new group over engine ranks `members`, agreed with every other member over the live
