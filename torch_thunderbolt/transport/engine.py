@@ -220,13 +220,14 @@ class Engine(Sink):
         if peer in self._dead or peer in self._failing or self.closed:
             return
         self._failing.add(peer)
+        lost = not isinstance(exc, ThunderboltError)
         link = self._route.get(peer)
         address = address or (link.address if link is not None else "")
         for group in list(self.groups.values()):
             gr = group.rank_of.get(peer)
             if gr is None or group.broken is not None:
                 continue
-            if isinstance(exc, ThunderboltError) and not isinstance(exc, PeerLostError):
+            if not lost and not isinstance(exc, PeerLostError):
                 err: BaseException = exc if len(self.groups) == 1 else type(exc)(str(exc))  # each its own copy
             elif isinstance(exc, PeerLostError):
                 err = exc if len(self.groups) == 1 else peer_lost(group.rank, gr, str(exc).partition(": ")[2],
