@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -116,7 +117,7 @@ def mesh(args: argparse.Namespace) -> None:
         if "tbold" in times:
             previous_main(Path(tmp) / "ab")
         ab = setup.but(pythonpath=(*setup.pythonpath, str(REPO / "scripts" / "ab_previous"), str(Path(tmp) / "ab")))
-        ab = ab.with_env({"TB_AB_OLD": "1", "THUNDERBOLT_SECRET": "ab" * 32})
+        ab = ab.with_env({"TB_AB_OLD": "1", "THUNDERBOLT_SECRET": secrets.token_hex(32)})
         for i in range(args.runs):
             for backend in times:
                 runs = run_ranks(Path(__file__), 4, Path(tmp) / f"{i}-{backend}", args=["mesh-rank", backend],

@@ -92,6 +92,8 @@ def check_case(name: str, shape: str, how: str, tmp_path: Path, excluded: "list[
         if name == "hier" and res.rank == world - 1 and world % 2:
             kind = "tcp"  # alone on its pretended host
         out = check_shrunk(res, world, excluded, kind)
+        first = out["first"]  # (SHRINK_ABORT only: the op before the shrink, which another's shrink may end)
+        assert first is None or first["ok"] or "by shrink_group, excluding ranks" in first["msg"], (res.rank, first)
         if how == "healthy":
             assert out["loss"] is None
         else:
@@ -115,6 +117,12 @@ def check_excluded(res: RankResult) -> None:
 @pytest.mark.parametrize("name, shape, how", [("rdma", "3to2", "exit"), ("shm", "4to2", "healthy")])
 def test_shrink_after_a_loss_and_healthy(name: str, shape: str, how: str, tmp_path: Path) -> None:
     check_case(name, shape, how, tmp_path)
+
+
+@pytest.mark.parametrize("how", ["exit", "healthy"])
+def test_shrink_with_shrink_abort(how: str, tmp_path: Path) -> None:
+    """SHRINK_ABORT: the old group ends before the ranks that stay agree; the outcome is the same."""
+    check_case("tcp", "4to3", how, tmp_path, TEST_FLAGS="abort")
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@ call `dist.shrink_group`, and every op family on the shrunk group is checked aga
   `healthy` (alive: they go on calling ops on the old group, and report what they get);
 - TEST_CHECKS: `all` (every op family, the default) or `one` (one all_reduce);
 - TEST_SUBGROUP=1: a new_group on the shrunk group (its ranks 0 and the last), every op family on it;
-- TEST_AGAIN=K: then rank K of the shrunk group exits hard and the others shrink again.
+- TEST_AGAIN=K: then rank K of the shrunk group exits hard and the others shrink again;
+- TEST_FLAGS=abort: shrink with SHRINK_ABORT (else SHRINK_DEFAULT).
 
 A rank that stays reports a RESULT (the loss, the shrunk group, the checks), then SUB and AGAIN lines when
 asked; an excluded one that is alive a RESULT of its calls."""
@@ -90,7 +91,8 @@ def _shrink(excluded: list[int]) -> dict[str, Any]:
     took, and what the shrunk group is."""
     old = _pg()
     t0 = time.monotonic()
-    new = dist.shrink_group(excluded)
+    flags = dist.distributed_c10d.SHRINK_ABORT if os.environ.get("TEST_FLAGS") == "abort" else 0
+    new = dist.shrink_group(excluded, shrink_flags=flags)
     x = torch.ones(10)
     dist.all_reduce(x)
     took = time.monotonic() - t0
@@ -129,13 +131,15 @@ def shrink() -> Exit:
     if how == "healthy" and r in excluded:
         return _excluded_alive()
     x = torch.ones(10)
-    dist.all_reduce(x)  # (every link is up)
+    # (every link is up) With SHRINK_ABORT on a healthy group a faster rank's shrink ends this op at once
+    # where this rank is still in it: it must fail naming the shrink, and the shrink goes on.
+    first = outcome(lambda: dist.all_reduce(x)) if os.environ.get("TEST_FLAGS") == "abort" else dist.all_reduce(x)
     if how == "healthy":
         loss = None
     else:
         loss = _lose(excluded, how)
     shrunk = _shrink(excluded)
-    result({"loss": loss, "shrunk": shrunk, "bad": _checks()})
+    result({"loss": loss, "shrunk": shrunk, "bad": _checks(), "first": first})
     if os.environ.get("TEST_SUBGROUP") == "1":
         emit("SUB", _subgroup())
     if "TEST_AGAIN" in os.environ:
