@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from torch_thunderbolt.testing.ranks import HYBRID, SHM, RankResult, run_ranks
+from torch_thunderbolt.testing.ranks import SHM, RankResult, run_ranks
 
 from .programs import split
+from .test_shrink import links
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -25,9 +26,11 @@ def run(scenario: str, world: int, tmp_path: Path, setup=TCP) -> list[RankResult
     return runs
 
 
-@pytest.mark.parametrize("hosts", ["one", pytest.param("two", marks=pytest.mark.slow)])
-def test_a_2x2_device_mesh_is_exact_on_every_dimension_over_the_parents_links(hosts: str, tmp_path: Path) -> None:
-    runs = run("mesh", 4, tmp_path, HYBRID if hosts == "two" else TCP)
+@pytest.mark.parametrize("kind", ["tcp", *(pytest.param(k, marks=pytest.mark.slow) for k in ("shm", "hier", "rdma"))])
+def test_a_2x2_device_mesh_is_exact_on_every_dimension_over_the_parents_links(kind: str, tmp_path: Path) -> None:
+    """On each kind of link (hier: 2 pretended hosts x 2 ranks; rdma: the fake fabric)."""
+    with links(kind, 4, tmp_path) as setup:
+        runs = run("mesh", 4, tmp_path / "run", TCP if kind == "tcp" else setup)
     for res in runs:
         dims = res.json()["dims"]
         # mesh [[0, 1], [2, 3]]: "replicate" joins ranks r and r ^ 2, "shard" r and r ^ 1
@@ -36,7 +39,7 @@ def test_a_2x2_device_mesh_is_exact_on_every_dimension_over_the_parents_links(ho
         for dim, got in dims.items():
             assert got["same_engine"], (res.rank, dim, got)
             assert got["bad"] == [], (res.rank, dim, got["bad"])
-        if hosts == "two":  # each dimension's group knows where its ranks are
+        if kind == "hier":  # each dimension's group knows where its ranks are
             host = f"test-host-{res.rank // 2}"
             assert dims["shard"]["hosts"] == [host, host], dims
             assert sorted(dims["replicate"]["hosts"]) == ["test-host-0", "test-host-1"], dims
