@@ -21,19 +21,19 @@ from pathlib import Path
 # Run from a checkout without installing: the package is this checkout's.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from torch_thunderbolt.testing.reliability.reinit import KINDS, run_cycles  # noqa: E402
+from torch_thunderbolt.testing.reliability.reinit import KINDS, LAB_KINDS, run_cycles  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=100)
     ap.add_argument("--kill-every", type=int, default=10, help="every K-th cycle kills a rank (0: never)")
-    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS + LAB_KINDS)} (lab: root)")
     ap.add_argument("--limit", type=float, default=3600.0, help="seconds before a kind's run counts as hung")
     ap.add_argument("--json", help="write every kind's summary and problems here")
     args = ap.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
-    unknown = set(kinds) - set(KINDS)
+    unknown = set(kinds) - set(KINDS + LAB_KINDS)
     if unknown or args.cycles < 3:
         ap.error(f"unknown kinds {sorted(unknown)}" if unknown else "--cycles must be at least 3")
     report = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from torch_thunderbolt.testing.lab import skip_unless_lab
 from torch_thunderbolt.testing.reliability.reinit import KINDS, Process, ReinitRun, plan, run_cycles
 
 pytestmark = [pytest.mark.multiprocess]
@@ -36,6 +37,15 @@ def test_cycles_of_init_ops_and_end_leave_nothing_behind(kind: str, tmp_path) ->
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_hundred_cycles_with_ten_kills_leave_nothing_behind(kind: str, tmp_path) -> None:
     _assert_clean(run_cycles(kind, 100, tmp_path, kill_every=10, timeout=3300), replacements_measured=True)
+
+
+@pytest.mark.lab
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cycles_on_3_emulated_macs_leave_nothing_behind(tmp_path) -> None:
+    """The same on 3 emulated Macs in a ring (one rank each, its own namespace), 6 cycles, a kill in two."""
+    skip_unless_lab()
+    _assert_clean(run_cycles("lab", 6, tmp_path, kill_every=3, timeout=500), replacements_measured=False)
 
 
 def _process(first: int, counts: list[int], fabric: list[int] | None = None, rank: int = 0) -> Process:

@@ -11,7 +11,8 @@ regions, protection domains, contexts and completion queues. After a warm-up non
 The ranks rendezvous through a TCPStore this driver serves (one prefix per cycle), so that no rank's death
 takes the store with it. Kinds of link: `tcp`, `shm` (3 ranks on this host each), `hierarchical` (4 ranks
 pretending to be 2 hosts x 2: shared memory within a host, TCP across) and `rdma` (3 ranks over a fake verbs
-fabric, one device each).
+fabric, one device each); and `lab`: 3 emulated Macs in a ring (network namespaces, root only), one rank
+each over TCP, the store served inside the first Mac's namespace by a process of its own.
 """
 from __future__ import annotations
 
@@ -31,12 +32,14 @@ from torch_thunderbolt.transport import shm_segment
 from .programs import reinit as reinit_program
 
 KINDS = ("tcp", "shm", "hierarchical", "rdma")
+LAB_KINDS = ("lab",)  # needs root (network namespaces): kept out of KINDS, which the CI test runs everywhere
 ENDS = ("destroy", "abort", "group_abort")
 # What must not grow after the warm-up: counts of the process, and of each kind of fabric object.
 COUNTERS = ("fds", "threads", "shm", "shm_maps", "objects")
 WARMUP = 2  # cycles of each process not compared (the first group makes what every later one re-uses)
 # The link kind each setup must have given the default group (the transport's `kind`).
-EXPECTED_KIND = {"tcp": "tcp", "shm": "shm", "hierarchical": "shm+tcp", "rdma": "rdma"}
+EXPECTED_KIND = {"tcp": "tcp", "shm": "shm", "hierarchical": "shm+tcp", "rdma": "rdma", "lab": "tcp"}
+LAB_STORE_PORT = 29571  # the store's port in the first emulated Mac's namespace (a fresh one: always free)
 
 
 def world_of(kind: str) -> int:
@@ -73,7 +76,7 @@ def setup_of(kind: str) -> Setup:
         return HYBRID.but(segments=SegmentCheck.NONE).with_env({"THUNDERBOLT_TRANSPORT": "auto"})
     if kind == "rdma":
         return LOOPBACK.with_env({"THUNDERBOLT_TRANSPORT": "rdma"})
-    raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}")
+    raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS + LAB_KINDS)}")
 
 
 @dataclass
@@ -188,15 +191,19 @@ def run_cycles(kind: str, cycles: int, workdir: Path, *, kill_every: int = 4, ti
     env = {"TB_PLAN": json.dumps(steps), "TB_TIMEOUT": str(group_timeout),
            "THUNDERBOLT_CONNECT_TIMEOUT": str(group_timeout)}
     before = leftovers.segments_and_doorbells()
-    store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=group_timeout),
-                          wait_for_workers=False)
     t0 = time.monotonic()
     try:
-        devices = {f"rdma_fake{i}": f"10.201.0.{i + 1}" for i in range(world)}
-        with fake_fabric(workdir / "fabric", devices) if kind == "rdma" else contextlib.nullcontext() as fabric:
+        with contextlib.ExitStack() as stack:
+            if kind in LAB_KINDS:
+                setup = stack.enter_context(_lab_store(world, group_timeout))
+            else:
+                store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=group_timeout),
+                                      wait_for_workers=False)
+                setup = setup_of(kind).but(master_port=store.port)
+            devices = {f"rdma_fake{i}": f"10.201.0.{i + 1}" for i in range(world)}
+            fabric = stack.enter_context(fake_fabric(workdir / "fabric", devices)) if kind == "rdma" else None
             if fabric is not None:
                 env.update(fabric_env(fabric))
-            setup = setup_of(kind).but(master_port=store.port)
             with start_ranks(reinit_program, world, workdir / "ranks", args=["cycles"], env=env,
                              setup=setup) as ranks:
                 _drive(ranks, steps, world, time.monotonic() + timeout)
@@ -204,11 +211,37 @@ def run_cycles(kind: str, cycles: int, workdir: Path, *, kill_every: int = 4, ti
             if fabric is not None:
                 run.left_open = {d.name: fabric.left_open(d.name) for d in fabric.devices}
     finally:
-        del store
         run.seconds = time.monotonic() - t0
         run.leftover_segments = leftovers.new_with_dead_creator(before)
         shm_segment.cleanup_stale_segments()
     return run
+
+
+@contextlib.contextmanager
+def _lab_store(world: int, group_timeout: int) -> Iterator[Setup]:
+    """`world` emulated Macs in a ring and a rendezvous store served inside the first one's namespace (the
+    ranks, each in its own namespace, cannot reach this process's loopback): the setup of their ranks."""
+    import subprocess
+    import sys
+
+    from torch_thunderbolt.testing.lab import lab_session, lab_setup
+
+    with lab_session(world, "ring", cc="reno") as lab:
+        host = lab.hosts()[0]
+        code = ("import sys, time, datetime, torch.distributed as d; "
+                "s = d.TCPStore(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), True, "
+                "timeout=datetime.timedelta(seconds=int(sys.argv[4])), wait_for_workers=False); "
+                "print('up', flush=True); time.sleep(1e9)")
+        server = subprocess.Popen(lab.exec_argv(host, [sys.executable, "-c", code, lab.addresses(host)[0],
+                                                       str(LAB_STORE_PORT), str(world), str(group_timeout)]),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            if server.stdout is None or server.stdout.readline().strip() != "up":
+                raise AssertionError(f"the lab's store did not start: {server.stderr.read() if server.stderr else ''}")
+            yield lab_setup(lab).but(master_port=LAB_STORE_PORT)
+        finally:
+            server.kill()
+            server.wait()
 
 
 def _drive(ranks: Any, steps: list[dict[str, Any]], world: int, deadline: float) -> None:
