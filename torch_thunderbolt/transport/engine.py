@@ -418,8 +418,9 @@ class Engine(Sink):
         (closing the group first waits for it)."""
         self._flush_until = time.monotonic() + ABORT_GRACE
         if self._flusher is None or not self._flusher.is_alive():
-            self._flusher = threading.Thread(target=self._flush, name=f"tb-flush-r{self.rank}", daemon=True)
-            self._flusher.start()
+            flusher = threading.Thread(target=self._flush, name=f"tb-flush-r{self.rank}", daemon=True)
+            flusher.start()
+            self._flusher = flusher  # (seen started only: wait_flushed reads it without the lock)
 
     def _flush(self) -> None:
         while time.monotonic() < self._flush_until and not self.closed:
