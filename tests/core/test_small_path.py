@@ -1,12 +1,15 @@
 """The small all_reduce without a plan walk (algorithms/small.py) against the direct plan it replaces."""
 from __future__ import annotations
 
+import warnings
+
+import numpy as np
 import pytest
 import torch
 
 from torch_thunderbolt.algorithms import direct
 from torch_thunderbolt.algorithms.plan import run_plan
-from torch_thunderbolt.algorithms.reduce_ops import make_reducer
+from torch_thunderbolt.algorithms.reduce_ops import array_combiner, make_reducer
 from torch_thunderbolt.config import Config
 from torch_thunderbolt.testing.worlds import memory_world
 
@@ -144,3 +147,63 @@ def test_plans_with_dependent_messages_or_large_local_steps_keep_the_walk() -> N
 
     assert not ring.ring_allreduce(0, [0, 1, 2], split_even(3000, 3), 100).graph().one_phase
     assert direct.direct_allreduce(0, 2, 1 << 20).graph().local_elems * 4 > (256 << 10)
+
+
+_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64])
+def test_the_numpy_sums_give_torchs_bits(dtype: torch.dtype) -> None:
+    """The kept small all_reduces add with numpy where `array_combiner` says its add is torch's: bit for bit,
+    on the values where an add could differ (signed zeros, infinities, NaN, subnormals, overflow)."""
+    g = torch.Generator().manual_seed(7)
+    if dtype.is_floating_point:
+        info = torch.finfo(dtype)
+        edge = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), info.tiny / 4, -info.tiny / 3, info.max,
+                -info.max, info.eps, 1.0]
+        a = torch.cat([torch.tensor(edge, dtype=dtype).repeat_interleave(len(edge)),
+                       torch.randn(1000, generator=g, dtype=dtype) * 1e3])
+        b = torch.cat([torch.tensor(edge, dtype=dtype).repeat(len(edge)), torch.randn(1000, generator=g, dtype=dtype)])
+    else:
+        info = torch.iinfo(dtype)
+        edge = [0, 1, -1, info.max, info.min]
+        a = torch.cat([torch.tensor(edge, dtype=dtype).repeat_interleave(len(edge)),
+                       torch.randint(info.min, info.max, (1000,), generator=g, dtype=dtype)])
+        b = torch.cat([torch.tensor(edge, dtype=dtype).repeat(len(edge)),
+                       torch.randint(info.min, info.max, (1000,), generator=g, dtype=dtype)])
+    fast = array_combiner("sum", dtype)
+    assert fast is not None
+    np_dtype, combine = fast
+    out = np.empty(a.numel(), dtype=np_dtype)
+    combine(out, a.numpy(), b.numpy())
+    got, want = torch.from_numpy(out), torch.add(a, b)
+    bits = _INT_VIEW.get(dtype)
+    assert torch.equal(got.view(bits), want.view(bits)) if bits else torch.equal(got, want)
+
+
+def test_other_ops_and_dtypes_keep_torchs_kernels() -> None:
+    assert array_combiner("max", torch.float32) is None and array_combiner("product", torch.int64) is None
+    assert array_combiner("sum", torch.bfloat16) is None and array_combiner("sum", torch.float16) is None
+    assert array_combiner("sum", torch.bool) is None and array_combiner("sum", torch.complex64) is None
+    assert array_combiner("avg", torch.float32) is not None  # a sum, divided afterwards
+
+
+def test_the_numpy_sums_overflow_to_inf_silently_whatever_numpys_error_state() -> None:
+    """An overflow to inf is a result (loss scaling looks for it), as in torch: no warning, and no
+    FloatingPointError under a caller's `np.seterr(all="raise")`."""
+    _, combine = array_combiner("sum", torch.float32)
+    big = np.full(4, 3e38, dtype=np.float32)
+    infs, opposite = (np.array([s * np.inf, -s * np.inf, 1.0, 1.0], dtype=np.float32) for s in (1, -1))
+    out = np.empty(4, dtype=np.float32)
+    old = np.seterr(all="raise")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            combine(out, big, big)
+            assert np.isinf(out).all()
+            combine(out, infs, opposite)  # inf + -inf: invalid, NaN
+            assert np.isnan(out[:2]).all() and (out[2:] == 2).all()
+            with pytest.raises(FloatingPointError):  # (the caller's own numpy still raises)
+                np.add(big, big)
+    finally:
+        np.seterr(**old)

@@ -230,14 +230,15 @@ class Communicator:
         """A small all_reduce on the window: one copy in, one wait, one reduction (see windowed.py)."""
         n = x.numel()
         what = OpLabel("all_reduce", 0, x.dtype, n)
-        self._keep_small(x, op, windowed.OneShotAllReduce(self.window, n, x.dtype, self._combiner(op, x.dtype),
-                                                          self._sig("all_reduce", x, 0, n, op, None), what))
+        small = windowed.OneShotAllReduce(self.window, n, x.dtype, op, self._combiner(op, x.dtype),
+                                          self._sig("all_reduce", x, 0, n, op, None), what)
+        self._keep_small(x, op, small)
 
     def _direct_all_reduce(self, x: torch.Tensor, op: str) -> None:
         """The direct plan's messages without its plan walk (see small.py)."""
         n = x.numel()
         what = OpLabel("all_reduce", 0, x.dtype, n)
-        self._keep_small(x, op, DirectAllReduce(self.t, n, x.dtype, self._combiner(op, x.dtype),
+        self._keep_small(x, op, DirectAllReduce(self.t, n, x.dtype, op, self._combiner(op, x.dtype),
                                                 self._sig("all_reduce", x, 0, n, op, None), what))
 
     def _keep_small(self, x: torch.Tensor, op: str,

@@ -45,6 +45,7 @@ from ..protocol.signature import describe_sig
 from .window import BUFFERS, STEPS, Window
 from .segments import offsets
 from .reduce_ops import Combiner
+from .small import SmallOperands
 
 ARRIVED, REDUCED, DONE = 1, 2, 3
 Slices = list[tuple[int, int]]  # (start, length) of each rank's slice in one round
@@ -167,18 +168,19 @@ def all_reduce(win: Window, x: torch.Tensor, combine: Combiner, sig: int, deadli
 
 class OneShotAllReduce:
     """The one-shot all_reduce of one element count, dtype and reduce op on a window, everything it needs
-    made once (`bufs[k][p]`: member p's buffer k, the kernel, the op word): a small all_reduce is
-    latency-bound, and making or looking up three views per op cost it as much as its copy and reduction.
+    made once (`operands[k]`: the members' buffers k, viewed for the kernel; the op word): a small all_reduce
+    is latency-bound, and making or looking up three views per op cost it as much as its copy and reduction.
     `what` names the op in errors (the Communicator numbers it)."""
 
-    __slots__ = ("win", "bufs", "combine", "sig", "word", "what")
+    __slots__ = ("win", "operands", "sig", "word", "what")
     engine = False  # its steps are window posts: nothing of it goes through the engine
 
-    def __init__(self, win: Window, count: int, dtype: torch.dtype, combine: Combiner, sig: int,
+    def __init__(self, win: Window, count: int, dtype: torch.dtype, op: str, combine: Combiner, sig: int,
                  what: object) -> None:
         self.win = win
-        self.bufs = [[_view(win, p, k, dtype)[:count] for p in range(win.world)] for k in range(BUFFERS)]
-        self.combine, self.sig, self.word, self.what = combine, sig, op_word(sig, ONE_SHOT), what
+        self.operands = [SmallOperands(win.rank, [_view(win, p, k, dtype)[:count] for p in range(win.world)], op,
+                                       combine, filled=True) for k in range(BUFFERS)]
+        self.sig, self.word, self.what = sig, op_word(sig, ONE_SHOT), what
 
     def run(self, x: torch.Tensor, tag: int, deadline: float) -> None:
         """x := x_0 ⊕ ... ⊕ x_{n-1} (positions in order, so every member gets the same bits). `tag`, the
@@ -193,7 +195,8 @@ class OneShotAllReduce:
             done = memory.counter(win.rank)
         g = -(-done // STEPS)
         k = g % BUFFERS
-        others, bufs = win.others, self.bufs[k]
+        others, operands = win.others, self.operands[k]
+        own = operands.take(x)
         # The window's post and wait, their common case inline (a small op pays for every call): the group
         # is checked once, before this op's first post (a group that breaks later fails the waits, and the
         # last post, after every read, cannot mislead a peer); a wait whose peers are there already is a
@@ -202,7 +205,7 @@ class OneShotAllReduce:
         step = free_step(g)
         if not memory.reached(others, step, 1):
             win.wait(step, others, deadline, what)
-        bufs[win.rank].copy_(x)
+        operands.slot_bytes[win.rank][:] = own
         step = STEPS * g + ARRIVED
         memory.publish(step, k, word)
         if not memory.reached(others, step, 1):
@@ -210,10 +213,7 @@ class OneShotAllReduce:
         for p in others:
             if memory.word(p, k) != word:
                 _check_words(win, others, k, word)  # raises, naming the peer and both ops
-        combine = self.combine
-        combine(x, bufs[0], bufs[1])
-        for p in range(2, win.world):
-            combine(x, x, bufs[p])
+        operands.reduce()
         memory.publish(STEPS * g + DONE, None, 0)
 
 

@@ -32,7 +32,7 @@ from ..transport.names import RankNames
 from .device import DeviceCompletions
 from .tensors import (Staged, byte_view, check_same_dtype, flat_cat, flat_view, on_device, reduce_op,
                       rows_to_elems, split_into, total_bytes)
-from .work import Work
+from .work import WaitedWork, Work
 from .worker import Worker
 
 log = logging.getLogger("torch_thunderbolt")
@@ -78,6 +78,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         # How works name their op ("all_reduce on rank 3"), formatted once: a small op pays for every string.
         self._whats = {op: f"{op} on rank {self._rank}" for op in _COLLECTIVES}
         self._what_all_reduce = self._whats["all_reduce"]
+        self._waited = WaitedWork(self._what_all_reduce)  # every blocking all_reduce that ran inline and succeeded
         self._small_bytes = cfg.small_bytes
         self._compressing = cfg.compression != "none"
         self._closed = False
@@ -236,9 +237,13 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             # copy back and no device check, the steps that dominate a small op. (is_sparse first: a sparse
             # tensor has no is_contiguous.)
             if not x.is_sparse and x.is_cpu and x.is_contiguous():
-                rop = opts.reduceOp if opts is not None else _SUM
-                op, factor = ("sum", None) if rop == _SUM else reduce_op(rop)
-                flat = x if x.dim() == 1 and not x.requires_grad and x.stride(0) == 1 else flat_view(x)
+                op, factor = "sum", None
+                if opts is not None:
+                    rop = opts.reduceOp
+                    if not rop == _SUM:  # (`==` is the cheaper of the two in pybind)
+                        op, factor = reduce_op(rop)
+                # (1-D and contiguous is stride 1 but for one element, which flat_view re-strides)
+                flat = x if x.dim() == 1 and not x.requires_grad and x.numel() > 1 else flat_view(x)
                 if flat is not None and not (self._compressing and self._compress(flat, op)):
                     return self._all_reduce_one(tensors, flat, op, factor, opts)
         if on_device(tensors):
@@ -273,8 +278,8 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             self._devices.complete_ready()  # this thread's device ops whose bytes are in (device.py)
         what = self._what_all_reduce
         worker = self._worker
-        if ((flat.numel() * flat.element_size() <= self._small_bytes or (opts is not None and opts.asyncOp is False))
-                and worker.try_inline()):
+        blocking = opts is not None and opts.asyncOp is False
+        if (blocking or flat.numel() * flat.element_size() <= self._small_bytes) and worker.try_inline():
             comm = self._comm
             t = opts.timeout if opts is not None else None
             comm.timeout = t.total_seconds() if type(t) is timedelta and t > _NO_TIME else self._timeout
@@ -284,6 +289,10 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 return Work.completed(what, tensors, exc)
             finally:
                 worker.end_inline()
+            if blocking:
+                waited = self._waited
+                waited._result = tensors
+                return waited
             return Work.completed(what, tensors)
         return worker.submit(Work(what, tensors), functools.partial(self._all_reduce_flat, opts, flat, op, factor))
 

@@ -354,8 +354,12 @@ class TcpLink(Link):
         return moved
 
     def held(self) -> Frame | None:
-        held = [c.parked for c in self.streams if c.parked is not None]
-        return min(held, key=lambda f: f.tag) if held else None
+        first = None  # (a loop, not a list: every collective op asks every link once)
+        for c in self.streams:
+            f = c.parked
+            if f is not None and (first is None or f.tag < first.tag):
+                first = f
+        return first
 
     def say(self, msg: control.Message) -> None:
         live = [c for c in self.streams if not c.dead and c.ctl.ours is None]
