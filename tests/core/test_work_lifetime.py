@@ -42,7 +42,9 @@ def test_send_recv_leave_no_cycles() -> None:
             w.wait()
 
     ops()  # first calls build caches
-    assert garbage_after(ops) < 20  # one cycle per op would leave thousands
+    # One cycle per op would leave thousands; on a loaded machine (CI beside PyTorch's suite) one run left 31,
+    # not one per op.
+    assert garbage_after(ops) < 100
 
 
 def test_collectives_leave_no_cycles() -> None:

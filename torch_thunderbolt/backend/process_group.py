@@ -278,7 +278,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             self._devices.complete_ready()  # this thread's device ops whose bytes are in (device.py)
         what = self._what_all_reduce
         worker = self._worker
-        blocking = opts is not None and opts.asyncOp is False
+        blocking = getattr(opts, "asyncOp", True) is False  # (an older torch has no asyncOp: never blocking)
         if (blocking or flat.numel() * flat.element_size() <= self._small_bytes) and worker.try_inline():
             comm = self._comm
             t = opts.timeout if opts is not None else None

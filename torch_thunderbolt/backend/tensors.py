@@ -30,7 +30,13 @@ def reduce_op(op: object) -> tuple[str, object]:
         name = None
     if name is None:
         raise ValueError(f"unsupported reduce op {op!r}")
-    return name, getattr(op, "factor", None) if name == "premul_sum" else None
+    if name != "premul_sum":
+        return name, None
+    factor = getattr(op, "factor", None)
+    if factor is None:  # a plain sum would be silently wrong
+        raise ValueError(f"ReduceOp.PREMUL_SUM: this torch ({torch.__version__}) does not show the op's factor to "
+                         "a Python backend (torch 2.13 does); multiply the tensor first and use ReduceOp.SUM")
+    return name, factor
 
 
 def on_device(tensors: object) -> bool:

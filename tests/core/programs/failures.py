@@ -73,6 +73,9 @@ def destroy() -> None:
     for _ in range(3):
         dist.all_reduce(torch.ones(1 << 20), group=g, async_op=True).wait()
     conns_during = len([c for c in psutil.Process().net_connections() if c.status == "ESTABLISHED"])
+    # Counted by both before either closes: a loaded rank that counted after its peer's destroy saw every
+    # connection in CLOSE_WAIT.
+    dist.barrier()
     dist.destroy_process_group()
     # Background threads (torch's store, our keeper) close theirs moments later; under load that took > 0.2 s.
     for waited in range(50):
