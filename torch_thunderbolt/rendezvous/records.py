@@ -206,14 +206,27 @@ class Records:
 
     def failure(self, owner: int, kind: str = "") -> "ThunderboltError | None":
         """What to raise here if rank `owner` announced that it gave up the set-up (None if it did not); with
-        `kind`, also if it gave up setting up links of that kind (`give_up`)."""
+        `kind`, also if it gave up setting up links of that kind (`give_up`): that reason first, since it
+        was published first and the group's failure, where one follows, only repeats it."""
+        unchecked: ThunderboltError | None = None
+        if kind:
+            try:
+                failed = self._kind_failure(owner, kind)
+            except ThunderboltError as exc:  # its record failed its check: the group's failure says why, if any
+                unchecked = exc
+            else:
+                if failed is not None:
+                    return failed
         failed = self._group_failure(owner)
-        if failed is not None or not kind:
-            return failed
+        return failed if failed is not None else unchecked
+
+    def _kind_failure(self, owner: int, kind: str) -> "ThunderboltError | None":
+        """What to raise here if rank `owner` gave up setting up links of `kind` (`give_up`); raises the
+        ThunderboltError of a record that fails its check."""
         try:
             gave_up = self.outcome(kind, owner, wait=False)
-        except ThunderboltError as exc:  # its record failed its check
-            return exc
+        except ThunderboltError:
+            raise
         except Exception:  # noqa: BLE001 - the store may be gone: the caller raises what it has
             return None
         if gave_up is None:
