@@ -9,7 +9,6 @@ import torch
 
 Reducer = Callable[[torch.Tensor, torch.Tensor], object]  # dst ⊕= src; return value ignored
 Combiner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]  # (out, a, b): out = a ⊕ b
-ArrayCombiner = Callable[[np.ndarray, np.ndarray, np.ndarray], object]  # (a, b, out): out = a ⊕ b
 OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum")
 _BITWISE_OK = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 

@@ -48,6 +48,12 @@ _NO_TIME = timedelta(0)
 SHRINK_ABORT = 0x01  # torch's flag of shrink_group (distributed_c10d.SHRINK_ABORT; SHRINK_DEFAULT is 0)
 
 
+def _blocking(opts: Any) -> bool:
+    """Whether the caller waits for this op at once: torch's Python API says so (`async_op=False`) in
+    `opts.asyncOp`; C++ callers (DDP) leave it True, and an older torch has no asyncOp (never blocking)."""
+    return getattr(opts, "asyncOp", True) is False
+
+
 def _timeout_s(opts: Any, default: float) -> float:
     t = getattr(opts, "timeout", None)
     if isinstance(t, timedelta) and t.total_seconds() > 0:
@@ -215,10 +221,9 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
 
     def _inline_ok(self, nbytes: int, opts: Any) -> bool:
         """Whether an op may run in the caller's thread when the worker is idle: a small one (two thread
-        hand-offs cost more than it does), or one the caller waits for at once. torch's Python API marks
-        those (`async_op=False`) with `opts.asyncOp`; C++ callers (DDP) leave it True, so their ops still
-        overlap the caller's compute on the worker."""
-        return nbytes <= self._cfg.small_bytes or getattr(opts, "asyncOp", True) is False
+        hand-offs cost more than it does), or one the caller waits for at once (`_blocking`): DDP's ops
+        still overlap the caller's compute on the worker."""
+        return nbytes <= self._cfg.small_bytes or _blocking(opts)
 
     def _with_timeout(self, opts: Any) -> Communicator:
         self._comm.timeout = _timeout_s(opts, self._timeout)
@@ -278,7 +283,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             self._devices.complete_ready()  # this thread's device ops whose bytes are in (device.py)
         what = self._what_all_reduce
         worker = self._worker
-        blocking = getattr(opts, "asyncOp", True) is False  # (an older torch has no asyncOp: never blocking)
+        blocking = _blocking(opts)
         if (blocking or flat.numel() * flat.element_size() <= self._small_bytes) and worker.try_inline():
             comm = self._comm
             t = opts.timeout if opts is not None else None

@@ -156,5 +156,3 @@ class WaitedWork(Work):
         fut: torch.futures.Future = torch.futures.Future()  # a new one each time: the result changes
         fut.set_result(self._result)
         return fut
-
-
