@@ -48,7 +48,8 @@ class QueueKind(LinkKind):
 
 def test_a_send_queued_to_a_lost_peer_fails_with_its_groups_peer_lost_error() -> None:
     world = Transport(0, 3, [QueueKind([1, 2])])
-    sub = world.engine.add_group(1, [0, 2])  # (a split's group: engine ranks 0 and 2, its ranks 0 and 1)
+    # (a split's group, as an agreement makes it: engine ranks 0 and 2, its ranks 0 and 1)
+    sub = world.engine.add_group(world.engine.agreement.add(1, (0, 2), (1, 1)))
     buf = memoryview(bytearray(8))
     sends = {"world": world.isend(2, (world.coll, 1, 0), buf), "sub": sub.isend(1, (sub.coll, 1, 0), buf)}
     other = world.isend(1, (world.coll, 1, 0), buf)

@@ -85,7 +85,7 @@ def _split_from_default(store: Any, rank: int, global_ranks: list[int], timeout:
 
     parent = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
     spans = isinstance(parent, ThunderboltProcessGroup) and all(0 <= g < parent.size() for g in global_ranks)
-    if spans and parent.transport.gid != 0:
+    if spans and parent.transport.view:
         return parent.split(sorted(global_ranks), timedelta(seconds=timeout), name)
     able = spans and parent.usable
     store.set(f"{SPLIT_KEY}{rank}", b"1" if able else b"0")

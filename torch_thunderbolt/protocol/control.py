@@ -18,8 +18,12 @@ Messages:
   sent, received and receives posted). A Ping asks; an Answer replies to a Ping this end sent.
 - `Leave(epoch, sent)`: this end closed group `epoch` (its id) in order: a wait for its data there is over,
   once what it sent before is in (`sent`: per-lane counts, as BYE's, where the data path may deliver later).
-- `Shrink(epoch, ranks)`: a proposal of new membership, the surviving ranks, and the id this end proposes
-  for the new group (`epoch`, only upwards): the survivors of a lost rank agree on it over the live links.
+- `Propose(nonce, ranks, used)`, `Commit(nonce, ranks, view, gid)`, `Done(nonce, view)`: the agreement on a
+  new group's members and id (split, shrink, new_group) over the live links, no store needed. `nonce`
+  names one call of this end (it only grows); `used` is the set of group ids this end cannot take now (a
+  bitmask); a Commit says which proposal of every member (`view`: their nonces, in `ranks` order) this
+  end decided on, and the id that follows from them; a Done says the call `nonce` is over, and the view of
+  the group it made (empty: it made none). The state machine is `protocol/agreement.py`.
 
 Encoding: an 8-byte head (magic, version, type, body length) and the body. The magic's first byte is
 never 0, so a kind may put a bare 0 byte between messages as a wake-up (shared memory's doorbell), and
@@ -29,8 +33,10 @@ version, an unknown type, a body of the wrong size or over MAX_BODY, fields out 
 
 `ControlConnection` is one end's state machine for one wire (h11's idea: bytes and events in, bytes out,
 no I/O): what each end may still say depends on what was said before (nothing after BYE, one ABORT and one
-LEAVE per group, an Answer only to a Ping, a Shrink's epoch only upwards). An illegal event, sent or received, puts it in ERROR for good, and
-the only exception any of its methods raises is ProtocolError.
+an Answer only to a Ping, a Propose's nonce only upwards on one wire). An illegal event, sent or received,
+puts it in ERROR for good, and the only exception any of its methods raises is ProtocolError. What a group's
+messages may say across wires (a TCP link has several, and group ids are reused once a group is over
+everywhere) is the engine's and the agreement's business (`protocol/agreement.py`), not one wire's.
 """
 from __future__ import annotations
 
@@ -43,13 +49,14 @@ from ..errors import ProtocolError
 from .framing import MAX_ABORT_PAYLOAD, MAX_CONTROL_PAYLOAD, AbortInfo, control_frame_header
 
 MAGIC = 0x43B7  # little-endian on the wire: 0xB7 first (never the 0 of a wake-up byte), then 0x43 ("C")
-VERSION = 1
+VERSION = 2
 _HEAD = struct.Struct("<HBBI")  # magic, version, type, body length
 HEAD_SIZE = _HEAD.size  # 8
 MAX_COUNTERS = 16
-MAX_RANKS = 1 << 12  # a SHRINK names fewer ranks than this
-# The largest body of any message: an ABORT's AbortInfo, or a SHRINK naming MAX_RANKS ranks.
-MAX_BODY = max(MAX_ABORT_PAYLOAD, 10 + 4 * MAX_RANKS)
+MAX_RANKS = 1 << 11  # a PROPOSE or COMMIT names fewer ranks than this
+MAX_GID = 127  # a frame's space byte holds 2 * gid + 1
+# The largest body of any message: an ABORT's AbortInfo, or a COMMIT naming MAX_RANKS ranks and their nonces.
+MAX_BODY = max(MAX_ABORT_PAYLOAD, 12 + 12 * MAX_RANKS)
 _U64 = (1 << 64) - 1
 
 
@@ -59,7 +66,9 @@ class Type(enum.IntEnum):
     PING = 3
     ANSWER = 4
     LEAVE = 5
-    SHRINK = 6
+    PROPOSE = 6
+    COMMIT = 7
+    DONE = 8
 
 
 @dataclass(frozen=True)
@@ -101,17 +110,35 @@ class Leave:
 
 
 @dataclass(frozen=True)
-class Shrink:
-    epoch: int
+class Propose:
+    nonce: int  # this end's call (only grows)
+    ranks: tuple[int, ...]  # the new group's members, engine ranks, increasing
+    used: int = 0  # bit g set: group id g cannot be taken on this end now
+
+
+@dataclass(frozen=True)
+class Commit:
+    nonce: int  # the call of this end that decided
     ranks: tuple[int, ...]
+    view: tuple[int, ...]  # the nonce of each member's proposal decided on, in `ranks` order
+    gid: int  # the id those proposals give
 
 
-Message = Union[Bye, Abort, Ping, Answer, Leave, Shrink]
+@dataclass(frozen=True)
+class Done:
+    nonce: int  # this end's call that is over
+    view: tuple[int, ...] = ()  # the view of the group it made; empty: it made none
+
+
+Message = Union[Bye, Abort, Ping, Answer, Leave, Propose, Commit, Done]
 
 _OP = struct.Struct("<BqQqB")  # space, tag, sig, waits_on, counter count; then the counters (u64 each)
 _COUNT = struct.Struct("<B")
 _EPOCH = struct.Struct("<Q")
-_SHRINK = struct.Struct("<QH")  # epoch, rank count
+_PROPOSE = struct.Struct("<QQQH")  # nonce, used (low, high 64 bits), rank count
+_COMMIT = struct.Struct("<QHH")  # nonce, gid, rank count; then the ranks (u32), then the view (u64)
+_DONE = struct.Struct("<QH")  # nonce, view length; then the view (u64)
+_USED = (1 << (MAX_GID + 1)) - 1
 _Q = struct.Struct("<Q")
 _I = struct.Struct("<I")
 
@@ -145,20 +172,40 @@ def _body(msg: Message) -> tuple[Type, bytes]:
         if not 0 <= msg.epoch <= _U64:
             raise ProtocolError(f"LEAVE epoch {msg.epoch} out of range")
         return Type.LEAVE, _EPOCH.pack(msg.epoch) + _COUNT.pack(len(msg.sent)) + _u64s(msg.sent, "LEAVE")
-    if isinstance(msg, Shrink):
-        _check_ranks(msg.ranks)
-        if not 0 <= msg.epoch <= _U64:
-            raise ProtocolError(f"SHRINK epoch {msg.epoch} out of range")
-        return Type.SHRINK, _SHRINK.pack(msg.epoch, len(msg.ranks)) + b"".join(
+    if isinstance(msg, Propose):
+        _check_ranks(msg.ranks, "PROPOSE")
+        _check_nonce(msg.nonce, "PROPOSE")
+        if not 0 <= msg.used <= _USED:
+            raise ProtocolError(f"PROPOSE: used ids {msg.used:#x} out of range")
+        return Type.PROPOSE, _PROPOSE.pack(msg.nonce, msg.used & _U64, msg.used >> 64, len(msg.ranks)) + b"".join(
             _I.pack(r) for r in msg.ranks)
+    if isinstance(msg, Commit):
+        _check_ranks(msg.ranks, "COMMIT")
+        _check_nonce(msg.nonce, "COMMIT")
+        if len(msg.view) != len(msg.ranks) or any(type(v) is not int or not 0 < v <= _U64 for v in msg.view):
+            raise ProtocolError(f"COMMIT: a view of {len(msg.view)} nonces for {len(msg.ranks)} ranks")
+        if not 0 <= msg.gid <= MAX_GID:
+            raise ProtocolError(f"COMMIT: group id {msg.gid} out of range")
+        return Type.COMMIT, _COMMIT.pack(msg.nonce, msg.gid, len(msg.ranks)) + b"".join(
+            _I.pack(r) for r in msg.ranks) + b"".join(_Q.pack(v) for v in msg.view)
+    if isinstance(msg, Done):
+        _check_nonce(msg.nonce, "DONE")
+        if len(msg.view) >= MAX_RANKS or any(type(v) is not int or not 0 < v <= _U64 for v in msg.view):
+            raise ProtocolError(f"DONE: a view of {len(msg.view)} nonces out of range")
+        return Type.DONE, _DONE.pack(msg.nonce, len(msg.view)) + b"".join(_Q.pack(v) for v in msg.view)
     raise ProtocolError(f"not a control message: {msg!r}")
 
 
-def _check_ranks(ranks: tuple[int, ...]) -> None:
+def _check_ranks(ranks: tuple[int, ...], name: str) -> None:
     if not 0 < len(ranks) < MAX_RANKS:
-        raise ProtocolError(f"SHRINK names {len(ranks)} ranks (1 to {MAX_RANKS - 1})")
+        raise ProtocolError(f"{name} names {len(ranks)} ranks (1 to {MAX_RANKS - 1})")
     if any(type(r) is not int or not 0 <= r < 1 << 32 for r in ranks) or list(ranks) != sorted(set(ranks)):
-        raise ProtocolError("SHRINK ranks must be distinct ranks in increasing order")
+        raise ProtocolError(f"{name} ranks must be distinct ranks in increasing order")
+
+
+def _check_nonce(nonce: int, name: str) -> None:
+    if type(nonce) is not int or not 0 < nonce <= _U64:
+        raise ProtocolError(f"{name}: nonce {nonce} out of range")
 
 
 def encode(msg: Message) -> bytes:
@@ -201,15 +248,34 @@ def _decode_body(typ: int, body: bytes) -> Message:
         if n < 0 or n > MAX_COUNTERS or len(body) != _EPOCH.size + 1 + 8 * n:
             raise ProtocolError(f"LEAVE of {len(body)} bytes")
         return Leave(_EPOCH.unpack_from(body)[0], tuple(struct.unpack_from(f"<{n}Q", body, _EPOCH.size + 1)))
-    if typ == Type.SHRINK:
-        if len(body) < _SHRINK.size:
-            raise ProtocolError(f"SHRINK of {len(body)} bytes")
-        epoch, n = _SHRINK.unpack_from(body)
-        if len(body) != _SHRINK.size + 4 * n:
-            raise ProtocolError(f"SHRINK of {len(body)} bytes does not hold the {n} ranks it announces")
-        ranks = tuple(struct.unpack_from(f"<{n}I", body, _SHRINK.size))
-        _check_ranks(ranks)
-        return Shrink(epoch, ranks)
+    if typ == Type.PROPOSE:
+        if len(body) < _PROPOSE.size:
+            raise ProtocolError(f"PROPOSE of {len(body)} bytes")
+        nonce, lo, hi, n = _PROPOSE.unpack_from(body)
+        if len(body) != _PROPOSE.size + 4 * n:
+            raise ProtocolError(f"PROPOSE of {len(body)} bytes does not hold the {n} ranks it announces")
+        msg: Message = Propose(nonce, tuple(struct.unpack_from(f"<{n}I", body, _PROPOSE.size)), lo | hi << 64)
+        _body(msg)  # the same checks as sending it
+        return msg
+    if typ == Type.COMMIT:
+        if len(body) < _COMMIT.size:
+            raise ProtocolError(f"COMMIT of {len(body)} bytes")
+        nonce, gid, n = _COMMIT.unpack_from(body)
+        if len(body) != _COMMIT.size + 12 * n:
+            raise ProtocolError(f"COMMIT of {len(body)} bytes does not hold the {n} ranks it announces")
+        ranks = tuple(struct.unpack_from(f"<{n}I", body, _COMMIT.size))
+        msg = Commit(nonce, ranks, tuple(struct.unpack_from(f"<{n}Q", body, _COMMIT.size + 4 * n)), gid)
+        _body(msg)
+        return msg
+    if typ == Type.DONE:
+        if len(body) < _DONE.size:
+            raise ProtocolError(f"DONE of {len(body)} bytes")
+        nonce, n = _DONE.unpack_from(body)
+        if len(body) != _DONE.size + 8 * n:
+            raise ProtocolError(f"DONE of {len(body)} bytes does not hold the view of {n} it announces")
+        msg = Done(nonce, tuple(struct.unpack_from(f"<{n}Q", body, _DONE.size)))
+        _body(msg)
+        return msg
     raise ProtocolError(f"unknown control message type {typ}")
 
 
@@ -263,10 +329,8 @@ class ControlConnection:
         self.wake = wake
         self.ours: "Type | None" = None  # BYE once this end said it (the wire ends)
         self.theirs: "Type | None" = None
-        self.aborted: tuple[set[int], set[int]] = (set(), set())  # groups ABORTed by this end, by the peer
-        self.left: tuple[set[int], set[int]] = (set(), set())  # groups LEFT by this end, by the peer
         self.pings_sent = 0
-        self.epochs = [-1, -1]  # the last SHRINK epoch said by this end, by the peer
+        self.nonces = [0, 0]  # the last call proposed on this wire by this end, by the peer
         self._error: "ProtocolError | None" = None
         self._buf = bytearray()
 
@@ -292,14 +356,10 @@ class ControlConnection:
         name = type(msg).__name__.upper()
         if said is not None:
             raise self._fail(f"{who} sent {name} after its {said.name}")
-        if isinstance(msg, Abort) and msg.info.group in self.aborted[end]:
-            raise self._fail(f"{who} sent a second ABORT for group {msg.info.group}")
-        if isinstance(msg, Leave) and msg.epoch in self.left[end]:
-            raise self._fail(f"{who} sent a second LEAVE of group {msg.epoch}")
         if isinstance(msg, Answer) and not mine and not self.pings_sent:
             raise self._fail("the peer sent an ANSWER to no PING")
-        if isinstance(msg, Shrink) and msg.epoch <= self.epochs[end]:
-            raise self._fail(f"{who} proposed epoch {msg.epoch} after epoch {self.epochs[end]}")
+        if isinstance(msg, Propose) and msg.nonce <= self.nonces[end]:
+            raise self._fail(f"{who} proposed call {msg.nonce} after call {self.nonces[end]}")
 
     def _apply(self, msg: Message, mine: bool) -> None:
         end = 0 if mine else 1
@@ -308,12 +368,8 @@ class ControlConnection:
                 self.ours = Type.BYE
             else:
                 self.theirs = Type.BYE
-        elif isinstance(msg, Abort):
-            self.aborted[end].add(msg.info.group)
-        elif isinstance(msg, Leave):
-            self.left[end].add(msg.epoch)
-        elif isinstance(msg, Shrink):
-            self.epochs[end] = msg.epoch
+        elif isinstance(msg, Propose):
+            self.nonces[end] = msg.nonce
         elif isinstance(msg, Ping) and mine:
             self.pings_sent += 1
 

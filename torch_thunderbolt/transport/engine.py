@@ -32,12 +32,13 @@ import select
 import socket
 import threading
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from typing import Callable, Iterable, Sequence
 
-from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerLostError, ProtocolError,
-                      ThunderboltError, peer_lost, peer_shut_down)
+from ..errors import (BackendClosedError, CollectiveTimeout, MismatchError, PeerAbortedError, PeerLostError,
+                      ProtocolError, ThunderboltError, peer_lost, peer_shut_down)
 from ..protocol import control
+from ..protocol.agreement import Agreement, Disagree, Exhausted, Joined, Lost, Record, identity
 from ..protocol.framing import DISCARD, AbortInfo, Frame, is_p2p
 from ..protocol.signature import describe_sig
 from .base import (ANY_SOURCE, NOT_YET, TAKEN, CountedCondition, Key, Link, LinkKind, Request, Sink, bytes_view,
@@ -48,7 +49,6 @@ from .names import RankNames
 from .spin import SLOW_YIELD, SpinGuard, yield_cpu
 from .window import WindowMemory
 
-MAX_GROUPS = 128  # groups per engine over its life (a frame's space byte holds 2 * gid + 1)
 # How long an engine keeps writing what a failed group still had to say (its ABORTs, behind the rest of a
 # frame in flight) when nobody else drives it. Normally a few milliseconds; only a peer that reads nothing
 # (frozen, or itself stuck) uses it all.
@@ -77,10 +77,12 @@ class Engine(Sink):
         # nobody sleeps). Links never take or hold the engine's lock themselves.
         self.signal = self._cv.signal
         self.groups: dict[int, "Transport"] = {}
-        self.next_gid = 0  # the lowest gid no group over this engine has had (gids are never reused)
+        # The agreement on new groups and the ledger of group ids (protocol/agreement.py): which ids are
+        # live, which are over but may still see frames, what a frame for an id not live here means.
+        self.agreement = Agreement(rank)
+        self._agreeing = threading.Lock()  # one agreement at a time over this engine
         self._orphans: list[tuple[int, Frame, bytes]] = []  # whole frames for a group not made here yet
-        self.proposals: dict[int, deque[control.Shrink]] = defaultdict(deque)  # SHRINKs heard, by peer
-        self._proposed = -1  # the last gid this rank proposed (a SHRINK's epoch only grows)
+        self._early: list[tuple[int, control.Abort]] = []  # ABORTs of a group not made here yet
         # Memory this host's ranks read directly, for the collectives designed for it (a kind that has some
         # offers it: shm); the group made at set-up uses it.
         self.window_memory: WindowMemory | None = None
@@ -145,40 +147,57 @@ class Engine(Sink):
         return self._route.get(peer)
 
     # -- groups ---------------------------------------------------------------------------------------------
-    def add_group(self, gid: int, members: Sequence[int], names: RankNames | None = None) -> "Transport":
-        """The group `gid` over engine ranks `members` (ascending; this rank among them), which every member
-        makes with the same gid (see `agree_gid`). Frames that came for it before it was made are its own
-        now."""
-        with self._lock:
-            if self.closed:
-                raise BackendClosedError(f"rank {self.rank}: the transport is closed")
-            if gid < self.next_gid or gid >= MAX_GROUPS:
-                raise ValueError(f"rank {self.rank}: group id {gid} is taken or out of range (next {self.next_gid})")
-            group = Transport.__new__(Transport)
-            group._init_view(self, gid, list(members), names)
-            self.groups[gid] = group
-            self.next_gid = gid + 1
-            orphans, self._orphans = self._orphans, []
-            for peer, frame, data in orphans:  # (only the in-memory kind, which never holds a frame back)
-                self.delivered_whole(peer, frame, data)
-            self.posts += 1  # frames held back for it are offered again
-            return group
+    def add_group(self, rec: Record, names: RankNames | None = None) -> "Transport":
+        """(Lock held.) The group the agreement made (`rec`, live in its ledger). Frames that came for it before
+        it was made are its own now; a member already lost makes it fail at once."""
+        if self.closed:
+            raise BackendClosedError(f"rank {self.rank}: the transport is closed")
+        group = Transport.__new__(Transport)
+        group._init_view(self, rec.gid, list(rec.members), names, identity(rec.gid, rec.members, rec.view))
+        group.view = rec.view
+        self.groups[rec.gid] = group
+        self._reoffer()
+        gone = [m for m in rec.members if m in self._dead or m in self._gone]
+        if gone and group.broken is None:
+            gr = group.rank_of[gone[0]]
+            group.fail(peer_lost(group.rank, gr, f"rank {gr} was lost before the new group was made",
+                                 address=self.peer_address(gone[0])))
+        return group
+
+    def _reoffer(self) -> None:
+        """(Lock held.) The ledger changed: what was held back for a group not made here yet is offered again
+        (made now: its own; over for good: dropped)."""
+        orphans, self._orphans = self._orphans, []
+        for peer, frame, data in orphans:  # (only the in-memory kind, which never holds a frame back)
+            self.delivered_whole(peer, frame, data)
+        early, self._early = self._early, []
+        for peer, msg in early:
+            self.said(peer, msg)
+        self.posts += 1  # links offer again the frames they hold back
 
     def _group_closed(self, group: "Transport") -> None:
-        """`group` is over (lock held): the engine closes with its last group."""
+        """`group` is over (lock held): its id stays taken until its members are done with it; the engine
+        closes with its last group."""
         self.groups.pop(group.gid, None)
+        self.agreement.closed(group.gid, [group.members[r] for r in group._gone])
         self.posts += 1  # its frames still held back are discarded now
         if not self.groups:
             self._close()
+
+    def _say(self, sends: "Iterable[tuple[int, control.Message]]") -> None:
+        """(Lock held.) The agreement's messages, each to its peer while its link is up."""
+        for peer, msg in sends:
+            if peer not in self._dead and peer not in self._gone:
+                self._route[peer].say(msg)
 
     # -- the sink: what the links report (lock held) ----------------------------------------------------------
     def delivered(self, peer: int, frame: Frame, early: int) -> "tuple[memoryview, object] | None":
         gid = frame.space >> 1
         group = self.groups.get(gid)
         if group is None:
-            if gid < self.next_gid:
-                return DISCARD  # a group that is over here
-            return None  # a group not made here yet: held back until it is (`add_group`)
+            # Of a group that is over here (or will never be made here): dropped; else of a group not made
+            # here yet: held back until it is (`add_group`).
+            return DISCARD if self.agreement.fate(peer, gid) == "drop" else None
         if group.broken is not None:
             return DISCARD
         gr = group.rank_of.get(peer)
@@ -239,6 +258,8 @@ class Engine(Sink):
                 link.abort(err, None, group.gid)
         self._dead.add(peer)
         self._failing.discard(peer)
+        self.agreement.peer_lost(peer)
+        self._reoffer()
         if link is not None:
             link.abort(exc, None, -1)
         self.signal()
@@ -246,12 +267,24 @@ class Engine(Sink):
     def said(self, peer: int, msg: "control.Message") -> None:
         if isinstance(msg, control.Bye):
             self._gone.add(peer)
+            self.agreement.peer_lost(peer)
             for group in list(self.groups.values()):
                 if peer in group.rank_of:
                     group.peer_left(group.rank_of[peer], f"({self.peer_address(peer)})")
+            self._reoffer()
+            self.signal()
             return
-        if isinstance(msg, control.Shrink):
-            self.proposals[peer].append(msg)
+        if isinstance(msg, (control.Propose, control.Commit, control.Done)):
+            sends, broken = self.agreement.receive(peer, msg)
+            self._say(sends)
+            for gid in broken:
+                group = self.groups[gid]
+                gr = group.rank_of[peer]
+                group.fail(PeerAbortedError(
+                    f"rank {group.rank}: rank {gr} gave up making this group (its call ended with an error after "
+                    f"the others had made it): call it again on every rank that stays"))
+            if isinstance(msg, control.Done):
+                self._reoffer()
             self.signal()
             return
         gid = (msg.info.group if isinstance(msg, control.Abort) else msg.epoch if isinstance(msg, control.Leave)
@@ -260,6 +293,11 @@ class Engine(Sink):
         if group is None or peer not in group.rank_of:
             if isinstance(msg, control.Ping):  # (a group over here, or not made yet: nothing to tell)
                 self._route[peer].say(control.Answer(control.Op(msg.op.space, msg.op.tag, msg.op.sig, -1)))
+            elif isinstance(msg, control.Leave) and group is None:
+                self.agreement.left(peer, gid)
+                self._reoffer()
+            elif isinstance(msg, control.Abort) and group is None and self.agreement.fate(peer, gid) == "hold":
+                self._early.append((peer, msg))  # the group it failed may still be made here: it fails then
             return
         group.heard(group.rank_of[peer], msg)
 
@@ -449,9 +487,8 @@ class Engine(Sink):
         if self.closed:
             return
         self.closed = True
-        for link in self._links:
-            if link.peer not in self._dead:
-                link.close(bye=True)
+        for link in self._links:  # a dead peer's link too: its sockets are released now, not by the collector
+            link.close(bye=link.peer not in self._dead)
         self.broken = BackendClosedError(f"rank {self.rank}: the transport is closed")
         for s in (self._wake_r, self._wake_w):
             s.close()
@@ -486,15 +523,20 @@ class Transport:
     def __init__(self, rank: int, world: int, kinds: Sequence[LinkKind], cv: CountedCondition | None = None,
                  names: RankNames | None = None) -> None:
         engine = Engine(rank, world, kinds, cv)
-        self._init_view(engine, 0, list(range(world)), names)
+        members = list(range(world))
+        self._init_view(engine, 0, members, names, identity(0, members, ()))
+        engine.agreement.add(0, members)
         engine.groups[0] = self
-        engine.next_gid = 1
         self.window_memory = engine.window_memory
 
-    def _init_view(self, engine: Engine, gid: int, members: list[int], names: RankNames | None) -> None:
+    def _init_view(self, engine: Engine, gid: int, members: list[int], names: RankNames | None, ident: int) -> None:
         self.engine = engine
         self.gid = gid
         self.members = members
+        self.view: tuple[int, ...] = ()  # the proposals it was agreed from (none: the group made at set-up)
+        # Mixed into the low half of every message signature of this group (its readable half stays), so a
+        # frame of another group that shares this id by any route is a MismatchError, never taken as data.
+        self.mark = (ident ^ (ident >> 32)) & 0xFFFFFFFF
         self.rank = members.index(engine.rank)
         self.world = len(members)
         self.rank_of = {e: i for i, e in enumerate(members)}
@@ -587,6 +629,8 @@ class Transport:
     # -- posting --------------------------------------------------------------------------------------------
     def isend(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
         self._check_peer(peer)
+        if sig:
+            sig ^= self.mark
         view = bytes_view(buf)
         with self._lock:
             self.check_usable()
@@ -606,6 +650,10 @@ class Transport:
         return req
 
     def irecv(self, peer: int, key: Key, buf: memoryview, sig: int = 0) -> Request:
+        return self._irecv(peer, key, buf, sig ^ self.mark if sig else 0)
+
+    def _irecv(self, peer: int, key: Key, buf: memoryview, sig: int) -> Request:
+        """irecv with `sig` already marked with this group's identity."""
         if peer != ANY_SOURCE:
             self._check_peer(peer)
         req = Request(peer, key, sig, bytes_view(buf), is_send=False)
@@ -655,6 +703,8 @@ class Transport:
         `retire`: the op's tag when these are all its messages (the op is retired here, see `retire`)."""
         if not sends and not recvs:
             return
+        if sig:
+            sig ^= self.mark
         reqs: list[Request] = []
         left: Sequence[tuple[int, Key, memoryview]] = recvs
         with self._lock:
@@ -679,7 +729,7 @@ class Transport:
             if engine._polling and reqs:
                 engine._wake()
         for peer, key, buf in left:
-            reqs.append(self.irecv(peer, key, buf, sig))
+            reqs.append(self._irecv(peer, key, buf, sig))
         for r in reqs:
             if not r.done:
                 self.wait(reqs, deadline, what)
@@ -791,6 +841,16 @@ class Transport:
                 self.check_usable()
             now = time.monotonic()
             if deadline is not None and now >= deadline:
+                # What the peers said while this rank was away (a frozen rank woken late: their ABORT naming
+                # it) is read before this rank blames anyone.
+                self.engine.progress(0.0)
+                for r in reqs:
+                    if r.error is not None:
+                        raise r.error
+                if how(r.done for r in reqs):
+                    return
+                if self.broken is not None:
+                    raise self.broken
                 raise self._timeout_error(reqs, what, arrived)
             self.engine.progress(0.2 if deadline is None else min(0.2, deadline - now))
 
@@ -923,8 +983,7 @@ class Transport:
         members = sorted({self.members[r] for r in ranks})
         if self.engine.rank not in members:
             raise ValueError(f"rank {self.rank}: {what} of ranks {sorted(ranks)}, which this rank is not in")
-        gid = self._agree(members, deadline, what)
-        return self.engine.add_group(gid, members, names)
+        return self._agree(members, deadline, what, names)
 
     def shrink(self, excluded: Sequence[int], deadline: float, what: object = "shrink_group",
                names: RankNames | None = None, abort: bool = True) -> "Transport":
@@ -949,49 +1008,51 @@ class Transport:
         finally:
             self.fail(over)
 
-    def _agree(self, members: list[int], deadline: float, what: object) -> int:
-        """The id of a new group over engine ranks `members`, agreed with every other member over the live
-        links: each sends each a SHRINK naming the members and the lowest id free on its side, and the
-        group takes the largest (free on every side). MismatchError when a member proposes other members,
-        PeerLostError when one is lost or gone, CollectiveTimeout naming those that did not answer by
-        `deadline`; errors name this group's ranks."""
+    def _agree(self, members: list[int], deadline: float, what: object, names: RankNames | None) -> "Transport":
+        """A new group over engine ranks `members`, agreed with every other member over the live links
+        (protocol/agreement.py): made on every member, or on none that goes on using it. MismatchError when a
+        member proposes other members, PeerLostError when one is lost or gone, CollectiveTimeout naming those
+        that did not join or confirm by `deadline`; errors name this group's ranks."""
         engine = self.engine
-        others = [m for m in members if m != engine.rank]
         name = lambda e: self.rank_of.get(e, e)  # noqa: E731 - engine rank as this group names it
-        with self._lock:
-            proposal = max(engine.next_gid, engine._proposed + 1)
-            if proposal >= MAX_GROUPS:
-                raise RuntimeError(f"rank {self.rank}: {what}: more than {MAX_GROUPS} groups over one set of links "
-                                   f"in this process's life; destroy the process group and start again")
-            engine._proposed = proposal
-            for p in others:
-                if p not in engine._dead and p not in engine._gone:
-                    engine._route[p].say(control.Shrink(proposal, tuple(members)))
-        got: dict[int, control.Shrink] = {}
-        while True:
+        ours = sorted(name(m) for m in members)
+        if not engine._agreeing.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise CollectiveTimeout(f"rank {self.rank}: Timed out in {what}: another group was being made over "
+                                    f"these links by another thread", ranks=[])
+        try:
             with self._lock:
-                for p in others:
-                    if p not in got and engine.proposals[p]:
-                        got[p] = engine.proposals[p].popleft()
-                lost = [p for p in others if p not in got and (p in engine._dead or p in engine._gone)]
-            if lost:
-                raise peer_lost(self.rank, name(lost[0]), f"rank {name(lost[0])} is gone, so it cannot be in the new "
-                                f"group of ranks {sorted(name(m) for m in members)} ({what})",
-                                address=engine.peer_address(lost[0]))
-            if len(got) == len(others):
-                break
-            now = time.monotonic()
-            if now >= deadline:
-                late = sorted(name(p) for p in others if p not in got)
-                raise CollectiveTimeout(f"rank {self.rank}: Timed out in {what}: ranks that did not join the new "
-                                        f"group: {late}", ranks=late)
-            engine.progress(min(0.2, deadline - now))
-        for p, m in sorted(got.items()):
-            if list(m.ranks) != members:
-                raise MismatchError(
-                    f"rank {self.rank}: {what}: rank {name(p)} makes a group of ranks {sorted(name(e) for e in m.ranks)}, "
-                    f"this rank one of ranks {sorted(name(e) for e in members)} (every rank must name the same ranks)")
-        return max([proposal, *(m.epoch for m in got.values())])
+                engine._say(engine.agreement.begin(members))
+            while True:
+                with self._lock:
+                    out = engine.agreement.outcome()
+                    if isinstance(out, Joined):
+                        rec, sends = engine.agreement.finish()
+                        engine._say(sends)
+                        return engine.add_group(rec, names)
+                    if out is not None or time.monotonic() >= deadline:
+                        silent, unconfirmed = engine.agreement.waiting_for()
+                        engine._say(engine.agreement.abandon())
+                        engine._reoffer()
+                        break
+                engine.progress(min(0.2, max(0.0, deadline - time.monotonic())))
+        finally:
+            engine._agreeing.release()
+        if isinstance(out, Lost):
+            p = out.peer
+            raise peer_lost(self.rank, name(p), f"rank {name(p)} is gone, so it cannot be in the new group of "
+                            f"ranks {ours} ({what})", address=engine.peer_address(p))
+        if isinstance(out, Disagree):
+            raise MismatchError(
+                f"rank {self.rank}: {what}: rank {name(out.peer)} makes a group of ranks "
+                f"{sorted(name(e) for e in out.ranks)}, this rank one of ranks {ours} (every rank must name the "
+                f"same ranks; after a loss, exclude every rank lost, and call again)")
+        if isinstance(out, Exhausted):
+            raise RuntimeError(f"rank {self.rank}: {what}: every group id is in use on some member of ranks {ours} "
+                               f"(at most {bin(out.used).count('1')} groups at once over one set of links); destroy "
+                               f"groups you no longer use")
+        late = sorted(name(p) for p in silent) or sorted(name(p) for p in unconfirmed)
+        how = "did not join the new group" if silent else "joined but did not confirm the new group"
+        raise CollectiveTimeout(f"rank {self.rank}: Timed out in {what}: ranks that {how}: {late}", ranks=late)
 
     # -- checks and errors ----------------------------------------------------------------------------------
     def held(self, peer: int) -> Frame | None:

@@ -898,7 +898,7 @@ class RdmaLink(Link):
                 elif isinstance(msg, (control.Ping, control.Answer)) and len(msg.op.counters) == PROBE_COUNTERS:
                     self.kind.on_probe(self, msg.op)
                     sink.said(self.peer, msg)
-                elif isinstance(msg, (control.Abort, control.Shrink)):  # (a SHRINK: a new group's proposal)
+                elif isinstance(msg, (control.Abort, control.Propose, control.Commit, control.Done)):
                     sink.said(self.peer, msg)
                 else:
                     raise ProtocolError(f"sent {msg}, which no RDMA link of this version takes (the ranks run "

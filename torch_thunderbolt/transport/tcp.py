@@ -71,10 +71,11 @@ class Outgoing:
     """One frame queued on a stream: header, payload view, the request it serves (None for control
     frames and resends of completed parts), bytes written, and its failover log entry."""
 
-    __slots__ = ("hdr", "payload", "req", "sent", "fields", "entry")
+    __slots__ = ("hdr", "payload", "req", "sent", "fields", "entry", "front")
 
     def __init__(self, hdr: bytes, payload: memoryview, req: Request | None, fields: Fields | None = None) -> None:
         self.hdr, self.payload, self.req, self.sent, self.fields, self.entry = hdr, payload, req, 0, fields, None
+        self.front = False  # queued ahead of data (see `enqueue`)
 
 
 def _control_frame(hdr: bytes) -> Outgoing:
@@ -322,12 +323,18 @@ class TcpLink(Link):
         self._take_dest = _NOTHING
 
     def enqueue(self, c: Stream, out: Outgoing, front: bool = False) -> None:
-        """Queue a frame (with `front`: right after the frame being written, if any) and try to write."""
+        """Queue a frame (with `front`: ahead of queued data, right after the frame being written and the frames
+        queued ahead before it: control messages keep the order they were said in, which the agreement on new
+        groups relies on) and try to write."""
+        out.front = front
         if front and c.sendq:
             head = c.sendq[0]
-            if not head.sent and c.sealer is not None and len(head.hdr) != FRAME_HEADER_SIZE:
+            at = 1 if head.sent else 0
+            while at < len(c.sendq) and c.sendq[at].front:
+                at += 1
+            if at == 0 and c.sealer is not None and len(head.hdr) != FRAME_HEADER_SIZE:
                 head.hdr = c.sealer.unseal(head.hdr)  # sealed but not written: `out` takes its number
-            c.sendq.insert(1 if head.sent else 0, out)
+            c.sendq.insert(at, out)
         else:
             c.sendq.append(out)
         if c.sendq[0] is out:
@@ -616,7 +623,7 @@ class TcpLink(Link):
         self._kill_stream(lost, ConnectionAbortedError(errno.ECONNABORTED, f"rank {c.peer} lost this stream"))
         survivors = self._survivors(lost)
         parts = lost.log.replay(frame.offset)
-        for i, part in reversed(list(enumerate(parts))):  # each goes to the front: oldest first in the end
+        for i, part in enumerate(parts):  # ahead of queued data, in order (front frames keep theirs)
             owner = part.owner
             out = Outgoing(_header(part.fields), memoryview(part.payload), owner.req if owner else None,
                            part.fields)

@@ -1,0 +1,363 @@
+"""How the members of a new group agree on it over the live links, and which group ids are free (sans-IO).
+
+A new group over an engine's links (`split`: new_group, a DeviceMesh dimension; `shrink`: the ranks that stay
+after a loss) needs the same id on every member, an id no other group of any member is using, and no help
+from the rendezvous store, which may have died with the rank that served it. Calls fail and are retried (a
+timeout, a member lost, members that disagree on who is lost): nothing of a failed call may leak into a later
+one, and a call returns a group on every member or, where a member's call failed after others returned, the
+group they returned is broken, never used as if it were whole.
+
+**The agreement.** Each call of a rank has a nonce (it only grows; (rank, nonce) names the call).
+1. PROPOSE: the rank tells every other member the members it wants and the ids it cannot take (`used`).
+   Each rank keeps, per peer, only the peer's latest proposal that the peer has not withdrawn.
+2. COMMIT: once it holds a proposal from every member naming the same members, a rank decides: the
+   `view` (each member's proposal nonce, in member order, its own included) and the id that follows from
+   those proposals (the lowest id none of them uses: the same view gives the same id on every rank). It
+   tells every other member (view, id). It decides again whenever a newer proposal replaces one.
+3. The call returns once every other member committed to a (view, id) this rank committed to itself, with
+   this rank's current nonce in it. A rank never returns a view holding a withdrawn proposal.
+4. WITHDRAW: a call that ends with an error (timeout, loss, disagreement) tells the others; a peer drops the
+   proposal, and a group it already returned from a view holding that proposal is broken (the withdrawing
+   rank will never have it). A rank that refused a peer's proposal for naming other members ignores that
+   proposal in its later calls, so a retry waits for the peer's next proposal instead of refusing it again.
+
+Why it cannot diverge: a rank returns view V only if every member committed V, and a member commits only
+views holding its own current nonce; two returned views that differ would need some member to have committed
+both with the same current nonce while every returning rank had committed both too, and a returning rank's
+view holds its own current nonce, so each returning rank's entry is the same in both, and so is every other
+member's (each needs that member's commit of V, made under the nonce V names). `tests/core/test_agreement.py`
+checks this by exploring every interleaving of messages, timeouts, retries and deaths for small worlds
+(`testing/agreement_model.py`), and that a machine without nonces fails that check.
+
+**Ids.** A frame's space byte names its group (`2 * gid`, `2 * gid + 1`), so ids are few (`MAX_GID + 1`) and
+are reused: an id is taken while a group of that id is live here, and after that until every other member
+that may still send frames of it has said LEAVE (which comes behind a group's data on every kind), withdrawn
+the call that would have made it, or is gone. A call that ends without a group after committing to an id
+keeps it taken the same way, so frames of a group a peer made from that commit are dropped, never held back
+or taken for a later group's. What a frame for an id that is not live here means is `fate`'s: a later
+group's (held back until it is made), or one that is over (dropped).
+
+**Identity.** Each group has a 64-bit identity of its id, members and view (`identity`); the transport mixes
+it into every message's signature, so two groups that share an id by any route fail with a MismatchError
+instead of combining each other's data.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+from .control import MAX_GID, Commit, Done, Message, Propose
+
+Send = tuple[int, Message]  # (peer engine rank, message)
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The call made a group: the same (gid, members, view) on every member."""
+    gid: int
+    members: tuple[int, ...]
+    view: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Disagree:
+    """A member proposes a group of other members (its latest proposal, not withdrawn)."""
+    peer: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Exhausted:
+    """Every group id is taken on some member."""
+    used: int
+
+
+@dataclass(frozen=True)
+class Lost:
+    """A member's link failed, or it said BYE: it cannot be in the group."""
+    peer: int
+
+
+Outcome = Union[Joined, Disagree, Exhausted, Lost]
+
+
+def decide(used: Sequence[int]) -> "int | None":
+    """The group id a set of proposals gives: the lowest id none of them uses (None: every id is taken)."""
+    taken = 0
+    for u in used:
+        taken |= u
+    free = ~taken & ((1 << (MAX_GID + 1)) - 1)
+    return (free & -free).bit_length() - 1 if free else None
+
+
+def identity(gid: int, members: Sequence[int], view: Sequence[int]) -> int:
+    """A group's 64-bit identity: its id, members and the proposals it was made from (the set-up group: none)."""
+    text = f"{gid}|{','.join(map(str, members))}|{','.join(map(str, view))}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+@dataclass
+class _Call:
+    nonce: int
+    members: tuple[int, ...]
+    own: Propose
+    commits: list[tuple[tuple[int, ...], int]] = field(default_factory=list)  # (view, gid) committed to, in order
+    confirmed: dict[int, set[tuple[tuple[int, ...], int]]] = field(default_factory=dict)  # by peer
+    outcome: "Outcome | None" = None
+
+
+@dataclass
+class Record:
+    """A group this rank made (or the set-up group), as the ledger keeps it."""
+    gid: int
+    members: tuple[int, ...]
+    view: tuple[int, ...]  # () for the set-up group
+
+    def nonce_of(self, peer: int) -> "int | None":
+        return self.view[self.members.index(peer)] if self.view and peer in self.members else None
+
+
+class Agreement:
+    """One rank's side of every agreement over one engine, and its ledger of group ids. Messages in
+    (`receive`), messages out (lists of (peer, message) to send, in order, on each peer's control wire: the
+    kinds deliver one peer's control messages in the order said), no I/O and no clock: the caller decides
+    when a call has waited long enough (`abandon`). One call at a time."""
+
+    HISTORY = 16  # calls of each peer whose end is remembered (older ones count as over without a group)
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.nonce = 0  # this rank's last call
+        self.heard: dict[int, Propose] = {}  # each peer's latest proposal of a call not over
+        self.over: dict[int, dict[int, tuple[int, ...]]] = {}  # peer -> {its call: view made, () for none}
+        self.refused: dict[int, int] = {}  # each peer's latest proposal refused here (ignored from then on)
+        self.spent: dict[int, int] = {}  # each peer's latest proposal this rank committed to in a call now over
+        self.call: "_Call | None" = None
+        self.groups: dict[int, Record] = {}  # live here
+        # gid -> {peer: (its nonce, view)}: members that may still send frames of a group of that id
+        self.awaiting: dict[int, dict[int, tuple["int | None", tuple[int, ...]]]] = {}
+        self.lost: set[int] = set()  # peers whose link failed or who said BYE
+
+    # -- ids ------------------------------------------------------------------------------------------------
+    def used(self) -> int:
+        """The ids this rank cannot take now: live here, or awaiting a member's LEAVE."""
+        bits = 0
+        for gid in self.groups:
+            bits |= 1 << gid
+        for gid in self.awaiting:
+            bits |= 1 << gid
+        return bits
+
+    def fate(self, peer: int, gid: int) -> str:
+        """What a frame (or ABORT) from `peer` for group `gid` is: "live" (the group is here), "drop" (of a
+        group that is over, or that will never be made here) or "hold" (of a group not made here yet)."""
+        if gid in self.groups:
+            return "live"
+        if peer in self.awaiting.get(gid, ()):
+            return "drop"
+        return "hold"
+
+    def add(self, gid: int, members: Sequence[int], view: Sequence[int] = ()) -> Record:
+        """A group made here: the set-up group (no view), or the outcome of a call (`finish`)."""
+        if gid in self.groups or gid in self.awaiting:
+            raise ValueError(f"rank {self.rank}: group id {gid} is taken here")
+        rec = Record(gid, tuple(members), tuple(view))
+        self.groups[gid] = rec
+        return rec
+
+    def closed(self, gid: int, left: Sequence[int] = ()) -> None:
+        """Group `gid` is over here; `left`: members that already said LEAVE of it. Its id stays taken until
+        the others have said LEAVE, ended the call that would have made it without making it, or are lost."""
+        rec = self.groups.pop(gid, None)
+        if rec is not None:
+            self._await(rec, set(left))
+
+    def _await(self, rec: Record, left: "set[int]") -> None:
+        waiting = {p: (rec.nonce_of(p), rec.view) for p in rec.members
+                   if p != self.rank and p not in left and p not in self.lost
+                   and not (rec.view and self._unmade(p, rec.nonce_of(p), rec.view))}
+        if waiting:
+            self.awaiting.setdefault(rec.gid, {}).update(waiting)
+
+    def _release(self, gid: int, peer: int) -> None:
+        waiting = self.awaiting.get(gid)
+        if waiting is not None:
+            waiting.pop(peer, None)
+            if not waiting:
+                del self.awaiting[gid]
+
+    def left(self, peer: int, gid: int) -> None:
+        """`peer` said LEAVE of group `gid`: nothing of it comes from `peer` any more."""
+        if gid not in self.groups:
+            self._release(gid, peer)
+
+    def peer_lost(self, peer: int) -> list[int]:
+        """`peer`'s link failed or it said BYE: it sends nothing more. The live groups holding it (the engine
+        fails those)."""
+        self.lost.add(peer)
+        self.heard.pop(peer, None)
+        for gid in list(self.awaiting):
+            self._release(gid, peer)
+        call = self.call
+        if call is not None and call.outcome is None and peer in call.members:
+            call.outcome = Lost(peer)
+        return [g for g, rec in self.groups.items() if peer in rec.members]
+
+    # -- what peers' calls came to ----------------------------------------------------------------------------
+    def _unmade(self, peer: int, nonce: "int | None", view: tuple[int, ...]) -> bool:
+        """Whether `peer`'s call `nonce` is over without making the group of `view`."""
+        if nonce is None:
+            return False
+        ends = self.over.get(peer)
+        if not ends:
+            return False
+        if nonce in ends:
+            return ends[nonce] != view
+        return nonce < min(ends)  # older than what is remembered: long over
+
+    def _dead(self, view: tuple[int, ...], members: tuple[int, ...]) -> bool:
+        """Whether a view can no longer be made: one of its proposals is over without making it."""
+        return any(self._unmade(m, view[i], view) for i, m in enumerate(members) if m != self.rank)
+
+    # -- the agreement ----------------------------------------------------------------------------------------
+    def begin(self, members: Sequence[int]) -> list[Send]:
+        """Start a call for a group of engine ranks `members` (this rank among them)."""
+        if self.call is not None:
+            raise RuntimeError(f"rank {self.rank}: an agreement is already running")
+        members = tuple(sorted(set(members)))
+        if self.rank not in members:
+            raise ValueError(f"rank {self.rank}: a group of ranks {list(members)} does not hold this rank")
+        self.nonce += 1
+        own = Propose(self.nonce, members, self.used())
+        self.call = _Call(self.nonce, members, own)
+        gone = [p for p in members if p in self.lost]
+        if gone:
+            self.call.outcome = Lost(gone[0])
+            return []
+        sends: list[Send] = [(p, own) for p in members if p != self.rank]
+        return sends + self._step()
+
+    def receive(self, peer: int, msg: Message) -> tuple[list[Send], list[int]]:
+        """An agreement message from `peer`: what to send, and the live groups to fail (made from a proposal of
+        a call of `peer`'s that made another group or none: `peer` will never have them)."""
+        broken: list[int] = []
+        if isinstance(msg, Propose):
+            latest = self.heard[peer].nonce if peer in self.heard else 0
+            ends = self.over.get(peer)
+            if msg.nonce > max(latest, self.refused.get(peer, 0), max(ends) if ends else 0):
+                self.heard[peer] = msg
+        elif isinstance(msg, Commit):
+            call = self.call
+            if call is not None and msg.ranks == call.members and self._current(peer, msg):
+                call.confirmed.setdefault(peer, set()).add((msg.view, msg.gid))
+        elif isinstance(msg, Done):
+            ends = self.over.setdefault(peer, {})
+            ends[msg.nonce] = msg.view
+            while len(ends) > self.HISTORY:
+                del ends[min(ends)]
+            if peer in self.heard and self.heard[peer].nonce <= msg.nonce:
+                del self.heard[peer]
+            call = self.call
+            if call is not None and peer in call.confirmed:
+                call.confirmed[peer] = {c for c in call.confirmed[peer] if not self._dead(c[0], call.members)}
+            for gid in list(self.awaiting):
+                nonce, view = self.awaiting[gid].get(peer, (None, ()))
+                if view and self._unmade(peer, nonce, view):
+                    self._release(gid, peer)
+            broken = [g for g, rec in self.groups.items()
+                      if rec.view and self._unmade(peer, rec.nonce_of(peer), rec.view)]
+        return self._step(), broken
+
+    def _current(self, peer: int, msg: Commit) -> bool:
+        """A commit that can make this call's group: its view holds this call's nonce here, and a proposal of
+        `peer`'s whose call is not over without making it."""
+        call = self.call
+        assert call is not None
+        if len(msg.view) != len(call.members) or msg.view[call.members.index(self.rank)] != call.nonce:
+            return False
+        return msg.view[call.members.index(peer)] == msg.nonce and not self._dead(msg.view, call.members)
+
+    def _step(self) -> list[Send]:
+        call = self.call
+        if call is None or call.outcome is not None:
+            return []
+        others = [p for p in call.members if p != self.rank]
+        proposals = []
+        for p in others:
+            got = self.heard.get(p)
+            if got is None:
+                continue
+            if got.ranks != call.members:
+                if got.nonce <= self.spent.get(p, 0):
+                    continue  # a call this rank worked with before, not over yet: its next proposal will come
+                call.outcome = Disagree(p, got.ranks)
+                return []
+            proposals.append(got)
+        sends: list[Send] = []
+        last = call.commits[-1] if call.commits else None
+        if len(proposals) == len(others) and (last is None or self._dead(last[0], call.members)):
+            # A call commits to a second view only once its last one can no longer be made: while a view may
+            # still be confirmed, committing to another would let two ranks return two groups from one call.
+            view = tuple(call.nonce if m == self.rank else self.heard[m].nonce for m in call.members)
+            if last is None or view != last[0]:
+                gid = decide([call.own.used, *(p.used for p in proposals)])
+                if gid is None:
+                    call.outcome = Exhausted(call.own.used)
+                    return []
+                last = (view, gid)
+                call.commits.append(last)
+                commit = Commit(call.nonce, call.members, view, gid)
+                sends = [(p, commit) for p in others if p not in self.lost]
+        if last is not None and all(last in call.confirmed.get(p, ()) for p in others):
+            call.outcome = Joined(last[1], call.members, last[0])
+        return sends
+
+    def outcome(self) -> "Outcome | None":
+        return None if self.call is None else self.call.outcome
+
+    def waiting_for(self) -> tuple[list[int], list[int]]:
+        """The members this call has no proposal from, and those whose commit it still lacks."""
+        call = self.call
+        if call is None:
+            return [], []
+        others = [p for p in call.members if p != self.rank]
+        silent = [p for p in others if p not in self.heard or self.heard[p].ranks != call.members]
+        last = call.commits[-1] if call.commits else None
+        unconfirmed = [p for p in others if p not in silent and last not in call.confirmed.get(p, ())]
+        return silent, unconfirmed
+
+    def finish(self) -> tuple[Record, list[Send]]:
+        """The call's group (outcome Joined), now live here, and what to tell the other members: the call is
+        over, having made it. The call is over."""
+        call = self.call
+        assert call is not None and isinstance(call.outcome, Joined)
+        joined = call.outcome
+        self.call = None
+        for i, p in enumerate(joined.members):
+            if p in self.heard and self.heard[p].nonce == joined.view[i]:
+                del self.heard[p]  # that call of p's made this group: it proposes nothing more
+            if p != self.rank:
+                self.spent[p] = max(self.spent.get(p, 0), joined.view[i])
+        rec = self.add(joined.gid, joined.members, joined.view)
+        done = Done(call.nonce, joined.view)
+        return rec, [(p, done) for p in call.members if p != self.rank and p not in self.lost]
+
+    def abandon(self) -> list[Send]:
+        """The call ends without a group (an error, a timeout): every other member hears it is over. An id it
+        committed to stays taken until each member that may have made that group leaves it or is done."""
+        call = self.call
+        if call is None:
+            return []
+        self.call = None
+        if isinstance(call.outcome, Disagree):
+            refused = self.heard.get(call.outcome.peer)
+            if refused is not None:
+                self.refused[call.outcome.peer] = refused.nonce
+        for view, gid in call.commits:
+            self._await(Record(gid, call.members, view), set())
+            for i, p in enumerate(call.members):
+                if p != self.rank:
+                    self.spent[p] = max(self.spent.get(p, 0), view[i])
+        done = Done(call.nonce)
+        return [(p, done) for p in call.members if p != self.rank and p not in self.lost]
