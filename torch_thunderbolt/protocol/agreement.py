@@ -154,7 +154,7 @@ class Agreement:
         group that is over, or that will never be made here) or "hold" (of a group not made here yet)."""
         if gid in self.groups:
             return "live"
-        if peer in self.awaiting.get(gid, ()):
+        if peer in self.awaiting.get(gid, ()) or peer in self.lost:
             return "drop"
         return "hold"
 
@@ -296,6 +296,9 @@ class Agreement:
             proposals.append(got)
         sends: list[Send] = []
         last = call.commits[-1] if call.commits else None
+        if last is not None and self._dead(last[0], call.members):
+            # Members that made it before they learnt it cannot be whole may send frames of it: dropped here.
+            self._await(Record(last[1], call.members, last[0]), set())
         if len(proposals) == len(others) and (last is None or self._dead(last[0], call.members)):
             # A call commits to a second view only once its last one can no longer be made: while a view may
             # still be confirmed, committing to another would let two ranks return two groups from one call.
@@ -339,6 +342,11 @@ class Agreement:
                 del self.heard[p]  # that call of p's made this group: it proposes nothing more
             if p != self.rank:
                 self.spent[p] = max(self.spent.get(p, 0), joined.view[i])
+        # An id this call kept from a view of its own that could not be made: a member whose call makes this
+        # group made no other (one group per call), so it sends no frame of that one.
+        for p, (nonce, _) in list(self.awaiting.get(joined.gid, {}).items()):
+            if p in joined.members and joined.view[joined.members.index(p)] == nonce:
+                self._release(joined.gid, p)
         rec = self.add(joined.gid, joined.members, joined.view)
         done = Done(call.nonce, joined.view)
         return rec, [(p, done) for p in call.members if p != self.rank and p not in self.lost]
