@@ -124,6 +124,19 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
     def transport(self) -> Transport:
         return self._transport
 
+    @property
+    def global_ranks(self) -> list[int]:
+        """The global rank of each of this group's ranks, in group rank order: what torch registers for it
+        (`dist.get_process_group_ranks`)."""
+        return list(self._global_ranks)
+
+    def _become_default(self) -> None:
+        """torch made this group its default group (a shrunk default group replaces the old one): torch numbers
+        global ranks by the default group (`dist.get_rank()` is its rank), so this group's ranks are now the
+        global ones, and its errors name them so."""
+        self._global_ranks = list(range(self._size))
+        self._transport.names = None
+
     # -- torch's device -> backend map ------------------------------------------------------------------
     # torch wraps a C++ `Backend` in its own ProcessGroup and registers it per device type; a Backend cannot
     # be constructed from Python in this torch (pybind: "No constructor defined"), so this ProcessGroup is
