@@ -60,7 +60,10 @@ def expected(kind: str, lost: int, me: int) -> tuple[list[dict[str, Any]], list[
 def check_shrunk(res: RankResult, got: dict[str, Any], want: dict[str, Any]) -> None:
     stay, ranks = want["stay"], want["global"]
     who = (res.rank, got["label"], got["step"])
-    assert got["loss"]["type"] == "PeerLostError", (who, got["loss"])
+    # the error names the lost rank as the group numbers it, which is what shrink_group takes
+    before = sorted([*stay, got["lost"]])
+    assert got["loss"]["type"] == "PeerLostError" and got["loss"]["peer"] == before.index(got["lost"]), \
+        (who, got["loss"])
     mine = stay.index(res.rank)
     torch_view = got["torch"]
     assert torch_view == {"ranks": ranks, "rank": mine, "size": len(stay), "world": len(stay), "global_of": ranks,

@@ -76,13 +76,13 @@ def _sum_on(group: Any, members: list[int]) -> dict[str, Any]:
 
 
 def _until_lost(group: Any) -> dict[str, Any]:
-    """all_reduces on `group` until one fails (the loss): how it failed."""
+    """all_reduces on `group` until one fails (the loss): how it failed, and the rank it names (`peer`)."""
     for _ in range(5000):
         try:
             dist.all_reduce(torch.ones(N), group=group)
         except Exception as exc:  # noqa: BLE001 - the loss is the record
-            return {"type": type(exc).__name__, "msg": str(exc)[:500]}
-    return {"type": None, "msg": "no op failed"}
+            return {"type": type(exc).__name__, "msg": str(exc)[:500], "peer": getattr(exc, "peer", None)}
+    return {"type": None, "msg": "no op failed", "peer": None}
 
 
 def _view(new: Any) -> dict[str, Any]:
