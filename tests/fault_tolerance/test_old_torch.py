@@ -24,18 +24,28 @@ def test_install_shrink_leaves_a_torch_without_shrink_group_alone() -> None:
     assert vars(c10d) == {}
 
 
-def test_install_shrink_wraps_torchs_function_once_and_remove_probe_puts_it_back() -> None:
+def test_install_shrink_wraps_torchs_functions_once_and_remove_probe_puts_them_back() -> None:
     def _create_shrunk_process_group(new_backend, remaining_ranks, metadata, is_default_group):
         return ("torch's", new_backend)
 
-    c10d = types.SimpleNamespace(_create_shrunk_process_group=_create_shrunk_process_group)
+    def _finalize_shrunk_group(group_info, excluded_ranks_set, new_backend):
+        return ("torch's finalized", new_backend)
+
+    torchs = {"_create_shrunk_process_group": _create_shrunk_process_group,
+              "_finalize_shrunk_group": _finalize_shrunk_group}
+    assert registration.install_shrink(_places(types.SimpleNamespace(
+        _create_shrunk_process_group=_create_shrunk_process_group))) is False  # both steps, or nothing
+    c10d = types.SimpleNamespace(**torchs)
     places = _places(c10d)
     assert registration.install_shrink(places) and registration.install_shrink(places)
-    wrapped = c10d._create_shrunk_process_group
-    assert registration.ours(wrapped) and wrapped.__wrapped__ is _create_shrunk_process_group
-    assert wrapped("a C++ backend", [0, 1], {}, True) == ("torch's", "a C++ backend")  # not ours: torch's way
+    for name, fn in torchs.items():
+        wrapped = getattr(c10d, name)
+        assert registration.ours(wrapped) and wrapped.__wrapped__ is fn, name
+    # a group not ours: torch's way
+    assert c10d._create_shrunk_process_group("a C++ backend", [0, 1], {}, True) == ("torch's", "a C++ backend")
+    assert c10d._finalize_shrunk_group({}, {0}, "a C++ backend") == ("torch's finalized", "a C++ backend")
     registration.remove_probe(places)
-    assert c10d._create_shrunk_process_group is _create_shrunk_process_group
+    assert vars(c10d) == torchs
 
 
 @pytest.mark.multiprocess

@@ -125,6 +125,24 @@ def test_shrink_with_shrink_abort(how: str, tmp_path: Path) -> None:
     check_case("tcp", "4to3", how, tmp_path, TEST_FLAGS="abort")
 
 
+@pytest.mark.parametrize("flags", ["default", pytest.param("abort", marks=pytest.mark.slow)])
+def test_an_op_pending_on_the_old_group_fails_naming_the_shrink(flags: str, tmp_path: Path) -> None:
+    """An op of the old group still pending when the group ends fails on every rank, naming the shrink, never
+    with a wrong result; one waited for before the call is exact. SHRINK_DEFAULT ends the old group once every
+    rank that stays has called shrink_group (rank 1's op is still pending at its call), SHRINK_ABORT as soon
+    as the first of them calls it (rank 1's op is over, failed, before its own call)."""
+    runs = run("tcp", 3, tmp_path, "pending", TEST_FLAGS=flags)
+    for res in runs:
+        assert res.returncode == 0, (res.rank, res.stderr[-3000:])
+        out = res.json()
+        assert out["e_exact"], (res.rank, out)
+        assert not out["l"]["ok"] and not out["l_wrong"], (res.rank, out)
+        assert out["l"]["type"] in ("BackendClosedError", "PeerAbortedError"), (res.rank, out)
+        assert "by shrink_group, excluding ranks [2]" in out["l"]["msg"], (res.rank, out)
+        if res.rank == 1:
+            assert out["l_over_before_call"] == (flags == "abort"), out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["exit", "kill", "healthy"])
 @pytest.mark.parametrize("shape", list(SHAPES))

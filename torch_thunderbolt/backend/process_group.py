@@ -124,6 +124,19 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
     def transport(self) -> Transport:
         return self._transport
 
+    @property
+    def global_ranks(self) -> list[int]:
+        """The global rank of each of this group's ranks, in group rank order: what torch registers for it
+        (`dist.get_process_group_ranks`)."""
+        return list(self._global_ranks)
+
+    def _become_default(self) -> None:
+        """torch made this group its default group (a shrunk default group replaces the old one): torch numbers
+        global ranks by the default group (`dist.get_rank()` is its rank), so this group's ranks are now the
+        global ones, and its errors name them so."""
+        self._global_ranks = list(range(self._size))
+        self._transport.names = None
+
     # -- torch's device -> backend map ------------------------------------------------------------------
     # torch wraps a C++ `Backend` in its own ProcessGroup and registers it per device type; a Backend cannot
     # be constructed from Python in this torch (pybind: "No constructor defined"), so this ProcessGroup is
@@ -181,9 +194,11 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         `ranks_to_exclude`, over the live links (no rendezvous, no new connection; a lost rank's rendezvous
         store is not needed). This group is over: its ops in flight fail (with the loss's error, or if
         none broke it, naming the shrink), never with a wrong result; an excluded rank that is alive hears why
-        in an ABORT. `shrink_flags`: SHRINK_ABORT ends the ops in flight of every member at once; with
-        SHRINK_DEFAULT this group is over once the ranks that stay agree, so each finishes the ops it ran
-        before its call. `pg_options`: a Config for the new group, else this group's settings."""
+        in an ABORT. `shrink_flags`: SHRINK_ABORT ends this group on every member at once; with
+        SHRINK_DEFAULT it is over once the ranks that stay agree (every one has called this), so an op over
+        on a rank before then is not affected and one still pending then fails. The new group's global ranks
+        are this group's less the excluded. `pg_options`: a Config for the new group, else this group's
+        settings."""
         excluded = sorted(set(ranks_to_exclude))
         stay = [r for r in range(self._size) if r not in excluded]
         names = RankNames.for_group([self._global_ranks[r] for r in stay], len(stay), "shrink_group")

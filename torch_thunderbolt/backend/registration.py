@@ -23,8 +23,10 @@ objects back.
 
 `dist.shrink_group` calls our group's `shrink` and wraps what it returns in a ProcessGroup of torch's own,
 which only takes a C++ backend: `install_shrink` lets `_create_shrunk_process_group` take our group as it
-is (as torch's `_new_process_group_helper` takes what a Python backend's creator returns). A torch without
-shrink_group has nothing to wrap, and `shrink` can still be called on the group itself.
+is (as torch's `_new_process_group_helper` takes what a Python backend's creator returns), and has
+`_finalize_shrunk_group` register the global ranks our group has (`_shrunk_ranks_as_ours` says why torch's
+are wrong). A torch without shrink_group has nothing to wrap, and `shrink` can still be called on the group
+itself.
 """
 from __future__ import annotations
 
@@ -241,9 +243,10 @@ def remove_probe(places: TorchPlaces | None = None) -> None:
     for scheme, handler in list(places.handlers.items()):
         if ours(handler):
             places.handlers[scheme] = handler.__wrapped__
-    shrunk = getattr(places.c10d, "_create_shrunk_process_group", None)
-    if ours(shrunk):
-        places.c10d._create_shrunk_process_group = shrunk.__wrapped__
+    for name in SHRINK_STEPS:
+        step = getattr(places.c10d, name, None)
+        if ours(step):
+            setattr(places.c10d, name, step.__wrapped__)
 
 
 def _shrunk_as_it_is(create: Callable[..., Any]) -> Callable[..., Any]:
@@ -269,14 +272,47 @@ def _shrunk_as_it_is(create: Callable[..., Any]) -> Callable[..., Any]:
     return _create_shrunk_process_group
 
 
+def _shrunk_ranks_as_ours(finalize: Callable[..., Any], c10d: Any) -> Callable[..., Any]:
+    """torch's `_finalize_shrunk_group`, then the new group's global ranks registered as our group has them.
+
+    torch registers as the new group's global ranks the old group's global ranks less `excluded_ranks_set`,
+    which holds ranks *of the old group* (0..size-1): right only where the two numberings agree. Shrinking
+    `new_group([1, 2, 3])` by its rank 0 (global rank 1) would leave it registered as global ranks [1, 2, 3]
+    with size 2, so `src=2` would name the process of global rank 3; a DeviceMesh dimension and a group
+    shrunk before are the same case. Our group knows its global ranks (`global_ranks`: its parent's, less the
+    excluded). A shrunk default group replaces the default group, and torch numbers global ranks by the
+    default group (`get_rank()` is its rank; `get_global_rank` of it is the identity), so its ranks become
+    the global ones, where torch would register the old numbers (world 4 less rank 1: [0, 2, 3], while
+    `get_rank()` says 0, 1, 2 and `new_group` takes ranks below 3)."""
+    @functools.wraps(finalize)
+    def _finalize_shrunk_group(group_info: dict, excluded_ranks_set: set, new_backend: Any) -> Any:
+        from .process_group import ThunderboltProcessGroup
+
+        new_pg = finalize(group_info, excluded_ranks_set, new_backend)
+        if isinstance(new_pg, ThunderboltProcessGroup):
+            if group_info.get("is_default_group"):
+                new_pg._become_default()
+            c10d._world.pg_group_ranks[new_pg] = {g: r for r, g in enumerate(new_pg.global_ranks)}
+        return new_pg
+
+    setattr(_finalize_shrunk_group, MARK, _finalize_shrunk_group)
+    return _finalize_shrunk_group
+
+
+SHRINK_STEPS = ("_create_shrunk_process_group", "_finalize_shrunk_group")  # what install_shrink wraps
+
+
 def install_shrink(places: TorchPlaces) -> bool:
-    """Lets `dist.shrink_group` take the group our `shrink` returns (see `_shrunk_as_it_is`). Idempotent; False,
-    with nothing changed, on a torch without shrink_group (it has nothing to call then)."""
-    current = getattr(places.c10d, "_create_shrunk_process_group", None)
-    if not callable(current):
+    """Lets `dist.shrink_group` take the group our `shrink` returns (`_shrunk_as_it_is`) with the global ranks
+    it has (`_shrunk_ranks_as_ours`). Idempotent; False, with nothing changed, on a torch without shrink_group's
+    steps (it has nothing to call then)."""
+    create, finalize = (getattr(places.c10d, name, None) for name in SHRINK_STEPS)
+    if not callable(create) or not callable(finalize):
         return False
-    if not ours(current):
-        places.c10d._create_shrunk_process_group = _shrunk_as_it_is(current)
+    if not ours(create):
+        places.c10d._create_shrunk_process_group = _shrunk_as_it_is(create)
+    if not ours(finalize):
+        places.c10d._finalize_shrunk_group = _shrunk_ranks_as_ours(finalize, places.c10d)
     return True
 
 

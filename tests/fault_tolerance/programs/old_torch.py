@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 
 
 def _without_shrink_group() -> None:
-    """torch as it was before shrink_group: no shrink_group, no _create_shrunk_process_group."""
+    """torch as it was before shrink_group: no shrink_group, nor the steps registration wraps."""
     for module in (c10d, dist):
-        for name in ("shrink_group", "_create_shrunk_process_group"):
+        for name in ("shrink_group", "_create_shrunk_process_group", "_finalize_shrunk_group"):
             if hasattr(module, name):
                 delattr(module, name)
 
@@ -37,7 +37,7 @@ def direct() -> "Exit":
     register_pid()
     dist.init_process_group("thunderbolt", init_method="env://", timeout=timedelta(seconds=60))
     out = {"install_shrink": registration.install_shrink(registration.TorchPlaces.of_torch()),
-           "patched": hasattr(c10d, "_create_shrunk_process_group") or hasattr(dist, "shrink_group")}
+           "patched": any(hasattr(c10d, name) for name in registration.SHRINK_STEPS) or hasattr(dist, "shrink_group")}
     x = torch.ones(10)
     dist.all_reduce(x)
     if rank() == 2:

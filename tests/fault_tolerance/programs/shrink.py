@@ -10,7 +10,8 @@ call `dist.shrink_group`, and every op family on the shrunk group is checked aga
 - TEST_AGAIN=K: then rank K of the shrunk group exits hard and the others shrink again;
 - TEST_FLAGS=abort: shrink with SHRINK_ABORT (else SHRINK_DEFAULT).
 
-A rank that stays reports a RESULT (the loss, the shrunk group, the checks), then SUB and AGAIN lines when
+(`pending`, what the shrink flags do to an op of the old group still pending, reads TEST_FLAGS only.) A rank
+that stays reports a RESULT (the loss, the shrunk group, the checks), then SUB and AGAIN lines when
 asked; an excluded one that is alive a RESULT of its calls."""
 from __future__ import annotations
 
@@ -208,5 +209,32 @@ def mismatch() -> Exit:
     return Exit(0)
 
 
+def pending() -> Exit:
+    """3 ranks, all alive; ranks 0 and 1 shrink rank 2 away (TEST_FLAGS) with an op of the old group pending.
+    Every rank runs op E and waits for it; then op L, which rank 2 joins only 2 s later. Rank 0 calls
+    shrink_group right after issuing L; rank 1 issues L, waits 1 s, notes whether L is over, then calls
+    shrink_group. Each reports how E and L went (and rank 1 whether L was over before its call)."""
+    _init()
+    r, w = rank(), world()
+    flags = dist.distributed_c10d.SHRINK_ABORT if os.environ.get("TEST_FLAGS") == "abort" else 0
+    e = torch.full((LARGE,), float(r + 1))
+    dist.all_reduce(e)
+    out: dict[str, Any] = {"e_exact": e.tolist() == [float(w * (w + 1) // 2)] * LARGE}
+    if r == 2:
+        time.sleep(2.0)
+    ell = torch.full((LARGE,), float(r + 1))
+    work = dist.all_reduce(ell, async_op=True)
+    if r == 1:
+        time.sleep(1.0)
+        out["l_over_before_call"] = work.is_completed()
+    if r in (0, 1):
+        dist.shrink_group([2], shrink_flags=flags)
+    out["l"] = outcome(work.wait)
+    out["l_wrong"] = out["l"]["ok"] and ell.tolist() != [float(w * (w + 1) // 2)] * LARGE
+    result(out)
+    dist.destroy_process_group()
+    return Exit(0)
+
+
 if __name__ == "__main__":
-    main({"shrink": shrink, "mismatch": mismatch, "timing": timing})
+    main({"shrink": shrink, "mismatch": mismatch, "timing": timing, "pending": pending})
