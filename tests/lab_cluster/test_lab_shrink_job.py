@@ -14,9 +14,8 @@ from torch_thunderbolt.cli.main import main
 from torch_thunderbolt.testing.lab import lab_session, lab_setup, skip_unless_lab, unique_lab_name
 from torch_thunderbolt.testing.ranks import start_ranks
 
-from ..launch.programs import shrink_job
 from ..launch.test_launch_shrink_job import (EXAMPLE, JOB, SECRET, check_survivors, check_torchrun_nodes,
-                                             kill_workers, ranks_env, reports)
+                                             kill_workers, ranks_env, reports, torchrun_args)
 
 pytestmark = [pytest.mark.lab, pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -46,8 +45,7 @@ def test_launch_lab_on_failure_shrink(tmp_path, capsys, monkeypatch):
 def test_torchrun_one_per_emulated_mac(tmp_path):
     skip_unless_lab()
     with lab_session(3, "ring", cc="reno") as lab:
-        args = ["torchrun", "--nnodes", "3", "--nproc-per-node", "1", "--master-addr", lab.addresses(0)[0],
-                "--master-port", str(PORT), shrink_job.__file__, *JOB]
+        args = torchrun_args(lab.addresses(0)[0], PORT)
         try:
             with start_ranks("torch_thunderbolt", 3, tmp_path, args=args, setup=lab_setup(lab),
                              env={"THUNDERBOLT_SECRET": SECRET},

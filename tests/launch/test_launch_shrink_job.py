@@ -98,12 +98,39 @@ def check_torchrun_nodes(agents: Ranks) -> float:
     return max(agents[0].exited_at, agents[1].exited_at) - agents[2].exited_at
 
 
+def torchrun_args(master_addr: str, master_port: int) -> list[str]:
+    """One node's command line after `torch-thunderbolt`, as docs/fault-tolerance.md gives it, but for the
+    node rank (PET_NODE_RANK, torchrun's variable for it) and the program (with its pid registered)."""
+    return ["torchrun", "--nnodes", "3", "--nproc-per-node", "1", "--master-addr", master_addr,
+            "--master-port", str(master_port), shrink_job.__file__, *JOB]
+
+
+def test_the_documented_commands_are_the_ones_tested() -> None:
+    import re
+
+    text = (REPO / "docs" / "fault-tolerance.md").read_text()
+    launched = re.findall(r"^torch-thunderbolt launch (.*)examples/shrink_job.py", text, re.M)
+    assert launched and all("--on-failure shrink" in line for line in launched)
+    lines = re.findall(r"^torch-thunderbolt (torchrun .*?) +# (\w+) Mac$", text, re.M)
+    assert [which for _, which in lines] == ["first", "second", "third"]
+    tested = torchrun_args("ADDR", 0)[:9] + ["examples/shrink_job.py"]  # its program: the example's wrapper
+
+    def shape(words: list[str]) -> list[str]:
+        return ["" if i in (6, 8) else w for i, w in enumerate(words)]  # the address and port aside
+
+    for node, (line, _) in enumerate(lines):
+        words = line.split()
+        # What the tests do otherwise: the default timeout (the check-in must not need a short one), and the
+        # node rank from PET_NODE_RANK.
+        assert words[1:3] == ["--exit-barrier-timeout", "30"] and words[7:9] == ["--node-rank", str(node)], line
+        assert shape(words[:1] + words[3:7] + words[9:]) == shape(tested), line
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchrun_one_per_node_survivors_exit_0_without_the_exit_barriers_wait(tmp_path):
     """torchrun's agents would wait 300 s (its exit barrier) for node 2's; here they leave with their workers."""
-    args = ["torchrun", "--nnodes", "3", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
-            str(free_port()), shrink_job.__file__, *JOB]
+    args = torchrun_args("127.0.0.1", free_port())
     try:
         with start_ranks("torch_thunderbolt", 3, tmp_path, args=args, env={"THUNDERBOLT_SECRET": SECRET},
                          per_rank={n: {"PET_NODE_RANK": str(n)} for n in range(3)}) as agents:
