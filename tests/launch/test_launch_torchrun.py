@@ -4,7 +4,6 @@ would wait 300 s). Two nodes on this host, workers without torch: node 1's fails
 moment later. The job that shrinks under it: test_launch_shrink_job.py."""
 from __future__ import annotations
 
-import sys
 import time
 
 import pytest
