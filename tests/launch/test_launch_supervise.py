@@ -8,7 +8,7 @@ import pytest
 from torch_thunderbolt.errors import ConfigError
 from torch_thunderbolt.launch.hostfile import Host
 from torch_thunderbolt.launch.ranks import build_rank_specs
-from torch_thunderbolt.launch.supervise import exit_code, supervise
+from torch_thunderbolt.launch.supervise import Shrinking, describe_code, exit_code, supervise
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -111,3 +111,74 @@ def test_missing_program_is_a_config_error(tmp_path):
     specs = build_rank_specs([Host(name="here")], 1, [str(tmp_path / "no-such-program")], cwd=str(tmp_path))
     with pytest.raises(ConfigError, match="cannot start rank 0 on here"):
         supervise(specs, stdout=io.StringIO(), stderr=io.StringIO())
+
+
+# --on-failure shrink: rank 1 is lost (SIGKILL) while the others run; they go on and end as `mode` says.
+SHRINKING = r"""
+import os, signal, sys, time
+rank, mode, base = int(os.environ["RANK"]), sys.argv[1], sys.argv[2]
+open(f"{base}.{rank}.tmp", "w").write(str(os.getpid()))
+os.rename(f"{base}.{rank}.tmp", f"{base}.{rank}")  # whole or absent
+while not all(os.path.exists(f"{base}.{r}") for r in range(3)):
+    time.sleep(0.02)
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+lost = open(f"{base}.1").read()
+while os.path.exists(f"/proc/{lost}"):
+    time.sleep(0.02)  # until the launcher has seen rank 1 end (and reaped it)
+if rank == 0:
+    print("finished", flush=True)
+    sys.exit(0)
+time.sleep(0.5)  # rank 2 ends after rank 0 finished
+sys.exit(0 if mode == "finish" else 3)
+"""
+
+
+def _run_shrinking(tmp_path, mode):
+    job = tmp_path / "shrinking.py"
+    job.write_text(SHRINKING)
+    specs = build_rank_specs([Host(name="here")], 3, [sys.executable, str(job), mode, str(tmp_path / "pid")],
+                             cwd=str(tmp_path), master_port=29999)
+    out, err, log = io.StringIO(), io.StringIO(), []
+    code = supervise(specs, grace=1.0, stdout=out, stderr=err, log=log.append, poll_interval=0.02,
+                     on_failure="shrink")
+    return code, out.getvalue(), log
+
+
+@pytest.mark.timeout(30)
+def test_on_failure_shrink_lets_the_others_finish_and_says_the_job_shrank(tmp_path):
+    code, out, log = _run_shrinking(tmp_path, "finish")
+    assert code == 0, log
+    assert "[rank 0] finished" in out
+    assert log == ["rank 1 on here exited with code 137, killed by SIGKILL; lost: the job goes on without it, "
+                   "2 rank(s) still running (--on-failure shrink)",
+                   "the job shrank from 3 to 2 rank(s): lost rank 1 on here (exit code 137, killed by SIGKILL); "
+                   "rank(s) 0, 2 finished with code 0"]
+
+
+@pytest.mark.timeout(30)
+def test_on_failure_shrink_fails_when_a_rank_that_remained_fails(tmp_path):
+    code, _, log = _run_shrinking(tmp_path, "fail")
+    assert code == 3, log
+    assert log[1:] == ["rank 2 on here exited with code 3 after the job shrank",
+                       "the job shrank from 3 to 2 rank(s) (lost rank 1 on here (exit code 137, killed by SIGKILL)), "
+                       "then rank 2 failed: exit code 3"]
+
+
+def test_what_a_shrinking_job_counts_as_lost():
+    job = Shrinking(4)
+    assert job.ended(3, 137, running=3) == "lost"  # others still running, none finished yet
+    assert job.ended(2, 1, running=2) == "lost"  # a second loss is a loss too
+    assert job.ended(0, 0, running=1) == "finished"
+    assert job.ended(1, 1, running=0) == "failed"  # after a rank finished: the job was ending
+    assert job.code() == 1 and job.lost == [(3, 137), (2, 1)]
+    last = Shrinking(2)
+    assert last.ended(0, 137, running=1) == "lost" and last.ended(1, 1, running=0) == "failed"  # the last one
+    assert last.code() == 1
+    assert describe_code(143) == "code 143, killed by SIGTERM" and describe_code(1) == "code 1"
+
+
+def test_on_failure_must_be_known(tmp_path):
+    specs = build_rank_specs([Host(name="here")], 1, ["true"], cwd=str(tmp_path))
+    with pytest.raises(ConfigError, match="--on-failure 'restart' is invalid: expected one of stop, shrink"):
+        supervise(specs, on_failure="restart", stdout=io.StringIO(), stderr=io.StringIO())

@@ -1,4 +1,5 @@
-"""`torch-thunderbolt launch [--hostfile F | --lab NAME] [--nproc-per-host K] -- python train.py ...`"""
+"""`torch-thunderbolt launch [--hostfile F | --lab NAME] [--nproc-per-host K] [--on-failure stop|shrink]
+-- python train.py ...`"""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +13,8 @@ from ..errors import ConfigError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    from ..launch.supervise import ON_FAILURE
+
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--hostfile", help="JSON list of hosts (see README); without it all ranks run here")
     src.add_argument("--lab", metavar="NAME", help="run on every host of a running `lab` (no hostfile needed)")
@@ -30,6 +33,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--python", metavar="PATH", default=sys.executable,
                         help="interpreter on ssh hosts, by absolute path, for a command starting with python/"
                              "python3 (default: this one's; a hostfile host's \"python\" wins)")
+    parser.add_argument("--on-failure", choices=ON_FAILURE, default=ON_FAILURE[0],
+                        help="when a rank fails: stop the others (default), or let them go on without it, for "
+                             "a job that calls dist.shrink_group (exit 0 when the ranks that remain finish with "
+                             "0; see docs/fault-tolerance.md)")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
     parser.add_argument("--dry-run", action="store_true", help="print each rank's env and command, run nothing")
@@ -87,4 +94,4 @@ def run(args: argparse.Namespace) -> int:
             print(f"# {spec.label} on {spec.host.name} ({spec.host.exec}): {env}")
             print(shlex.join(spec.argv))
         return 0
-    return supervise(specs, grace=args.grace)
+    return supervise(specs, grace=args.grace, on_failure=args.on_failure)

@@ -1,10 +1,11 @@
 """`torch-thunderbolt` command line: a thin dispatcher over one module per subcommand.
 
 Each subcommand module defines `configure(parser: argparse.ArgumentParser) -> None` and
-`run(args: argparse.Namespace) -> int`, and imports torch (if at all) inside `run`: building the parser
-imports every module, so `--help`, `topo`, `launch` and `lab` never pay ~2 s for `import torch`. The
-package's own import does not register the backend in this process (torch_thunderbolt/__init__.py); the
-subcommands that use it (bench, demo, doctor) register it themselves.
+`run(args: argparse.Namespace) -> int`, and imports torch (if at all) inside `run`. One that passes another
+tool's arguments through (`torchrun`) also defines `prepare_argv(argv) -> argv`, which puts the `--` its
+parser needs before them. Building the parser imports every module, so `--help`, `topo`, `launch` and `lab`
+never pay ~2 s for `import torch`. The package's own import does not register the backend in this process
+(torch_thunderbolt/__init__.py); the subcommands that use it (bench, demo, doctor) register it themselves.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "topo": ("torch_thunderbolt.cli.topo", "discover Thunderbolt links, check for loops, plan addresses"),
     "lab": ("torch_thunderbolt.cli.lab", "an emulated N-Mac cluster from Linux network namespaces"),
     "launch": ("torch_thunderbolt.cli.launch", "start ranks on several hosts (torchrun-compatible env)"),
+    "torchrun": ("torch_thunderbolt.cli.torchrun", "torchrun whose agents do not wait for a node that failed "
+                 "(jobs that shrink)"),
     "doctor": ("torch_thunderbolt.cli.doctor", "check this machine's setup for torch-thunderbolt"),
     "selfcheck": ("torch_thunderbolt.cli.selfcheck", "check everything (ops, links, bench, faults) and write a report"),
 }
@@ -51,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:  # a subcommand that passes another tool's arguments through
+        prepare = getattr(importlib.import_module(SUBCOMMANDS[argv[0]][0]), "prepare_argv", None)
+        if prepare is not None:
+            argv = [argv[0], *prepare(argv[1:])]
     args = parser.parse_args(argv)
     if not getattr(args, "_module", None):
         parser.print_help()

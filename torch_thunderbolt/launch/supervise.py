@@ -1,7 +1,16 @@
 """Run the ranks as local child processes (ssh, `ip netns exec` or the program itself) and supervise them.
 
-Every output line is prefixed with its rank. The first rank to fail stops all the others (SIGTERM to
-each rank's process group, SIGKILL after a grace period) and its exit code becomes the launcher's.
+Every output line is prefixed with its rank. What a rank's failure does is the job's `on_failure`:
+
+- "stop" (the default): the first rank to fail stops all the others (SIGTERM to each rank's process group,
+  SIGKILL after a grace period) and its exit code becomes the launcher's.
+- "shrink": for a job whose ranks go on without a lost one (`dist.shrink_group`). A rank that fails while
+  others still run and none has finished yet is *lost*: it is reported and the others run on. Once every
+  rank has ended, the launcher exits 0 when the ranks that were not lost all exited 0, and says which
+  were lost; a rank failing after another finished (the job was ending) or as the last one standing is
+  a failure, and the first such rank's code becomes the launcher's. No rank is stopped because another
+  ended.
+
 Ctrl-C (or SIGTERM/SIGHUP to the launcher) stops everything and returns 130.
 """
 from __future__ import annotations
@@ -13,17 +22,27 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import IO, Callable, Iterator, Mapping, Sequence
 
 from ..errors import ConfigError
 from .ranks import RankSpec
 
 DEFAULT_GRACE = 5.0
+ON_FAILURE = ("stop", "shrink")  # what a rank's failure does to the others (the module docstring)
 
 
 def exit_code(returncode: int) -> int:
     """Popen's -N (killed by signal N) becomes the shell's 128+N."""
     return returncode if returncode >= 0 else 128 - returncode
+
+
+def describe_code(code: int) -> str:
+    """`code` as the launcher reports it: "code 137, killed by SIGKILL" for the shell's 128+N."""
+    if 128 < code < 128 + signal.NSIG:
+        with contextlib.suppress(ValueError):
+            return f"code {code}, killed by {signal.Signals(code - 128).name}"
+    return f"code {code}"
 
 
 def prefix_lines(stream: IO[bytes], label: str, sink: IO[str], lock: threading.Lock) -> None:
@@ -125,6 +144,68 @@ def first_failure(procs: Sequence[subprocess.Popen], poll_interval: float) -> in
         time.sleep(poll_interval)
 
 
+@dataclass
+class Shrinking:
+    """What the ranks of an on_failure="shrink" job did, as they end (see the module docstring)."""
+    world: int
+    finished: list[int] = field(default_factory=list)  # exited 0
+    lost: list[tuple[int, int]] = field(default_factory=list)  # (rank index, exit code)
+    failed: list[tuple[int, int]] = field(default_factory=list)
+
+    def ended(self, index: int, code: int, running: int) -> str:
+        """Record rank `index` ending with `code` while `running` others still run; -> its kind."""
+        if code == 0:
+            self.finished.append(index)
+            return "finished"
+        if running and not self.finished:
+            self.lost.append((index, code))
+            return "lost"
+        self.failed.append((index, code))
+        return "failed"
+
+    def code(self) -> int:
+        return self.failed[0][1] if self.failed else 0
+
+    def summary(self, specs: Sequence[RankSpec]) -> str | None:
+        """The launcher's last line when the job lost ranks (None when it lost none)."""
+        if not self.lost:
+            return None
+        lost = ", ".join(f"{specs[i].label} on {specs[i].host.name} (exit {describe_code(c)})" for i, c in self.lost)
+        left = self.world - len(self.lost)
+        if self.failed:
+            return (f"the job shrank from {self.world} to {left} rank(s) (lost {lost}), then "
+                    f"{specs[self.failed[0][0]].label} failed: exit code {self.code()}")
+        done = ", ".join(str(specs[i].rank) for i in sorted(self.finished))
+        return f"the job shrank from {self.world} to {left} rank(s): lost {lost}; rank(s) {done} finished with code 0"
+
+
+def wait_shrinking(specs: Sequence[RankSpec], procs: Sequence[subprocess.Popen], poll_interval: float,
+                   say: Callable[[str], None]) -> Shrinking:
+    """Block until every rank has ended, reporting each loss and failure as it happens."""
+    job = Shrinking(len(procs))
+    pending = set(range(len(procs)))
+    while pending:
+        for i in sorted(pending):
+            rc = procs[i].poll()
+            if rc is None:
+                continue
+            pending.discard(i)
+            code = exit_code(rc)
+            running = sum(p.poll() is None for p in procs)
+            kind = job.ended(i, code, running)
+            spec = specs[i]
+            if kind == "lost":
+                say(f"{spec.label} on {spec.host.name} exited with {describe_code(code)}"
+                    f"{failure_hint(spec, code)}; lost: the job goes on without it, {running} rank(s) still "
+                    "running (--on-failure shrink)")
+            elif kind == "failed":
+                say(f"{spec.label} on {spec.host.name} exited with {describe_code(code)}"
+                    f"{failure_hint(spec, code)}" + (" after the job shrank" if job.lost else ""))
+        if pending:
+            time.sleep(poll_interval)
+    return job
+
+
 @contextlib.contextmanager
 def _interrupt_on_termination() -> Iterator[None]:
     """Treat SIGTERM/SIGHUP to the launcher like Ctrl-C, so the ranks are stopped rather than orphaned."""
@@ -145,8 +226,12 @@ def _interrupt_on_termination() -> Iterator[None]:
 
 def supervise(specs: Sequence[RankSpec], *, grace: float = DEFAULT_GRACE, poll_interval: float = 0.05,
               stdout: IO[str] | None = None, stderr: IO[str] | None = None,
-              base_env: Mapping[str, str] | None = None, log: Callable[[str], None] | None = None) -> int:
-    """Run all ranks to completion; -> 0, the first failed rank's exit code, or 130 when interrupted."""
+              base_env: Mapping[str, str] | None = None, log: Callable[[str], None] | None = None,
+              on_failure: str = "stop") -> int:
+    """Run all ranks to completion; -> 0, the first failed rank's exit code, or 130 when interrupted.
+    `on_failure`: one of ON_FAILURE (the module docstring)."""
+    if on_failure not in ON_FAILURE:
+        raise ConfigError(f"--on-failure {on_failure!r} is invalid: expected one of {', '.join(ON_FAILURE)}")
     out, err = stdout or sys.stdout, stderr or sys.stderr
     say = log or (lambda msg: print(f"torch-thunderbolt launch: {msg}", file=err, flush=True))
     env = dict(os.environ if base_env is None else base_env)
@@ -162,6 +247,14 @@ def supervise(specs: Sequence[RankSpec], *, grace: float = DEFAULT_GRACE, poll_i
                     t = threading.Thread(target=prefix_lines, args=(stream, spec.label, sink, lock), daemon=True)
                     t.start()
                     pumps.append(t)
+            if on_failure == "shrink":
+                job = wait_shrinking(specs, procs, poll_interval, say)
+                for t in pumps:
+                    t.join(timeout=2.0)  # the ranks' last lines before the summary
+                summary = job.summary(specs)
+                if summary:
+                    say(summary)
+                return job.code()
             failed = first_failure(procs, poll_interval)
             if failed is None:
                 return 0
