@@ -9,31 +9,34 @@ group they returned is broken, never used as if it were whole.
 
 **The agreement.** Each call of a rank has a nonce (it only grows; (rank, nonce) names the call).
 1. PROPOSE: the rank tells every other member the members it wants and the ids it cannot take (`used`).
-   Each rank keeps, per peer, only the peer's latest proposal that the peer has not withdrawn.
+   Each rank keeps, per peer, only the peer's latest proposal of a call that is not over.
 2. COMMIT: once it holds a proposal from every member naming the same members, a rank decides: the
    `view` (each member's proposal nonce, in member order, its own included) and the id that follows from
-   those proposals (the lowest id none of them uses: the same view gives the same id on every rank). It
-   tells every other member (view, id). It decides again whenever a newer proposal replaces one.
-3. The call returns once every other member committed to a (view, id) this rank committed to itself, with
-   this rank's current nonce in it. A rank never returns a view holding a withdrawn proposal.
-4. WITHDRAW: a call that ends with an error (timeout, loss, disagreement) tells the others; a peer drops the
-   proposal, and a group it already returned from a view holding that proposal is broken (the withdrawing
-   rank will never have it). A rank that refused a peer's proposal for naming other members ignores that
-   proposal in its later calls, so a retry waits for the peer's next proposal instead of refusing it again.
+   those proposals (the lowest id none of them uses: the same view gives the same id on every rank), and
+   tells every other member (view, id). A call has one live commit: it commits again only once its last
+   view can no longer be made (a member's call in it is over without making it).
+3. The call returns once every other member committed to its last (view, id) under the nonces the view
+   names. A commit counts only while no call it names is over without making it.
+4. DONE: a call that is over says so, with the view it made (none after an error). A peer drops that call's
+   proposal; a group it returned from a view holding that call, other than the one it made, is broken: the
+   rank that ended it will never have it.
+A member whose latest proposal names other members is a disagreement, not yet an outcome: its call may be
+over with its DONE on the way (a retry after a loss), so the caller gives up on it only if it lasts
+(`disagreement`).
 
-Why it cannot diverge: a rank returns view V only if every member committed V, and a member commits only
-views holding its own current nonce; two returned views that differ would need some member to have committed
-both with the same current nonce while every returning rank had committed both too, and a returning rank's
-view holds its own current nonce, so each returning rank's entry is the same in both, and so is every other
-member's (each needs that member's commit of V, made under the nonce V names). `tests/core/test_agreement.py`
-checks this by exploring every interleaving of messages, timeouts, retries and deaths for small worlds
-(`testing/agreement_model.py`), and that a machine without nonces fails that check.
+Why it cannot diverge: a rank returns view V only if every member committed V under the nonce V names,
+and a call has one live commit at a time, committing anew only once its last view cannot be made: so no two
+ranks return different views naming one call, and each call returns at most one (a rank returns its last
+commit). Two calls of a member that return are two groups, each with its own id (an id is taken while its
+group lives). `tests/core/test_agreement.py` checks this by exploring every interleaving of messages,
+timeouts, retries, deaths and closes for small worlds (`testing/agreement_model.py`), and that a machine
+without call identity fails that check.
 
 **Ids.** A frame's space byte names its group (`2 * gid`, `2 * gid + 1`), so ids are few (`MAX_GID + 1`) and
 are reused: an id is taken while a group of that id is live here, and after that until every other member
-that may still send frames of it has said LEAVE (which comes behind a group's data on every kind), withdrawn
-the call that would have made it, or is gone. A call that ends without a group after committing to an id
-keeps it taken the same way, so frames of a group a peer made from that commit are dropped, never held back
+that may still send frames of it has said LEAVE (which comes behind a group's data on every kind), ended
+the call that would have made it without making it, or is gone. A view of this rank's that can no longer
+be made keeps its id taken the same way, so frames of a group a peer made from that commit are dropped, never held back
 or taken for a later group's. What a frame for an id that is not live here means is `fate`'s: a later
 group's (held back until it is made), or one that is over (dropped).
 
@@ -62,7 +65,7 @@ class Joined:
 
 @dataclass(frozen=True)
 class Disagree:
-    """A member proposes a group of other members (its latest proposal, not withdrawn)."""
+    """A member proposes a group of other members (its latest proposal, of a call not over)."""
     peer: int
     ranks: tuple[int, ...]
 
@@ -79,7 +82,7 @@ class Lost:
     peer: int
 
 
-Outcome = Union[Joined, Disagree, Exhausted, Lost]
+Outcome = Union[Joined, Exhausted, Lost]
 
 
 def decide(used: Sequence[int]) -> "int | None":
@@ -131,7 +134,6 @@ class Agreement:
         self.nonce = 0  # this rank's last call
         self.heard: dict[int, Propose] = {}  # each peer's latest proposal of a call not over
         self.over: dict[int, dict[int, tuple[int, ...]]] = {}  # peer -> {its call: view made, () for none}
-        self.refused: dict[int, int] = {}  # each peer's latest proposal refused here (ignored from then on)
         self.spent: dict[int, int] = {}  # each peer's latest proposal this rank committed to in a call now over
         self.call: "_Call | None" = None
         self.groups: dict[int, Record] = {}  # live here
@@ -245,7 +247,7 @@ class Agreement:
         if isinstance(msg, Propose):
             latest = self.heard[peer].nonce if peer in self.heard else 0
             ends = self.over.get(peer)
-            if msg.nonce > max(latest, self.refused.get(peer, 0), max(ends) if ends else 0):
+            if msg.nonce > max(latest, max(ends) if ends else 0):
                 self.heard[peer] = msg
         elif isinstance(msg, Commit):
             call = self.call
@@ -289,10 +291,7 @@ class Agreement:
             if got is None:
                 continue
             if got.ranks != call.members:
-                if got.nonce <= self.spent.get(p, 0):
-                    continue  # a call this rank worked with before, not over yet: its next proposal will come
-                call.outcome = Disagree(p, got.ranks)
-                return []
+                continue  # (a disagreement: see `disagreement`)
             proposals.append(got)
         sends: list[Send] = []
         last = call.commits[-1] if call.commits else None
@@ -318,6 +317,25 @@ class Agreement:
 
     def outcome(self) -> "Outcome | None":
         return None if self.call is None else self.call.outcome
+
+    def disagreement(self) -> "Disagree | None":
+        """A member whose latest proposal names other members than this call, if any. Not an outcome by itself:
+        that proposal may be of a call of the peer's that is over (its DONE on its way) or the peer may be about
+        to retry; the caller ends the call (`abandon`) if it lasts. A proposal of a call this rank worked with
+        before (in a call now over) is not one: that peer's next proposal will come; nor is the next proposal of
+        a peer that confirmed this call's group."""
+        call = self.call
+        if call is None or call.outcome is not None:
+            return None
+        last = call.commits[-1] if call.commits else None
+        for p in call.members:
+            got = self.heard.get(p)
+            if got is None or got.ranks == call.members or got.nonce <= self.spent.get(p, 0):
+                continue
+            if last is not None and last in call.confirmed.get(p, ()):
+                continue  # it confirmed this call's group and has gone on to its next call
+            return Disagree(p, got.ranks)
+        return None
 
     def waiting_for(self) -> tuple[list[int], list[int]]:
         """The members this call has no proposal from, and those whose commit it still lacks."""
@@ -358,10 +376,6 @@ class Agreement:
         if call is None:
             return []
         self.call = None
-        if isinstance(call.outcome, Disagree):
-            refused = self.heard.get(call.outcome.peer)
-            if refused is not None:
-                self.refused[call.outcome.peer] = refused.nonce
         for view, gid in call.commits:
             self._await(Record(gid, call.members, view), set())
             for i, p in enumerate(call.members):

@@ -11,6 +11,7 @@ plus what is in flight on every channel. Events, any enabled one at any time:
 - `deliver`: the oldest message on a channel reaches its rank (agreement messages, LEAVE, a data frame of a
   group, or the news that the sender's link failed);
 - `timeout`: a rank's call gives up (the caller's deadline), within the fault budget;
+- `mismatch`: a rank whose call sees a member propose other members gives up on it (after its grace);
 - `die`: a rank dies, within the fault budget; what it had sent is delivered, or lost, in two branches;
 - `close`: a rank closes a group it made (LEAVE to its members), so ids are reused;
 A rank that makes a group sends each member one data frame of it at once (to check where it lands).
@@ -51,6 +52,8 @@ class Rank:
     broken: set[int] = field(default_factory=set)  # live gids broken here
     held: list[tuple[int, Data]] = field(default_factory=list)  # frames held back: (from, frame)
     left: dict[int, set[int]] = field(default_factory=dict)  # live gid -> members that said LEAVE
+    key: object = None  # (the explorer's) this rank's part of the state key, once computed; ranks are shared
+    # between states until an event changes them (then copied, key unset)
 
 
 @dataclass
@@ -65,12 +68,16 @@ class World:
 class Scenario:
     """`wants[r]`: the members rank r first asks for (None: r takes no part: already dead). `calls`: calls per
     rank (retries included); `faults`: timeouts and deaths allowed in one run; `closes`: whether ranks close
-    the groups they made (ids reused)."""
+    the groups they made (ids reused); `again`, `then`: see below."""
     name: str
     wants: tuple["tuple[int, ...] | None", ...]
     calls: int = 2
     faults: int = 1
     closes: bool = False
+    # Whether a rank that made its group calls again (a second group; `then[r]`: its members, None: it makes
+    # no other; no `then`: the same members), or only retries after an error.
+    again: bool = True
+    then: tuple["tuple[int, ...] | None", ...] = ()
     dead_news: tuple[tuple[int, int], ...] = ()  # (dead rank, rank): the news is on its way at the start
 
 
@@ -85,27 +92,31 @@ class Report:
     transitions: int
 
 
-def _key(w: World) -> object:
-    def mkey(m: Agreement) -> object:
+def _rank_key(r: Rank) -> object:
+    if r.key is None:
+        m = r.machine
         c = m.call
         call = None if c is None else (c.nonce, c.members, c.own.used, tuple(c.commits),
                                        tuple(sorted((p, tuple(sorted(s))) for p, s in c.confirmed.items())),
                                        repr(c.outcome))
-        return (m.nonce, tuple(sorted((p, x.nonce, x.ranks, x.used) for p, x in m.heard.items())),
-                tuple(sorted((p, tuple(sorted(o.items()))) for p, o in m.over.items())),
-                tuple(sorted(m.refused.items())), tuple(sorted(m.spent.items())), call,
-                tuple(sorted((g, r.members, r.view) for g, r in m.groups.items())),
-                tuple(sorted((g, tuple(sorted(a.items()))) for g, a in m.awaiting.items())), tuple(sorted(m.lost)))
-    ranks = tuple((mkey(r.machine), r.calls, r.wants, r.alive, r.calling, r.made, tuple(sorted(r.broken)),
-                   tuple(r.held), tuple(sorted((g, tuple(sorted(s))) for g, s in r.left.items())))
-                  for r in w.ranks)
-    return ranks, tuple(sorted(w.chans.items())), w.faults, w.faulted
+        machine = (m.nonce, tuple(sorted((p, x.nonce, x.ranks, x.used) for p, x in m.heard.items())),
+                   tuple(sorted((p, tuple(sorted(o.items()))) for p, o in m.over.items())),
+                   tuple(sorted(m.spent.items())), call,
+                   tuple(sorted((g, rec.members, rec.view) for g, rec in m.groups.items())),
+                   tuple(sorted((g, tuple(sorted(a.items()))) for g, a in m.awaiting.items())), tuple(sorted(m.lost)))
+        r.key = (machine, r.calls, r.wants, r.alive, r.calling, r.made, tuple(sorted(r.broken)), tuple(r.held),
+                 tuple(sorted((g, tuple(sorted(s))) for g, s in r.left.items())))
+    return r.key
+
+
+def _key(w: World) -> object:
+    return tuple(_rank_key(r) for r in w.ranks), tuple(sorted(w.chans.items())), w.faults, w.faulted
 
 
 def _clone_machine(m: Agreement) -> Agreement:
     """A copy of `m` whose state changes apart from m's (messages and records are never changed in place)."""
     c = copy.copy(m)
-    c.heard, c.refused, c.spent = dict(m.heard), dict(m.refused), dict(m.spent)
+    c.heard, c.spent = dict(m.heard), dict(m.spent)
     c.over = {p: dict(o) for p, o in m.over.items()}
     c.groups, c.lost = dict(m.groups), set(m.lost)
     c.awaiting = {g: dict(a) for g, a in m.awaiting.items()}
@@ -118,7 +129,7 @@ def _clone_machine(m: Agreement) -> Agreement:
 
 def _clone_rank(r: Rank) -> Rank:
     return Rank(_clone_machine(r.machine), r.calls, r.wants, r.alive, r.calling, r.made, set(r.broken), list(r.held),
-                {g: set(s) for g, s in r.left.items()})
+                {g: set(x) for g, x in r.left.items()})
 
 
 def _ident(m: Agreement, gid: int) -> int:
@@ -181,10 +192,12 @@ class Explorer:
         for r, rank in enumerate(w.ranks):
             if not rank.alive:
                 continue
-            if not rank.calling and rank.calls > 0:
+            if not rank.calling and rank.calls > 0 and (self.scenario.again or rank.made == 0):
                 yield f"begin r{r}", self._begin(w, r)
             if rank.calling and w.faults > 0:
                 yield f"timeout r{r}", self._timeout(w, r)
+            if rank.calling and rank.machine.disagreement() is not None:
+                yield f"mismatch r{r}", self._mismatch(w, r)
             if w.faults > 0:
                 yield f"die r{r} (sent arrives)", self._die(w, r, keep=True)
                 if any(w.chans[(r, b)] for b in range(n) if b != r):
@@ -197,8 +210,11 @@ class Explorer:
             if q:
                 yield f"deliver {a}->{b} {_show(q[0])}", self._deliver(w, a, b)
 
-    def _copy(self, w: World) -> World:
-        return World([_clone_rank(r) for r in w.ranks], dict(w.chans), w.faults, w.faulted)
+    def _copy(self, w: World, r: int) -> World:
+        """A new state from `w` in which only rank `r` (and the channels) may change."""
+        ranks = list(w.ranks)
+        ranks[r] = _clone_rank(ranks[r])
+        return World(ranks, dict(w.chans), w.faults, w.faulted)
 
     def _post(self, w: World, r: int, sends: Sequence[tuple[int, object]]) -> None:
         for peer, msg in sends:
@@ -206,7 +222,7 @@ class Explorer:
                 w.chans[(r, peer)] = w.chans[(r, peer)] + (msg,)
 
     def _begin(self, w: World, r: int) -> World:
-        w = self._copy(w)
+        w = self._copy(w, r)
         rank = w.ranks[r]
         rank.calls -= 1
         rank.calling = True
@@ -216,9 +232,15 @@ class Explorer:
         return w
 
     def _timeout(self, w: World, r: int) -> World:
-        w = self._copy(w)
+        w = self._copy(w, r)
         w.faults -= 1
         w.faulted = True
+        self._end_call(w, r)
+        return w
+
+    def _mismatch(self, w: World, r: int) -> World:
+        """Rank r gives up on a member that proposes other members (a MismatchError to its caller)."""
+        w = self._copy(w, r)
         self._end_call(w, r)
         return w
 
@@ -229,7 +251,7 @@ class Explorer:
         self._rehold(w, r)
 
     def _die(self, w: World, r: int, keep: bool) -> World:
-        w = self._copy(w)
+        w = self._copy(w, r)
         w.faults -= 1
         w.faulted = True
         w.ranks[r].alive = False
@@ -241,7 +263,7 @@ class Explorer:
         return w
 
     def _close(self, w: World, r: int, gid: int) -> World:
-        w = self._copy(w)
+        w = self._copy(w, r)
         rank = w.ranks[r]
         rec = rank.machine.groups[gid]
         left = rank.left.pop(gid, set())
@@ -260,7 +282,7 @@ class Explorer:
         self._post(w, r, [(p, frame) for p in rec.members if p != r and p not in rank.machine.lost])
 
     def _deliver(self, w: World, a: int, b: int) -> World:
-        w = self._copy(w)
+        w = self._copy(w, b)
         msg = w.chans[(a, b)][0]
         w.chans[(a, b)] = w.chans[(a, b)][1:]
         rank = w.ranks[b]
@@ -317,6 +339,11 @@ class Explorer:
             self._post(w, r, sends)
             rank.calling = False
             rank.made += 1
+            if self.scenario.then:
+                if self.scenario.then[r] is None:
+                    rank.calls = 0
+                else:
+                    rank.wants = self.scenario.then[r]
             self._send(w, r, rec.gid)
         else:
             self._end_call(w, r)
@@ -355,12 +382,14 @@ class Explorer:
                             _ident(other.machine, gid) != _ident(rank.machine, gid):
                         raise Violation(f"rank {r} holds group {gid} {rec.members}, unbroken, which rank {p} does not"
                                         + _trace(path))
-        wants = {rank.wants for rank in w.ranks if rank.alive}
-        if not w.faulted and len(wants) == 1 and not self.scenario.dead_news:
+        sc = self.scenario
+        first = {wants for wants in sc.wants if wants is not None}
+        if not w.faulted and len(first) == 1 and not sc.dead_news:
             for r, rank in enumerate(w.ranks):
-                if rank.alive and (rank.calling or rank.made < self.scenario.calls):
-                    raise Violation(f"rank {r} made {rank.made} of its {self.scenario.calls} groups in a run "
-                                    f"without faults" + _trace(path))
+                expect = 1 if not sc.again or (sc.then and sc.then[r] is None) else sc.calls
+                if rank.alive and (rank.calling or rank.made < expect):
+                    raise Violation(f"rank {r} made {rank.made} of its {expect} groups in a run without faults"
+                                    + _trace(path))
 
 
 def _show(msg: object) -> str:
@@ -386,12 +415,15 @@ def explore(scenario: Scenario, machine: Callable[[int], Agreement] = Agreement)
 
 
 SCENARIOS: tuple[Scenario, ...] = (
-    Scenario("2 ranks, split, retries, 1 fault", ((0, 1), (0, 1))),
-    Scenario("2 ranks, split twice with closes, 1 fault", ((0, 1), (0, 1)), calls=2, closes=True),
-    Scenario("3 ranks, split, retries, 1 fault", ((0, 1, 2),) * 3),
-    Scenario("3 ranks, 2 faults, one call each", ((0, 1, 2),) * 3, calls=1, faults=2),
-    Scenario("3 ranks shrink to 2: survivors, rank 2 dead, news on its way", ((0, 1), (0, 1), None),
-             dead_news=((2, 0), (2, 1))),
-    Scenario("4 ranks, ranks 2 and 3 dead, survivors disagree", ((0, 1), (0, 1, 2), None, None),
+    Scenario("2 ranks, two groups, retries, 1 fault", ((0, 1), (0, 1))),
+    Scenario("2 ranks, two groups with closes, 1 fault", ((0, 1), (0, 1)), closes=True),
+    Scenario("3 ranks, a group, a retry, 1 fault", ((0, 1, 2),) * 3, again=False),
+    Scenario("3 ranks, a group, 2 faults", ((0, 1, 2),) * 3, calls=1, faults=2),
+    Scenario("3 ranks, a group then a group of 2", ((0, 1, 2),) * 3, faults=0, then=((0, 1), (0, 1), None)),
+    Scenario("3 ranks, a group then a group of 2, 1 fault", ((0, 1, 2),) * 3, then=((0, 1), (0, 1), None)),
+    Scenario("3 ranks shrink to 2: rank 2 dead, news on its way, retries", ((0, 1), (0, 1), None),
+             dead_news=((2, 0), (2, 1)), calls=3),
+    Scenario("4 ranks, ranks 2 and 3 dead, survivors disagree, retries", ((0, 1), (0, 1, 2), None, None),
              dead_news=((2, 0), (3, 0), (2, 1), (3, 1)), calls=3, faults=0),
+    Scenario("4 ranks, a group, 1 fault", ((0, 1, 2, 3),) * 4, calls=1),
 )

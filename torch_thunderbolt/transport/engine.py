@@ -53,6 +53,9 @@ from .window import WindowMemory
 # frame in flight) when nobody else drives it. Normally a few milliseconds; only a peer that reads nothing
 # (frozen, or itself stuck) uses it all.
 ABORT_GRACE = 2.0
+# How long a member's proposal of other members must last before a new group's agreement gives up on it: its
+# call may be over already (a retry after a disagreement) with the news on its way.
+MISMATCH_GRACE = 1.0
 
 
 def _never() -> bool:
@@ -1019,6 +1022,7 @@ class Transport:
         if not engine._agreeing.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise CollectiveTimeout(f"rank {self.rank}: Timed out in {what}: another group was being made over "
                                     f"these links by another thread", ranks=[])
+        against: tuple[object, float] = (None, 0.0)  # a disagreement, and since when it lasts
         try:
             with self._lock:
                 engine._say(engine.agreement.begin(members))
@@ -1029,7 +1033,14 @@ class Transport:
                         rec, sends = engine.agreement.finish()
                         engine._say(sends)
                         return engine.add_group(rec, names)
-                    if out is not None or time.monotonic() >= deadline:
+                    now = time.monotonic()
+                    disagree = engine.agreement.disagreement()
+                    if disagree != against[0]:
+                        against = (disagree, now)
+                    if disagree is not None and now - against[1] >= MISMATCH_GRACE:
+                        out = disagree
+                    if out is not None or now >= deadline:
+                        out = out or disagree
                         silent, unconfirmed = engine.agreement.waiting_for()
                         engine._say(engine.agreement.abandon())
                         engine._reoffer()
