@@ -13,6 +13,7 @@ import platform as _std_platform
 import socket
 import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
 INT_MAX = 2**31 - 1
 # One send/recv moves at most this many bytes. XNU fails a call over INT_MAX with EINVAL (Linux returns a
@@ -24,7 +25,14 @@ LINUX_TCP_USER_TIMEOUT = 18  # linux/tcp.h, for Pythons built without socket.TCP
 # macOS has no TCP_USER_TIMEOUT; TCP_RXT_CONNDROPTIME (netinet/tcp.h: 0x80, seconds) drops a connection
 # whose retransmissions go unanswered that long. Python's socket module does not name it.
 DARWIN_TCP_RXT_CONNDROPTIME = 0x80
-TCP_INFO_SND_WND = 228  # linux/tcp.h: offset of tcpi_snd_wnd in struct tcp_info
+# Offsets in Linux's struct tcp_info (linux/tcp.h) of what `send_state` reads; tcpi_snd_wnd, the last field
+# read, exists from Linux 5.4 on.
+TCP_INFO_PROBES = 3  # (one byte)
+TCP_INFO_SND_MSS = 16
+TCP_INFO_UNACKED = 24
+TCP_INFO_LAST_ACK_RECV = 56  # milliseconds ago
+TCP_INFO_NOTSENT_BYTES = 144
+TCP_INFO_SND_WND = 228
 
 # macOS tools by absolute path: a non-login ssh session's PATH may not hold them, and a user's PATH could
 # shadow them.
@@ -34,6 +42,17 @@ RDMA_CTL = "/usr/bin/rdma_ctl"  # RDMA over Thunderbolt on/off (macOS 26.2+; ena
 
 # Documented in the message of every Local Network failure and in `doctor`.
 LOCAL_NETWORK_SETTING = "System Settings › Privacy & Security › Local Network"
+
+
+class SendState(NamedTuple):
+    """The sending side of one TCP connection as its kernel sees it (`Platform.send_state`)."""
+
+    window: int  # bytes the peer last said it has room for, counted from the first unacknowledged byte (0: closed)
+    in_flight: int  # segments sent and not acknowledged yet
+    unsent: int  # bytes written by the program that the kernel has not sent yet
+    segment: int  # the largest segment it sends (bytes)
+    acked_ago: float  # seconds since the peer last acknowledged anything (a window probe's answer included)
+    probes: int  # window probes sent since the peer last answered (any acknowledgement answers them all)
 
 
 @dataclass(frozen=True)
@@ -59,9 +78,10 @@ class Platform:
     # option, or None where there is none.
     link_timeout: tuple[int, int, int] | None = None
     # Whether that option also ends a connection whose peer is alive but keeps its receive window closed
-    # (a rank busy elsewhere does not read, and its stream parks a frame): Linux applies TCP_USER_TIMEOUT to
-    # zero-window probes, macOS's TCP_RXT_CONNDROPTIME counts retransmissions only. Where it does, the TCP
-    # links lift the option while the peer's window is closed (`peer_window`, transport/tcp.py).
+    # (a rank busy elsewhere, or frozen, does not read): Linux applies TCP_USER_TIMEOUT to zero-window probes
+    # answered or not, macOS's TCP_RXT_CONNDROPTIME counts retransmissions only. Where it does, the TCP links
+    # lift the option while the kernel holds data the peer's window has no room for (`send_state`,
+    # transport/tcp.py).
     timeout_on_closed_window: bool = False
     tcp_congestion: bool = False  # per-socket TCP_CONGESTION exists (THUNDERBOLT_CC works)
     # macOS 15+ "Local Network" privacy: connections to directly attached subnets fail with EHOSTUNREACH or
@@ -92,9 +112,9 @@ class Platform:
                        tcp_congestion=False, local_network_privacy=True)
         return cls(name=name, machine=machine)  # the BSDs and others: conservative defaults
 
-    def peer_window(self, sock: socket.socket) -> int | None:
-        """The receive window the peer of a TCP socket last advertised, in bytes (0: closed), or None where
-        this system does not tell (only Linux is asked: `tcpi_snd_wnd` of TCP_INFO, Linux 5.4 and later)."""
+    def send_state(self, sock: socket.socket) -> "SendState | None":
+        """What the kernel holds to send on a TCP socket and the room the peer gives it (TCP_INFO), or None
+        where this system does not tell (only Linux is asked, 5.4 and later) or the socket is gone."""
         if self.name != "linux" or not hasattr(socket, "TCP_INFO"):
             return None
         try:
@@ -103,7 +123,13 @@ class Platform:
             return None
         if len(raw) < TCP_INFO_SND_WND + 4:  # an older kernel's shorter struct
             return None
-        return int.from_bytes(raw[TCP_INFO_SND_WND : TCP_INFO_SND_WND + 4], sys.byteorder)
+
+        def u32(offset: int) -> int:
+            return int.from_bytes(raw[offset : offset + 4], sys.byteorder)
+
+        return SendState(window=u32(TCP_INFO_SND_WND), in_flight=u32(TCP_INFO_UNACKED),
+                         unsent=u32(TCP_INFO_NOTSENT_BYTES), segment=u32(TCP_INFO_SND_MSS),
+                         acked_ago=u32(TCP_INFO_LAST_ACK_RECV) / 1000, probes=raw[TCP_INFO_PROBES])
 
     @property
     def is_x86(self) -> bool:

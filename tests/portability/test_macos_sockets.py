@@ -295,14 +295,16 @@ def test_without_lifting_the_link_timeout_the_kernel_ends_that_connection() -> N
     assert errors and any("timed out" in str(e).lower() or "lost the connection" in str(e) for e in errors), errors
 
 
-def test_the_closed_window_guard_is_linux_only_and_the_window_is_read_only_there() -> None:
+def test_the_closed_window_guard_is_linux_only_and_the_kernel_is_asked_only_there() -> None:
     assert LINUX.timeout_on_closed_window and not DARWIN.timeout_on_closed_window
     with socket.create_server(("127.0.0.1", 0)) as lst, socket.create_connection(lst.getsockname()) as a:
         b, _ = lst.accept()
         with b:
-            assert DARWIN.peer_window(a) is None  # macOS mode never asks the kernel
+            assert DARWIN.send_state(a) is None  # macOS mode never asks the kernel
             if hasattr(socket, "TCP_INFO"):
-                assert LINUX.peer_window(a) > 0  # a fresh connection: the peer's window is open
+                state = LINUX.send_state(a)  # a fresh connection: the peer's window is open, nothing held
+                assert state is not None and state.window > 0 and not state.in_flight and not state.unsent
+                assert state.segment > 0
 
 
 def test_on_linux_enobufs_from_a_socket_buffer_is_not_papered_over() -> None:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -51,6 +53,33 @@ def test_a_rank_frozen_while_a_peer_sends_it_64_mb_is_named_by_the_sender_at_the
     # Raised at the timeout: the time the ABORT to the frozen rank takes is not added to it. (A bound, not a
     # measurement: the grace alone would make it timeout + 2 s.)
     assert timeout <= err["seconds"] < timeout + 1.5, err
+
+
+def test_a_rank_woken_after_the_others_timed_out_reports_their_verdict_not_a_blame_of_them(tmp_path) -> None:
+    """Rank 2 freezes inside an all_reduce and is woken after ranks 0 and 1 timed out naming it (their ABORTs
+    are in its sockets). Its deadline has passed too, but its error must be theirs, naming rank 2, not its own
+    timeout blaming the healthy ranks ("ranks that did not arrive: [0, 1]"): the ABORTs are read first."""
+    timeout = 3.0
+    with start_ranks(blame, 3, tmp_path, args=["woken"], setup=reliability_setup(),
+                     env={"TB_TIMEOUT": str(timeout)}) as ranks:
+        deadline = time.time() + 90
+        while time.time() < deadline and not all(rk.tagged("ERROR") for rk in ranks.ranks[:2]):
+            assert all(rk.proc.poll() is None for rk in ranks), {rk.rank: rk.stderr()[-1500:] for rk in ranks}
+            time.sleep(0.05)
+        survivors = {rk.rank: rk.tagged("ERROR") for rk in ranks.ranks[:2]}
+        stopped = ranks[2].tagged("STOPPED")
+        os.kill(ranks[2].proc.pid, signal.SIGCONT)
+        deadline = time.time() + 30
+        while time.time() < deadline and not ranks[2].tagged("ERROR") and ranks[2].proc.poll() is None:
+            time.sleep(0.05)
+        woken = ranks[2].tagged("ERROR")
+        logs = {rk.rank: rk.stderr()[-1500:] for rk in ranks}
+    assert stopped and all(survivors.values()), (survivors, logs)
+    assert all(e[0]["type"] == "CollectiveTimeout" and e[0]["ranks"] == [2] for e in survivors.values()), survivors
+    assert woken, logs
+    err = woken[0]
+    assert err["type"] == "CollectiveTimeout" and err["ranks"] == [2], err
+    assert "aborted the group" in err["msg"], err  # the survivors' verdict, relayed
 
 
 @pytest.mark.parametrize("dies", [1, 2])

@@ -13,6 +13,10 @@ while no thread waits. What the peers say about the connection (BYE, ABORT, prob
 receive sends PING probes after a quiet spell; each names the op it waits for, so a peer that ran that op
 differently (another root or collective) detects the mismatch (the engine's MismatchDetector decides), and
 its ANSWER says whom it waits on itself (a timeout then blames the end of the chain).
+The link timeout (THUNDERBOLT_LINK_TIMEOUT_MS) finds a cut cable: the kernel ends a stream whose sent data
+stays unacknowledged that long. Linux also ends one whose peer answers but keeps its window closed (a rank
+frozen or busy elsewhere), so there a thread of the TCP links' own, the window guard, lifts the timeout on
+each stream whose kernel holds data the peer has no room for, as the kernel reports it (TcpLinks._guard).
 With THUNDERBOLT_INTEGRITY=mac a peer's link is a SealedTcpLink: every frame carries MACs
 (protocol/integrity.py), sealed when its first byte is about to be written and checked before it is acted on.
 """
@@ -28,7 +32,7 @@ from collections import deque
 from typing import Any, Sequence
 
 from ..errors import ProtocolError, ThunderboltError
-from ..platform import SOCKET_IO_CAP, Platform, current
+from ..platform import SOCKET_IO_CAP, Platform, SendState, current
 from ..protocol import control
 from ..protocol.framing import (DISCARD, FRAME_HEADER_SIZE, AbortInfo, Frame, FrameDecoder, Kind, control_frame_header, encode_control, encode_frame_header, pack_frame_header)
 from ..protocol.integrity import SEALED_HEADER_SIZE, Opener, SealedFrameDecoder, Sealer
@@ -37,8 +41,12 @@ from .engine import Transport
 from .failover import Fields, RxCount, StreamLog, is_link_failure
 
 log = logging.getLogger("torch_thunderbolt.tcp")
-WINDOW_LOOK = 0.1  # seconds between looks at a blocked stream's peer window (a getsockopt each)
 _STAGING = 1 << 16
+# The window guard looks at the streams this often, or GUARD_LOOKS times per link timeout when that is
+# shorter. Linux ends a stalled connection no sooner than the link timeout plus one retransmission timeout
+# (200 ms at least) after the stall began: the guard has several looks in that time, even on a busy machine.
+GUARD_EVERY = 0.25
+GUARD_LOOKS = 5
 CONTROL_PAYLOAD = object()  # marks an inbound CONTROL frame's payload (one control message)
 
 
@@ -93,7 +101,8 @@ class Stream:
     """One socket to a peer and what is in flight on it."""
 
     __slots__ = ("sock", "fd", "peer", "stream", "addr", "local", "decoder", "sendq", "inbound", "parked", "bye",
-                 "staging", "dead", "log", "rx", "lifted", "window_at", "emptied", "sealer", "opener", "ctl")
+                 "staging", "dead", "log", "rx", "written", "looked", "holds", "lifted", "emptied", "sealer", "opener",
+                 "ctl")
 
     def __init__(self, sock: socket.socket, peer: int, stream: int, max_message: int) -> None:
         sock.setblocking(False)
@@ -113,8 +122,11 @@ class Stream:
         self.staging = bytearray(_STAGING)
         self.log: StreamLog | None = None  # set when failover is on for this peer
         self.rx: RxCount | None = None
-        self.lifted = False  # the link timeout is lifted while the peer's window is closed (TcpLinks.blocked)
-        self.window_at = 0.0  # when that window was last looked at
+        # What the window guard (TcpLinks._guard, its own thread) looks at and decides; this thread only counts.
+        self.written = 0  # bytes written to the socket
+        self.looked = 0  # `written` when the guard last asked the kernel about the socket
+        self.holds = False  # the kernel held data for the peer then (sent or not)
+        self.lifted = False  # the link timeout is lifted: the kernel holds data the peer has no room for
         # This pass's last read was a short one into `staging`: every frame it brought is handled and the
         # socket was empty then, so one more read would most likely only raise (over a microsecond in
         # Python: a small message pays it once per pump). What arrives later, poll() reports.
@@ -211,8 +223,7 @@ class TcpLink(Link):
             k = c.sock.sendmsg([hdr, buf])
         except OSError:  # BlockingIOError and InterruptedError included
             return 0
-        if c.lifted:  # the window opened again
-            self.kind.set_link_timeout(c, lifted=False)
+        c.written += k
         return k
 
     def _part_written(self, req: Request, n: int) -> None:
@@ -389,8 +400,6 @@ class TcpLink(Link):
             try:
                 k = c.sock.sendmsg(bufs)
             except (BlockingIOError, InterruptedError):
-                if self.kind.guard_window:
-                    self.kind.blocked(c)
                 return moved
             except OSError as exc:
                 if c.parked is None and not c.bye:
@@ -398,8 +407,7 @@ class TcpLink(Link):
                 self.conn_error(c, exc)  # no-op if that read already failed the transport
                 return True
             moved = True
-            if c.lifted:  # the window opened again
-                self.kind.set_link_timeout(c, lifted=False)
+            c.written += k
             if out.sent == 0 and k and c.log is not None:  # its first byte is on this stream now
                 if out.fields is None:
                     c.log.control(hl + len(out.payload))
@@ -709,11 +717,18 @@ class TcpLinks(LinkKind):
         """`seal`: (this rank, per peer and stream the keys of integrity.stream_keys) to carry a MAC on every
         frame to those peers (THUNDERBOLT_INTEGRITY=mac); None: plain frames."""
         self.log = log
-        # Where the link timeout would also end a connection whose peer keeps its window closed, a stream
-        # whose sends find no room lifts it while that lasts (Platform.timeout_on_closed_window).
+        # Where the link timeout also ends a connection whose peer keeps its window closed while answering
+        # our window probes (Platform.timeout_on_closed_window: Linux), a rank frozen or busy elsewhere would
+        # be reported lost. The window guard, a thread of this kind's, lifts it on each stream whose kernel
+        # holds data the peer has no room for, and puts it back once there is room (`_guard`).
         self.plat = plat or current()
         self.link_timeout = list(link_timeout)
-        self.guard_window = self.plat.timeout_on_closed_window and bool(self.link_timeout)
+        self.guard_every = 0.0  # seconds between the window guard's looks; 0: no guard
+        self.link_seconds = 0.0  # the link timeout, where the guard runs
+        if self.plat.timeout_on_closed_window and self.link_timeout and self.plat.link_timeout is not None:
+            self.link_seconds = min(value for _, _, value in self.link_timeout) * self.plat.link_timeout[2] / 1000
+            self.guard_every = min(GUARD_EVERY, self.link_seconds / GUARD_LOOKS)
+        self._stop = threading.Event()  # set when the engine closes: the window guard ends
         self.stripe_bytes = stripe_bytes
         self.early_bytes = early_bytes  # early collective frames up to this size are read ahead, not parked
         self.links: dict[int, TcpLink] = {
@@ -726,7 +741,7 @@ class TcpLinks(LinkKind):
         # A rank that only waits to receive has no unacknowledged data, so the kernel's link timeout never
         # fires for it; after this long without traffic the engine sends a PING to the peers it waits on.
         self.probe_after = probe_after
-        self.threads: list[threading.Thread] = []  # the failover keeper, if any
+        self.threads: list[threading.Thread] = []  # the failover keeper and the window guard, if any
 
     def attach(self, engine: Transport) -> None:
         super().attach(engine)
@@ -734,22 +749,42 @@ class TcpLinks(LinkKind):
             keeper = threading.Thread(target=self._keep_going, name=f"tb-failover-r{engine.rank}", daemon=True)
             self.threads.append(keeper)
             keeper.start()
+        if self.guard_every:
+            guard = threading.Thread(target=self._guard, name=f"tb-window-r{engine.rank}", daemon=True)
+            self.threads.append(guard)
+            guard.start()
 
-    def blocked(self, c: Stream) -> None:
-        """A send on `c` found no room. If the peer's receive window is closed, the peer is alive (its kernel
-        answers our window probes) but not reading, maybe for long (a rank busy elsewhere, its frame
-        parked): lift the link timeout on `c` until data moves again, or the kernel would end the
-        connection after THUNDERBOLT_LINK_TIMEOUT_MS. Looked at once per WINDOW_LOOK seconds at most."""
-        if c.lifted:
-            return
-        now = time.monotonic()
-        if now - c.window_at < WINDOW_LOOK:
-            return
-        c.window_at = now
-        if self.plat.peer_window(c.sock) == 0:
-            self.set_link_timeout(c, lifted=True)
+    def release(self) -> None:
+        self._stop.set()
 
-    def set_link_timeout(self, c: Stream, lifted: bool) -> None:
+    def _guard(self) -> None:
+        """The window guard: every `guard_every` seconds, ask the kernel (TCP_INFO) about each live stream
+        written to since its last look, or whose kernel held data for the peer then (no other can hold any),
+        and lift the link timeout on it while it is `stalled`, put it back when it is not, or when the peer
+        went `silent` (a cable cut while the window was closed: the kernel then ends the connection at its
+        next probe). The decision reads only the kernel's own state, never a send that happens to find no
+        room: data a send left in the kernel may stall there long after the send returned (the peer froze
+        before reading it)."""
+        while not self._stop.wait(self.guard_every):
+            for link in list(self.links.values()):
+                for c in link.streams:
+                    if c.dead or not (c.lifted or c.holds or c.written != c.looked):
+                        continue
+                    c.looked = c.written  # (read first: a write after it is looked at next time)
+                    state = self.plat.send_state(c.sock)
+                    if state is None:  # closed meanwhile, or a kernel that does not tell
+                        continue
+                    c.holds = bool(state.in_flight or state.unsent)
+                    if not stalled(state):
+                        if c.lifted:
+                            self.set_link_timeout(c, False, "there is room again")
+                    elif silent(state, self.link_seconds):
+                        if c.lifted:
+                            self.set_link_timeout(c, False, "the peer answers nothing: the link is gone")
+                    elif not c.lifted:
+                        self.set_link_timeout(c, True, "the peer has no room for what the kernel holds")
+
+    def set_link_timeout(self, c: Stream, lifted: bool, why: str) -> None:
         """Lift the link timeout on `c` (0: the kernel's own limits), or put it back."""
         for level, option, value in self.link_timeout:
             try:
@@ -757,9 +792,8 @@ class TcpLinks(LinkKind):
             except OSError:  # a socket that just failed: its error reaches the engine through the next call
                 return
         c.lifted = lifted
-        log.debug("rank %d: %s the link timeout on the stream to rank %d %s (the peer's window %s)",
-                  self.engine.rank, "lifted" if lifted else "restored", c.peer, c.where,
-                  "is closed" if lifted else "opened")
+        log.debug("rank %d: %s the link timeout on the stream to rank %d %s (%s)", self.engine.rank,
+                  "lifted" if lifted else "restored", c.peer, c.where, why)
 
     def stream(self, peer: int, i: int) -> Stream:
         return self.links[peer].streams[i]
@@ -770,6 +804,26 @@ class TcpLinks(LinkKind):
         while self.engine.broken is None:  # (a kind's own thread: it drives the engine through its calls)
             time.sleep(0.05)
             self.engine.pump_if_idle()
+
+
+def stalled(state: SendState) -> bool:
+    """Whether a stream's kernel holds data its peer has no room for: the peer's window is closed over data
+    sent or waiting, or, with nothing in flight, too small for the next segment. The kernel then probes the
+    window, and Linux ends the connection after the link timeout even while the peer answers (a frozen
+    rank's kernel does). Otherwise data moves, or there is none, and the link timeout only ends a connection
+    whose sent data goes unacknowledged: a cut cable."""
+    if state.window == 0:
+        return bool(state.in_flight or state.unsent)
+    return not state.in_flight and state.unsent > 0 and state.window < min(state.unsent, state.segment)
+
+
+def silent(state: SendState, link_timeout: float) -> bool:
+    """Whether the peer of a stalled stream stopped answering: two window probes in a row unanswered, and
+    nothing acknowledged for the link timeout. A live peer's kernel answers them (a frozen rank's too; it
+    skips at most one while they come faster than its limit of two such answers a second), so only a cut
+    cable or a dead host leaves them unanswered. (A window shut over data in flight is retransmitted into,
+    not probed: a cut then is found by the group timeout.)"""
+    return state.probes >= 2 and state.acked_ago > link_timeout
 
 
 def _header(f: Fields) -> bytes:

@@ -5,6 +5,11 @@
 - `frozen_receiver`: rank 1 SIGSTOPs itself; rank 0 sends it 64 MB as a broadcast's root or with send.
 - `dies_in_set_up`: rank TB_DIES exits (code 3) right after publishing its endpoint; the others report
   how init_process_group failed and how long it took.
+- `woken`: 3 ranks, a broadcast from rank 0, which calls it a second late, then an all_reduce. Rank 2
+  freezes itself inside the broadcast (STOPPED), the first time its wait comes back from a quiet sleep,
+  before it looks at the deadline again; ranks 0 and 1 finish the broadcast and time out in the
+  all_reduce. Every rank prints its first error (ERROR); ranks 0 and 1 then stay (sockets open) until
+  killed. The test wakes rank 2 once the others gave up. Environment: TB_TIMEOUT.
 """
 from __future__ import annotations
 
@@ -69,6 +74,37 @@ def frozen_receiver() -> Exit | None:
     return Exit(1, hard=True)
 
 
+def woken() -> Exit | None:
+    dist.init_process_group("thunderbolt", timeout=datetime.timedelta(seconds=float(os.environ["TB_TIMEOUT"])))
+    r = dist.get_rank()
+    x = torch.ones(256)
+    dist.barrier()
+    if r == 2:
+        watchers = dist.distributed_c10d._get_default_group().transport.watchers
+
+        def freeze() -> None:  # (called by the thread that waits, after a poll() with nothing to do)
+            del watchers["freeze"]
+            emit("STOPPED", time.time())
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        watchers["freeze"] = freeze
+    elif r == 0:
+        time.sleep(1.0)
+    t0 = time.monotonic()
+    try:
+        dist.broadcast(x, 0)
+        t0 = time.monotonic()
+        dist.all_reduce(x)
+    except Exception as exc:
+        emit("ERROR", {"type": type(exc).__name__, "msg": str(exc)[:1500], "ranks": getattr(exc, "ranks", None),
+                       "seconds": time.monotonic() - t0})
+    else:
+        emit("PASSED", time.time())
+    if r != 2:
+        time.sleep(120)  # the woken rank's ABORTs to read are in its sockets, not an EOF
+    return Exit(0, hard=True)
+
+
 def dies_in_set_up() -> Exit | None:
     import torch_thunderbolt.rendezvous.tcp as bootstrap
 
@@ -85,4 +121,4 @@ def dies_in_set_up() -> Exit | None:
 
 
 if __name__ == "__main__":
-    main({"sigstop": sigstop, "frozen_receiver": frozen_receiver, "dies_in_set_up": dies_in_set_up})
+    main({"sigstop": sigstop, "frozen_receiver": frozen_receiver, "dies_in_set_up": dies_in_set_up, "woken": woken})
