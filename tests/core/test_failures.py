@@ -34,6 +34,27 @@ def test_stalled_rank_gives_collective_timeout_naming_it(tmp_path) -> None:
     assert 1.5 < out["seconds"] < 10, out
 
 
+@pytest.mark.parametrize("transport, op", [
+    ("tcp", "all_reduce"), ("shm", "all_reduce"),
+    *(pytest.param(t, op, marks=pytest.mark.slow) for t in ("tcp", "shm") for op in ("broadcast", "send"))])
+def test_a_rank_that_arrives_after_the_others_timed_out_gets_their_error(transport: str, op: str,
+                                                                         tmp_path) -> None:
+    """Its op finds what it needs already there (the others sent before they gave up) or only sends, and
+    must not succeed: the group timed out."""
+    results = run_ranks(failures, 3, tmp_path, args=["late"], timeout=60, expect_ok=False,
+                        env={"TB_TIMEOUT": "2", "TEST_OP": op, "THUNDERBOLT_TRANSPORT": transport})
+    waiting = [results[0]] if op == "send" else results[:2]  # (a send: only rank 0 waits for the late rank)
+    for res in waiting:
+        out = res.json()
+        assert out["type"] == "CollectiveTimeout" and "Timed out" in out["msg"], (res.rank, out)
+    out = results[2].json()
+    assert not out["ok"], out
+    assert out["type"] == "CollectiveTimeout" and "aborted the group" in out["msg"], out
+    # (a send: rank 1, idle meanwhile, may time out first in the next all_reduce, waiting for ranks 0 and 2)
+    assert "Timed out" in out["msg"] and (op == "send" or "did not arrive: [2]" in out["msg"]), out
+    assert out["after"]["type"] == "CollectiveTimeout", out
+
+
 @pytest.mark.parametrize("kind", ["size", "dtype", "op"])
 def test_mismatched_calls_raise_on_every_rank(kind: str, tmp_path) -> None:
     results = run_ranks(failures, 2, tmp_path, args=["mismatched"], timeout=60,

@@ -32,6 +32,11 @@ from .window import Window
 
 log = logging.getLogger("torch_thunderbolt.ops")
 
+# An op that succeeded reads what its peers said before it reports success (`Communicator.confirm`) unless
+# this group looked this recently: a look (a poll and a pump) costs about as much as a small op itself
+# (7-29 us against 10-20 us on a 2-core VM), so back-to-back small ops pay for one per millisecond.
+LOOK_AFTER = 0.001
+
 
 class OpLabel:
     """How errors name an op ("all_reduce (op #3, float32, 1000 elements)"), formatted only when one needs
@@ -90,6 +95,21 @@ class Communicator:
         # All_reduces up to this size run one-shot on the window (when the group runs on it at all).
         self._one_shot_bytes = min(cfg.small_bytes, self.window.nbytes) if self._flat else -1
         self.group = paths.Group(self.world, self._flat, self._per_host, self._one_shot_bytes)
+        self._looked = 0.0  # when `confirm` last read the links
+
+    def confirm(self) -> None:
+        """Before an op reports success: the group's error if its peers gave up on it. A rank that comes to
+        an op after the others timed out can find every byte it needs already there (a window's published
+        steps, messages sent before the others gave up) or need none (it only sends), and finish without
+        reading the ABORT behind them. So the links are read once, without waiting (`Transport.check_usable`),
+        unless this did so in the last LOOK_AFTER seconds: a rank whose op begins that long after the ABORT
+        reached it gets the group's error from this op, not from its next."""
+        now = time.monotonic()
+        if now - self._looked > LOOK_AFTER:
+            self._looked = now
+            self.t.check_usable(look=True)
+        elif self.t.broken is not None:
+            raise self.t.broken
 
     # -- machinery -----------------------------------------------------------------------------------------
     def _plan(self, key: tuple, build: Callable[[], Plan]) -> Plan:
@@ -125,6 +145,7 @@ class Communicator:
             self.t.abort(exc)
             raise
         self.t.retire(self.seq)
+        self.confirm()
 
     def _run_body(self, body: Callable[[int, float, OpLabel], None], what: str, like: torch.Tensor,
                   root: int = 0, count: int = 0, op: str = "none", layout: object = None,
@@ -145,6 +166,7 @@ class Communicator:
             raise
         if how != "window":
             self.t.retire(self.seq)
+        self.confirm()
 
     def _cables(self, plan: Plan, bufs: dict[str, torch.Tensor], op: str | None, like: torch.Tensor, sig: int,
                 deadline: float, what: OpLabel) -> None:
@@ -267,6 +289,7 @@ class Communicator:
         except BaseException as exc:
             self.t.abort(exc)  # peers may be waiting on this rank's next step: tell them why it won't come
             raise
+        self.confirm()
         if op == "avg":
             x.div_(self.world)
 

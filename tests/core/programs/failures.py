@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import torch_thunderbolt  # noqa: F401 - registers the backend
-from torch_thunderbolt.testing.program import main, outcome, result
+from torch_thunderbolt.testing.program import main, outcome, result, workdir
 
 
 def _init() -> tuple[int, int]:
@@ -45,6 +45,41 @@ def stalled() -> None:
             return
         dist.all_reduce(torch.ones(10))
     result(outcome(op))
+
+
+def _late_op(op: str, r: int, late: int) -> None:
+    """One op of TEST_OP: a small all_reduce, a broadcast from the late rank (which only sends), or a send from
+    the late rank to rank 0."""
+    x = torch.ones(4)
+    if op == "all_reduce":
+        dist.all_reduce(x)
+    elif op == "broadcast":
+        dist.broadcast(x, late)
+    elif r == late:
+        dist.send(x, 0)
+    elif r == 0:
+        dist.recv(x, late)
+
+
+def late() -> None:
+    """The last rank comes to an op (TEST_OP) well after the others timed out in it (TB_TIMEOUT): every rank
+    reports that op and the next. The others stay until it is done (their links stay open)."""
+    r, w = _init()
+    late_rank, op = w - 1, os.environ["TEST_OP"]
+    dist.all_reduce(torch.ones(4))  # (every link and the small op's buffers made)
+    if r == late_rank:
+        time.sleep(float(os.environ["TB_TIMEOUT"]) + 1.5)
+    res = outcome(lambda: _late_op(op, r, late_rank))
+    res["after"] = outcome(lambda: dist.all_reduce(torch.ones(4)))
+    done = workdir() / "late_done"
+    if r == late_rank:
+        done.write_text("")
+    else:
+        for _ in range(300):
+            if done.exists():
+                break
+            time.sleep(0.1)
+    result(res)
 
 
 def mismatched() -> None:
@@ -88,4 +123,4 @@ def destroy() -> None:
 
 
 if __name__ == "__main__":
-    main({"kill_9": kill_9, "stalled": stalled, "mismatched": mismatched, "destroy": destroy})
+    main({"kill_9": kill_9, "stalled": stalled, "late": late, "mismatched": mismatched, "destroy": destroy})
