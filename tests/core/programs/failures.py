@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import torch_thunderbolt  # noqa: F401 - registers the backend
-from torch_thunderbolt.testing.program import main, outcome, result, workdir
+from torch_thunderbolt.testing.program import emit, main, outcome, result, workdir
 
 
 def _init() -> tuple[int, int]:
@@ -82,6 +82,35 @@ def late() -> None:
     result(res)
 
 
+def init_again() -> None:
+    """Rank 1's first process dies before it could join; rank 0's init_process_group fails (its set-up
+    times out waiting for rank 1: THUNDERBOLT_CONNECT_TIMEOUT), and rank 0 says RETRY. The test then starts
+    rank 1 again (TEST_LIFE=2), and both init under a new prefix of rank 0's store, as docs/fault-tolerance.md
+    says, then run an all_reduce."""
+    r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), w, r == 0,
+                          timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    if r == 1 and os.environ.get("TEST_LIFE") != "2":
+        os._exit(0)  # (dies before it joins the group)
+
+    def init(attempt: int) -> None:
+        dist.init_process_group("thunderbolt", store=dist.PrefixStore(f"attempt{attempt}/", store), rank=r,
+                                world_size=w, timeout=datetime.timedelta(seconds=30))
+
+    res: dict = {}
+    if r == 0:
+        res["first"] = outcome(lambda: init(0))
+        emit("RETRY", {})
+    res["again"] = outcome(lambda: init(1))
+    if res["again"]["ok"]:
+        x = torch.ones(4)
+        dist.all_reduce(x)
+        res["sum"] = x.tolist()
+        dist.barrier()
+        dist.destroy_process_group()
+    result(res)
+
+
 def mismatched() -> None:
     """The ranks disagree on the size, the dtype or the op (TEST_KIND); then every rank tries once more."""
     r, _ = _init()
@@ -123,4 +152,5 @@ def destroy() -> None:
 
 
 if __name__ == "__main__":
-    main({"kill_9": kill_9, "stalled": stalled, "late": late, "mismatched": mismatched, "destroy": destroy})
+    main({"kill_9": kill_9, "stalled": stalled, "late": late, "init_again": init_again, "mismatched": mismatched,
+          "destroy": destroy})
