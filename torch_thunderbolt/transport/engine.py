@@ -1024,6 +1024,9 @@ class Transport:
                                 poller.register(fd, events)
                                 by_fd[fd] = link
                     engine._pump({by_fd[fd] for fd, _ in poller.poll(0) if fd in by_fd})
+                    # A thread asleep in the engine's poll() would miss what this pump read (it drained the
+                    # descriptors that were to wake that thread): it goes round its loop again.
+                    engine.wake_sleeper()
         if self.broken is not None:
             raise self.broken
         if self.closed:
