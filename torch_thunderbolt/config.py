@@ -185,7 +185,7 @@ class Config:
     @classmethod
     def parse_env(cls, env: Mapping[str, str] | None = None) -> "tuple[Config, list[ConfigError]]":
         """Every setting of `env` parsed: the Config, each bad setting left at its default, and the ConfigError
-        of each bad one, in SETTINGS' order of parsing (what `from_env` raises, and `doctor` lists)."""
+        of each bad one, in the order they are parsed (what `from_env` raises, and `doctor` lists)."""
         env = os.environ if env is None else env
         problems = text_problems(env)
         unreadable = {str(p).partition(":")[0] for p in problems}

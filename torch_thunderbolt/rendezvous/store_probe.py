@@ -86,7 +86,7 @@ def probe_url(url: str, timeout: "timedelta | float | None" = None, env: Mapping
         cfg = Config.from_env(env)
     except ConfigError as exc:
         raise ConfigError(f"rank {who}: {exc}" if who else str(exc)) from None
-    check_machine(cfg, who or "?")
+    check_machine(cfg, who)
     try:
         rank = int(who)
         host = parsed.hostname or env.get("MASTER_ADDR", "")

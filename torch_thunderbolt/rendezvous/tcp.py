@@ -86,11 +86,11 @@ def congestion_control_problem(cc: str, plat: Platform | None = None) -> ConfigE
     return None
 
 
-def check_machine(cfg: Config, rank: "int | str") -> None:
-    """`machine_problems` as this rank's ConfigError, naming the rank and every problem."""
+def check_machine(cfg: Config, rank: "int | str" = "") -> None:
+    """`machine_problems` as this rank's ConfigError, naming the rank (where known) and every problem."""
     problems = machine_problems(cfg)
     if problems:
-        raise ConfigError(f"rank {rank}: " + "; ".join(str(p) for p in problems))
+        raise ConfigError(("" if rank == "" else f"rank {rank}: ") + "; ".join(str(p) for p in problems))
 
 
 def local_addresses(store: Any, cfg: Config, rank: int) -> list[str]:
