@@ -707,7 +707,8 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             budget = seconds if seconds is not None else self._timeout
             try:
                 self._transport.wait([req], time.monotonic() + budget, what)
-                self._comm.confirm(time.monotonic())  # a send that went at once, to peers that gave up
+                # (a send that went at once, or a message already here: the group may be over for its peers)
+                self._comm.confirm(time.monotonic())
             except BaseException as exc:
                 # The receive is still posted (a timeout) or the stream is out of step (a size mismatch): a
                 # later message would be written into this buffer after the caller gave up on it. BROKEN
