@@ -173,44 +173,85 @@ class Config:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Config":
+        """The Config of `env` (default: this process's environment); a ConfigError naming every bad setting
+        (one run shows them all, as `doctor` does)."""
+        cfg, problems = cls.parse_env(env)
+        if len(problems) == 1:
+            raise problems[0]
+        if problems:
+            raise ConfigError("; ".join(str(p) for p in problems))
+        return cfg
+
+    @classmethod
+    def parse_env(cls, env: Mapping[str, str] | None = None) -> "tuple[Config, list[ConfigError]]":
+        """Every setting of `env` parsed: the Config, each bad setting left at its default, and the ConfigError
+        of each bad one, in the order they are parsed (what `from_env` raises, and `doctor` lists)."""
         env = os.environ if env is None else env
-        check_text(env)
-        get = lambda k: env.get(k, "").strip()  # noqa: E731
+        problems = text_problems(env)
+        unreadable = {str(p).partition(":")[0] for p in problems}
+        get = lambda k: "" if k in unreadable else env.get(k, "").strip()  # noqa: E731
         kw: dict = {}
+
+        def take(key: "str | tuple[str, ...]", parse: "Callable[[], object]") -> bool:
+            """kw[key] = parse() (a tuple of keys takes a tuple of values), or its ConfigError noted."""
+            try:
+                value = parse()
+            except ConfigError as exc:
+                problems.append(exc)
+                return False
+            if isinstance(key, tuple):
+                kw.update(zip(key, value))  # type: ignore[call-overload]
+            else:
+                kw[key] = value
+            return True
+
         if get("THUNDERBOLT_IFNAME"):
             kw["ifnames"] = tuple(x.strip() for x in get("THUNDERBOLT_IFNAME").split(",") if x.strip())
         if get("THUNDERBOLT_STREAMS"):
-            kw["streams"] = _int(get("THUNDERBOLT_STREAMS"), "THUNDERBOLT_STREAMS", 1, 64)
-        kw["transport"] = _choice(get("THUNDERBOLT_TRANSPORT") or "auto", "THUNDERBOLT_TRANSPORT", TRANSPORTS)
-        kw["algo"] = _choice(get("THUNDERBOLT_ALGO") or "auto", "THUNDERBOLT_ALGO", ALGOS)
-        kw["compression"], kw["compression_block"] = parse_compression(env)
+            take("streams", lambda: _int(get("THUNDERBOLT_STREAMS"), "THUNDERBOLT_STREAMS", 1, 64))
+        take("transport", lambda: _choice(get("THUNDERBOLT_TRANSPORT") or "auto", "THUNDERBOLT_TRANSPORT",
+                                          TRANSPORTS))
+        take("algo", lambda: _choice(get("THUNDERBOLT_ALGO") or "auto", "THUNDERBOLT_ALGO", ALGOS))
+        take("compression", lambda: _compression(get("THUNDERBOLT_COMPRESSION")))
+        take("compression_block", lambda: _compression_block(get("THUNDERBOLT_COMPRESSION_BLOCK")))
         for var, key in (("THUNDERBOLT_CHUNK", "chunk_bytes"), ("THUNDERBOLT_SMALL", "small_bytes"),
                          ("THUNDERBOLT_STRIPE", "stripe_bytes"), ("THUNDERBOLT_SOCKET_BUFFER", "socket_buffer")):
             if get(var):
-                kw[key] = _size(get(var), var)
-        kw.update(_shm_fields(get))
-        kw["autoload"] = parse_autoload(env)
-        kw["verbs"], kw["verbs_fabric"] = parse_verbs(get("THUNDERBOLT_VERBS"))
+                take(key, lambda var=var: _size(get(var), var))  # type: ignore[misc]
+        if get("THUNDERBOLT_SHM_SLOT"):
+            take("shm_slot_bytes", lambda: _pages(get("THUNDERBOLT_SHM_SLOT"), "THUNDERBOLT_SHM_SLOT", zero_ok=False))
+        if get("THUNDERBOLT_SHM_WINDOW"):
+            take("shm_window_bytes", lambda: _pages(get("THUNDERBOLT_SHM_WINDOW"), "THUNDERBOLT_SHM_WINDOW",
+                                                    zero_ok=True))
+        if get("THUNDERBOLT_SHM_SLOTS"):
+            take("shm_slots", lambda: _int(get("THUNDERBOLT_SHM_SLOTS"), "THUNDERBOLT_SHM_SLOTS", 2, 1024))
+        if get("THUNDERBOLT_SHM_DIR"):
+            take("shm_dir", lambda: _shm_dir(get("THUNDERBOLT_SHM_DIR"), "THUNDERBOLT_SHM_DIR"))
+        take("autoload", lambda: _autoload(get("THUNDERBOLT_AUTOLOAD")))
+        take(("verbs", "verbs_fabric"), lambda: parse_verbs(get("THUNDERBOLT_VERBS")))
         if get("THUNDERBOLT_LINK_TIMEOUT_MS"):
-            kw["link_timeout_ms"] = _int(get("THUNDERBOLT_LINK_TIMEOUT_MS"), "THUNDERBOLT_LINK_TIMEOUT_MS", 500,
-                                         600_000)
+            take("link_timeout_ms", lambda: _int(get("THUNDERBOLT_LINK_TIMEOUT_MS"), "THUNDERBOLT_LINK_TIMEOUT_MS",
+                                                 500, 600_000))
         if get("THUNDERBOLT_PORT"):
-            kw["port"], kw["port_range"] = parse_port(get("THUNDERBOLT_PORT"), env.get("LOCAL_RANK", "").strip())
+            take(("port", "port_range"), lambda: parse_port(get("THUNDERBOLT_PORT"),
+                                                            env.get("LOCAL_RANK", "").strip()))
         if get("THUNDERBOLT_CONNECT_TIMEOUT"):
-            kw["connect_timeout"] = float(_int(get("THUNDERBOLT_CONNECT_TIMEOUT"), "THUNDERBOLT_CONNECT_TIMEOUT",
-                                               1, 86400))
-        kw["listen_all"] = _flag(get("THUNDERBOLT_LISTEN_ALL"), "THUNDERBOLT_LISTEN_ALL")
-        kw["debug"] = _flag(get("THUNDERBOLT_DEBUG"), "THUNDERBOLT_DEBUG") or env.get(
-            "TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+            take("connect_timeout", lambda: float(_int(get("THUNDERBOLT_CONNECT_TIMEOUT"),
+                                                       "THUNDERBOLT_CONNECT_TIMEOUT", 1, 86400)))
+        take("listen_all", lambda: _flag(get("THUNDERBOLT_LISTEN_ALL"), "THUNDERBOLT_LISTEN_ALL"))
+        take("debug", lambda: _flag(get("THUNDERBOLT_DEBUG"), "THUNDERBOLT_DEBUG") or env.get(
+            "TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
         kw["congestion_control"] = get("THUNDERBOLT_CC")
-        if get("THUNDERBOLT_SECRET"):
-            kw["secret"] = parse_secret(get("THUNDERBOLT_SECRET"))
-        kw["integrity"] = _choice(get("THUNDERBOLT_INTEGRITY") or "none", "THUNDERBOLT_INTEGRITY", INTEGRITY_MODES)
-        if kw["integrity"] != "none" and not kw.get("secret"):
-            raise ConfigError("THUNDERBOLT_INTEGRITY=mac needs THUNDERBOLT_SECRET (the same on every rank): without "
-                              "it the frames' key would come from the rendezvous store, which anyone who reaches "
-                              "MASTER_PORT can read")
-        return cls(**kw)
+        secret_ok = not get("THUNDERBOLT_SECRET") or take("secret", lambda: parse_secret(get("THUNDERBOLT_SECRET")))
+        if take("integrity", lambda: _choice(get("THUNDERBOLT_INTEGRITY") or "none", "THUNDERBOLT_INTEGRITY",
+                                             INTEGRITY_MODES)) and secret_ok:
+            if kw["integrity"] != "none" and not kw.get("secret"):
+                problems.append(ConfigError(
+                    "THUNDERBOLT_INTEGRITY=mac needs THUNDERBOLT_SECRET (the same on every rank): without it the "
+                    "frames' key would come from the rendezvous store, which anyone who reaches MASTER_PORT can "
+                    "read"))
+                kw["integrity"] = "none"
+        return cls(**kw), problems
 
 
 def parse_port(text: str, local_rank: str) -> tuple[int, tuple[int, int]]:
@@ -276,18 +317,27 @@ def host_settings(cfg: Config) -> dict[str, str]:
 
 
 def check_text(env: Mapping[str, str]) -> None:
-    """A ConfigError naming the first THUNDERBOLT_* variable whose value is not valid UTF-8. Python hands
+    """A ConfigError naming the first THUNDERBOLT_* variable whose value is not valid UTF-8 (`text_problems`)."""
+    problems = text_problems(env)
+    if problems:
+        raise problems[0]
+
+
+def text_problems(env: Mapping[str, str]) -> list[ConfigError]:
+    """A ConfigError for each THUNDERBOLT_* variable whose value is not valid UTF-8, naming it. Python hands
     such bytes over as lone surrogates (os.environ decodes with surrogateescape), which pass every parser
     here and fail much later (UnicodeEncodeError at a socket option, or at the secret's first use). The
     value is never shown: it may be the secret."""
+    out = []
     for name, value in env.items():
         if not isinstance(name, str) or not name.startswith("THUNDERBOLT_") or not isinstance(value, str):
             continue
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise ConfigError(f"{name}: expected UTF-8 text, but the value holds bytes that are not (value not "
-                              f"shown); set it again from a UTF-8 terminal or file") from None
+            out.append(ConfigError(f"{name}: expected UTF-8 text, but the value holds bytes that are not (value "
+                                   f"not shown); set it again from a UTF-8 terminal or file"))
+    return out
 
 
 SECRET_MIN_CHARS = 32  # 32 hex digits = 128 bits: out of reach of an offline guess of the handshake MAC
@@ -334,14 +384,24 @@ def parse_compression(env: Mapping[str, str]) -> tuple[str, int]:
     """(mode, int8 block size) from THUNDERBOLT_COMPRESSION / THUNDERBOLT_COMPRESSION_BLOCK; unset: none, 256.
     One parser for the Config and compression.mode_from_env."""
     get = lambda k: env.get(k, "").strip()  # noqa: E731
-    mode = _choice(get("THUNDERBOLT_COMPRESSION") or "none", "THUNDERBOLT_COMPRESSION", COMPRESSIONS)
-    block = get("THUNDERBOLT_COMPRESSION_BLOCK")
-    return mode, _int(block, "THUNDERBOLT_COMPRESSION_BLOCK", 1, 1 << 20) if block else DEFAULT_COMPRESSION_BLOCK
+    return _compression(get("THUNDERBOLT_COMPRESSION")), _compression_block(get("THUNDERBOLT_COMPRESSION_BLOCK"))
+
+
+def _compression(text: str) -> str:
+    return _choice(text or "none", "THUNDERBOLT_COMPRESSION", COMPRESSIONS)
+
+
+def _compression_block(text: str) -> int:
+    return _int(text, "THUNDERBOLT_COMPRESSION_BLOCK", 1, 1 << 20) if text else DEFAULT_COMPRESSION_BLOCK
 
 
 def parse_autoload(env: Mapping[str, str]) -> bool:
     """THUNDERBOLT_AUTOLOAD (default on). torch_thunderbolt_autoload.py answers "0" without importing us."""
-    return _flag(env.get("THUNDERBOLT_AUTOLOAD", "").strip() or "1", "THUNDERBOLT_AUTOLOAD")
+    return _autoload(env.get("THUNDERBOLT_AUTOLOAD", "").strip())
+
+
+def _autoload(text: str) -> bool:
+    return _flag(text or "1", "THUNDERBOLT_AUTOLOAD")
 
 
 def parse_verbs(text: str, name: str = "THUNDERBOLT_VERBS") -> tuple[str, str]:
@@ -362,20 +422,6 @@ def parse_verbs(text: str, name: str = "THUNDERBOLT_VERBS") -> tuple[str, str]:
 def lab_state_dir(env: Mapping[str, str], default: str) -> str:
     """THUNDERBOLT_LAB_STATE_DIR: where the lab tool keeps its state files (`default` when unset)."""
     return env.get("THUNDERBOLT_LAB_STATE_DIR", "").strip() or default
-
-
-def _shm_fields(get: "Callable[[str], str]") -> dict:
-    """The shm_* fields that are set; unset ones keep their (possibly automatic) defaults."""
-    kw: dict = {}
-    if get("THUNDERBOLT_SHM_SLOT"):
-        kw["shm_slot_bytes"] = _pages(get("THUNDERBOLT_SHM_SLOT"), "THUNDERBOLT_SHM_SLOT", zero_ok=False)
-    if get("THUNDERBOLT_SHM_WINDOW"):
-        kw["shm_window_bytes"] = _pages(get("THUNDERBOLT_SHM_WINDOW"), "THUNDERBOLT_SHM_WINDOW", zero_ok=True)
-    if get("THUNDERBOLT_SHM_SLOTS"):
-        kw["shm_slots"] = _int(get("THUNDERBOLT_SHM_SLOTS"), "THUNDERBOLT_SHM_SLOTS", 2, 1024)
-    if get("THUNDERBOLT_SHM_DIR"):
-        kw["shm_dir"] = _shm_dir(get("THUNDERBOLT_SHM_DIR"), "THUNDERBOLT_SHM_DIR")
-    return kw
 
 
 def _pages(text: str, name: str, zero_ok: bool) -> int:

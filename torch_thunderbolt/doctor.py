@@ -52,6 +52,9 @@ class Facts:
     store_host: str = ""  # MASTER_ADDR, which a job without THUNDERBOLT_IFNAME routes towards
     chosen_addresses: list[str] = field(default_factory=list)
     choice_error: str = ""
+    # THUNDERBOLT_CC tried on a socket here (rendezvous.tcp.congestion_control_problem): why a job would
+    # refuse it, "" when it would not.
+    cc_error: str = ""
     # A connection to MASTER_ADDR:MASTER_PORT: "accepted", "refused" or the error's name ("" = not probed).
     store_probe: str = ""
     rdma: "RdmaFacts | None" = None  # gathered on a Mac, or where a job would use RDMA (forced, a fake fabric)
@@ -80,12 +83,13 @@ def run_checks(f: Facts) -> list[Finding]:
     out: list[Finding] = []
     out.append(_check_torch(f))
     out.append(_check_tested(f))
-    try:
-        cfg = Config.from_env(f.env)
-        out.append(_check_settings(f.env))
-    except ConfigError as exc:
-        out.append(Finding(FAIL, "configuration", str(exc), "fix or unset the variable"))
-        return out
+    # Every bad setting, each with its fix, in one run; the later checks see the others (bad ones at their
+    # defaults), as far as they can tell anything.
+    cfg, problems = Config.parse_env(f.env)
+    settings = _check_settings(f.env)
+    if not problems or settings.status != OK:
+        out.append(settings)
+    out.extend(Finding(FAIL, "configuration", str(p), _setting_fix(p)) for p in problems)
     out.append(_check_interfaces(f, cfg))
     out.append(_check_choice(f, cfg))
     if f.store_probe:
@@ -96,6 +100,9 @@ def run_checks(f: Facts) -> list[Finding]:
         out.append(_check_local_network(f))
     if f.rdma is not None:
         out.extend(check_rdma(f.rdma, cfg))
+    if f.cc_error:
+        out.append(Finding(FAIL, "THUNDERBOLT_CC", f.cc_error, "unset THUNDERBOLT_CC, or name a congestion "
+                           "control this kernel has"))
     if f.congestion_control:
         status = OK if f.congestion_control in ("cubic", "reno") else WARN
         out.append(Finding(status, "TCP congestion control", f.congestion_control,
@@ -139,6 +146,14 @@ def _check_settings(env: dict[str, str]) -> Finding:
         return Finding(OK, "configuration", "no THUNDERBOLT_* variable set: the defaults")
     parts = [f"{aud}: {', '.join(names)}" for aud, names in by.items() if names]
     return Finding(OK, "configuration", f"THUNDERBOLT_* variables parse; set ({'; '.join(parts)})")
+
+
+def _setting_fix(problem: ConfigError) -> str:
+    """What to do about one bad setting: its message says what was expected; which variable to change."""
+    name = str(problem).split(":", 1)[0].split("=", 1)[0].strip()
+    if name in SETTING_NAMES:
+        return f"fix {name} as the message says, or unset it (docs/configuration.md: its values and default)"
+    return "fix or unset the variable it names (docs/configuration.md lists every setting)"
 
 
 def _check_choice(f: Facts, cfg: Config) -> Finding:
@@ -317,7 +332,7 @@ def rdma_probe(env: "dict[str, str] | None" = None) -> dict[str, Any]:
     from .transport.rdma import probe_devices
 
     try:
-        verbs = verbs_from_config(Config.from_env(env))
+        verbs = verbs_from_config(Config.parse_env(env)[0])  # (a bad setting: the configuration check)
     except (RdmaError, ConfigError) as exc:
         return {"provider": "", "error": str(exc), "devices": []}
     try:
@@ -407,7 +422,7 @@ def choose(env: dict[str, str], store_host: str, interfaces: dict[str, list[str]
     from .transport.netif import choose_addresses
 
     try:
-        return choose_addresses(Config.from_env(env).ifnames, store_host or None, interfaces), ""
+        return choose_addresses(Config.parse_env(env)[0].ifnames, store_host or None, interfaces), ""
     except ConfigError as exc:
         return [], str(exc)
 
@@ -431,6 +446,7 @@ def probe_store_once(env: dict[str, str], timeout: float = 2.0) -> str:
 
 def gather_facts(run: Callable[[list[str]], Any] | None = None, plat: Platform | None = None) -> Facts:
     """The I/O shell: reads this machine. Never raises for a missing tool."""
+    from .rendezvous.tcp import congestion_control_problem, effective_socket_buffer
     from .topology.discover import discover_local, subprocess_runner
     from .transport.netif import local_interfaces
 
@@ -456,27 +472,23 @@ def gather_facts(run: Callable[[list[str]], Any] | None = None, plat: Platform |
         tb, mtus, speeds, bridge, topology = [], {}, {}, [], {}
     plat = plat or current()
     env = dict(os.environ)
+    cfg = Config.parse_env(env)[0]  # (a bad setting is reported by the configuration check)
     try:
-        from .rendezvous.tcp import effective_socket_buffer
-
-        effective = effective_socket_buffer(Config.from_env(env), plat)
+        effective = effective_socket_buffer(cfg, plat)
     except (ConfigError, OSError):
         effective = 0  # a bad configuration is reported by its own check
+    cc_error = congestion_control_problem(cfg.congestion_control, plat)
     probes = ({f"{a}:{p}": probe_connect((a, p)) for a, p in probe_addresses(env)}
               if plat.local_network_privacy else {})
     interfaces = local_interfaces()
     store_host = env.get("MASTER_ADDR", "").strip()
     chosen, choice_error = choose(env, store_host, interfaces)
-    try:
-        cfg = Config.from_env(env)
-        wants_rdma = plat.name == "darwin" or cfg.transport == "rdma" or cfg.verbs == "fake"
-    except ConfigError:
-        wants_rdma = False  # reported by the configuration check
+    wants_rdma = plat.name == "darwin" or cfg.transport == "rdma" or cfg.verbs == "fake"
     rdma = gather_rdma(run, plat, env, speeds) if wants_rdma else None
     return Facts(system=platform.system(), python=platform.python_version(), torch=torch_version,
                  backend_registered=registered, env=env, interfaces=interfaces,
                  store_host=store_host, chosen_addresses=chosen, choice_error=choice_error,
-                 store_probe=probe_store_once(env),
+                 store_probe=probe_store_once(env), cc_error="" if cc_error is None else str(cc_error),
                  thunderbolt_ifnames=tb, mtus=mtus,
                  congestion_control=_read_first("/proc/sys/net/ipv4/tcp_congestion_control") if plat.has_proc else "",
                  max_socket_buffer=(int(_read_first("/proc/sys/net/core/rmem_max") or 0) if plat.has_proc else 0)

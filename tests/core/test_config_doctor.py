@@ -1,6 +1,7 @@
 """Configuration parsing, the doctor's checks, the autoload entry point and the demo command."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -189,3 +190,73 @@ def test_demo_command_runs_two_local_ranks() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "all_reduce of [rank+1]*4          -> [3.0, 3.0, 3.0, 3.0]" in out.stdout
     assert "rank 1 received from rank 0       -> [0.0, 1.0, 2.0]" in out.stdout
+
+
+THREE_BAD = {"THUNDERBOLT_STREAMS": "many", "THUNDERBOLT_ALGO": "fastest", "THUNDERBOLT_CHUNK": "12"}
+
+
+def test_every_bad_setting_is_named_in_one_error() -> None:
+    cfg, problems = Config.parse_env({**THREE_BAD, "THUNDERBOLT_SMALL": "1M"})
+    assert [str(p).split(":")[0] for p in problems] == ["THUNDERBOLT_STREAMS", "THUNDERBOLT_ALGO", "THUNDERBOLT_CHUNK"]
+    assert cfg == Config(small_bytes=1 << 20)  # the good one taken, the bad ones at their defaults
+    with pytest.raises(ConfigError) as info:
+        Config.from_env(THREE_BAD)
+    assert all(var in str(info.value) for var in THREE_BAD), str(info.value)
+
+
+def test_doctor_reports_every_bad_setting_in_one_run_each_with_its_fix() -> None:
+    found = [f for f in run_checks(facts(env=dict(THREE_BAD))) if f.status == FAIL]
+    assert len(found) == 3, found
+    for var, finding in zip(THREE_BAD, found):
+        assert finding.detail.startswith(f"{var}: expected") and var in finding.fix, finding
+
+
+@pytest.mark.timeout(180)
+def test_the_doctor_command_lists_every_bad_setting_and_fails() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("THUNDERBOLT_")}
+    env.update(THREE_BAD, THUNDERBOLT_IFNAME="tbnope0", PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-m", "torch_thunderbolt", "doctor", "--json"], capture_output=True,
+                         text=True, timeout=150, env=env, cwd=REPO)
+    assert run.returncode == 1, run.stderr[-2000:]
+    failed = " ".join(f["detail"] for f in json.loads(run.stdout) if f["status"] == FAIL)
+    assert all(var in failed for var in THREE_BAD) and "tbnope0" in failed, failed
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_an_interface_that_does_not_exist_fails_the_set_up_naming_the_rank(transport: str) -> None:
+    """Whatever kinds of link the rank would use (shm alone needs no interface): before any link, on the
+    rank with the setting, and on the rank waiting for it."""
+    from torch_thunderbolt.rendezvous.group import connect
+    from torch_thunderbolt.testing.worlds import SetUpOnThreads
+
+    with SetUpOnThreads(2, connect, close_result=lambda c: c.transport.close()) as world:
+        world.start(0, Config(transport=transport, connect_timeout=30))
+        world.start(1, Config(transport=transport, connect_timeout=30, ifnames=("tbnope0",)))
+        world.join()
+        errors = {r: str(e) for r, e in world.errors.items()}
+        assert set(errors) == {0, 1}, (errors, world.results)
+        assert errors[1].startswith("rank 1: THUNDERBOLT_IFNAME: no interface named 'tbnope0'"), errors
+        assert "rank 1 gave up during set-up: ConfigError: rank 1: THUNDERBOLT_IFNAME" in errors[0], errors
+
+
+def test_the_store_probe_checks_the_interfaces_on_every_rank() -> None:
+    """Before the store exists (rank 0 serves it): a rank 0 with a bad interface never leaves the others
+    waiting for the store's clients."""
+    from torch_thunderbolt.rendezvous.store_probe import probe_url
+
+    with pytest.raises(ConfigError, match="rank 0: THUNDERBOLT_IFNAME: no interface named 'tbnope0'"):
+        probe_url("env://?rank=0", env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                                        "THUNDERBOLT_IFNAME": "tbnope0"})
+
+
+def test_a_congestion_control_this_kernel_lacks_is_refused_on_every_rank_and_by_doctor() -> None:
+    from torch_thunderbolt.platform import current
+    from torch_thunderbolt.rendezvous.tcp import machine_problems
+
+    if not current().tcp_congestion or not hasattr(socket, "TCP_CONGESTION"):
+        pytest.skip("no per-socket congestion control here (THUNDERBOLT_CC only warns)")
+    problems = machine_problems(Config(congestion_control="tbnope"), interfaces={})
+    assert len(problems) == 1 and "THUNDERBOLT_CC='tbnope': not available here" in str(problems[0]), problems
+    assert machine_problems(Config(congestion_control="reno"), interfaces={}) == []
+    found = by_check(run_checks(facts(cc_error=str(problems[0]))))["THUNDERBOLT_CC"]
+    assert found.status == FAIL and "tbnope" in found.detail

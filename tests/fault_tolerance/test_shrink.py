@@ -5,9 +5,10 @@ SIGKILLed with its ops in flight) and on a healthy group (the excluded ranks ali
 Each rank that stays checks every op family on the shrunk group against the reference it computes alone
 (op_checks.py); the ops in flight at the loss fail with PeerLostError naming a lost rank, and none completes
 with a wrong result; the shrunk group runs over the links it had (the same engine: no new connection). An
-excluded rank that is alive gets an error naming the shrink from every op it calls on the old group. Also:
-shrinking twice, a new_group of the shrunk group, and survivors that disagree on whom to exclude. The
-ranks run programs/shrink.py. The default selection runs two cases; the grid is marked slow."""
+excluded rank that is alive gets an error naming the shrink from every op it calls on the old group (a slow
+one the others timed out waiting for: their timeout, from the op they gave up on too). Also: shrinking
+twice, a new_group of the shrunk group, and survivors that disagree on whom to exclude. The ranks run
+programs/shrink.py. The default selection runs two cases; the grid is marked slow."""
 from __future__ import annotations
 
 import contextlib
@@ -168,6 +169,24 @@ def test_shrink_twice_and_a_new_group_of_the_shrunk_group(name: str, tmp_path: P
         assert again["loss"]["type"] == "PeerLostError" and again["loss"]["peer"] == 1, (res.rank, again)
         assert again["shrunk"]["world"] == 2 and again["shrunk"]["same_engine"], (res.rank, again)
         assert again["bad"] == [], (res.rank, again["bad"])
+
+
+@pytest.mark.parametrize("name, op", [("tcp", "all_reduce"), ("shm", "all_reduce"),
+                                      *(pytest.param(n, "broadcast", marks=pytest.mark.slow) for n in ("tcp", "shm"))])
+def test_an_excluded_rank_that_comes_late_gets_the_groups_error(name: str, op: str, tmp_path: Path) -> None:
+    """3 ranks: ranks 0 and 1 time out waiting for rank 2 and shrink it away; rank 2 comes to that op later,
+    finding all it needs there (an all_reduce) or only sending (its broadcast): the op fails with the old
+    group's error, as every later one does."""
+    runs = run(name, 3, tmp_path, "late", TEST_TIMEOUT="2", TEST_OP=op)
+    for res in runs:
+        assert res.returncode == 0, (res.rank, res.stderr[-3000:])
+    for res in runs[:2]:
+        out = res.json()
+        assert out["timed_out"]["type"] == "CollectiveTimeout" and out["exact"], (res.rank, out)
+    out = runs[2].json()
+    for call in [out["first"], *out["calls"]]:
+        assert not call["ok"] and call["type"] == "CollectiveTimeout", call
+        assert "aborted the group" in call["msg"] and "did not arrive: [2]" in call["msg"], call
 
 
 def test_survivors_that_disagree_on_whom_to_exclude_get_a_mismatch_naming_both(tmp_path: Path) -> None:

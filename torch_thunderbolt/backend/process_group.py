@@ -722,6 +722,8 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
             budget = seconds if seconds is not None else self._timeout
             try:
                 self._transport.wait([req], time.monotonic() + budget, what)
+                # (a send that went at once, or a message already here: the group may be over for its peers)
+                self._comm.confirm(time.monotonic())
             except BaseException as exc:
                 # The receive is still posted (a timeout) or the stream is out of step (a size mismatch): a
                 # later message would be written into this buffer after the caller gave up on it. BROKEN
@@ -737,7 +739,10 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         work = Work(what, result, wait_fn)
         work.device = on_device(result)
         if req.done and req.error is None:
-            wait_fn(work, None)
+            try:
+                wait_fn(work, None)
+            except BaseException as exc:  # noqa: BLE001 - the group's error (confirm), through the work
+                work.finish(exc)
         return work
 
     # -- lifecycle ---------------------------------------------------------------------------------------

@@ -178,9 +178,10 @@ def requested_backend(signature: inspect.Signature, args: tuple[Any, ...], kwarg
     return None if backend is None else str(backend)
 
 
-def _recording(init: Callable[..., Any]) -> Callable[..., Any] | None:
+def _recording(init: Callable[..., Any], c10d: Any) -> Callable[..., Any] | None:
     """torch's init_process_group, recording the backend it was asked for while it runs; None when `init` has
-    no `backend` parameter to read (a torch whose API differs: then nothing is wrapped and nothing probed)."""
+    no `backend` parameter to read (a torch whose API differs: then nothing is wrapped and nothing probed).
+    A thunderbolt init that fails gives back the group number it took (`restore_group_count`)."""
     try:
         signature = inspect.signature(init)
     except (TypeError, ValueError):
@@ -190,9 +191,15 @@ def _recording(init: Callable[..., Any]) -> Callable[..., Any] | None:
 
     @functools.wraps(init)  # torch's name, module and docs; inspect.signature follows __wrapped__ to torch's
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
-        token = _REQUESTED.set(requested_backend(signature, args, kwargs))
+        requested = requested_backend(signature, args, kwargs)
+        token = _REQUESTED.set(requested)
+        count = group_count(c10d)
         try:
             return init(*args, **kwargs)
+        except BaseException:
+            if names_thunderbolt(requested):
+                restore_group_count(c10d, count)
+            raise
         finally:
             _REQUESTED.reset(token)
 
@@ -215,12 +222,30 @@ def _probing_handler(torch_handler: Any) -> Any:
     return handler
 
 
+def group_count(c10d: Any) -> int | None:
+    """torch's count of unnamed groups made in this process (`_world.group_count`), None where it has none."""
+    count = getattr(getattr(c10d, "_world", None), "group_count", None)
+    return count if isinstance(count, int) else None
+
+
+def restore_group_count(c10d: Any, before: int | None) -> None:
+    """After an init_process_group that failed: torch's group count back to `before`, where the failed call
+    took exactly one number and made no default group. torch names the default group after that count and
+    keys its set-up in the store under that name, and only destroy_process_group, which needs a default
+    group, resets it: without this, the next init in this process would use the next number ("1/") while
+    a restarted peer uses "0/", each waiting for the other until the timeout."""
+    after = group_count(c10d)
+    if before is None or after != before + 1 or c10d.is_initialized():
+        return
+    c10d._world.group_count = before
+
+
 def install_probe(places: TorchPlaces) -> bool:
     """Wraps init_process_group (where it is defined and where it is re-exported) to record the backend asked
     for, and the handlers of PROBED_SCHEMES to probe the store when that is ours. Idempotent. False, with
     nothing changed, when init_process_group has no `backend` to read."""
     current = getattr(places.c10d, "init_process_group", None)
-    hooked = current if ours(current) else _recording(current) if callable(current) else None
+    hooked = current if ours(current) else _recording(current, places.c10d) if callable(current) else None
     if hooked is None:
         return False
     for module in (places.c10d, *places.reexports):

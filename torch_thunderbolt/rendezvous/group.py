@@ -33,7 +33,7 @@ from .agree import agree_settings, leave_together
 from .kinds import KINDS, choose, refused
 from .records import GaveUp, GroupAuth, Records
 from .setup import KindRow, SetUp
-from .tcp import local_networks
+from .tcp import check_machine, local_networks
 
 log = logging.getLogger("torch_thunderbolt")
 
@@ -63,8 +63,11 @@ def connect(store: Any, rank: int, world: int, cfg: Config, timeout: float, name
 
 def _connect(store: Any, rank: int, world: int, cfg: Config, timeout: float, names: RankNames | None,
              table: Sequence[KindRow], records: Records, auth: GroupAuth) -> Connected:
-    # First of all: the settings that must agree (a transport that differs would make the steps below
-    # wait for records or connections that never come).
+    # First of all: what this machine refuses of this rank's settings, whatever kinds of link it will use
+    # (a THUNDERBOLT_IFNAME naming no interface here fails on a rank that only shares memory too), then the
+    # settings that must agree (a transport that differs would make the steps below wait for records or
+    # connections that never come).
+    check_machine(cfg, rank)
     agreement = agree_settings(records, rank, world, cfg, names)
     offers = {row.name: row.offer(cfg) for row in table}
     reach = {row.name: row.reach(cfg) for row in table if row.reach is not None and offers[row.name] is None}
@@ -122,7 +125,7 @@ def _connect(store: Any, rank: int, world: int, cfg: Config, timeout: float, nam
         used = {name for line in kinds for name in line if name}
         nets = None
         if any(row.networks for row in table if row.name in used):  # the cabling the algorithms plan for
-            records.publish(f"tb/nets/{rank}", local_networks(store, cfg))
+            records.publish(f"tb/nets/{rank}", local_networks(store, cfg, rank))
             nets = [list(records.read(f"tb/nets/{p}", p, "its networks")) for p in range(world)]
     except BaseException:
         for kind in made:  # what was set up before the failing kind

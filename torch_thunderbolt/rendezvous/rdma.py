@@ -42,11 +42,11 @@ from ..config import Config
 from ..errors import ConfigError, HandshakeError, RdmaError, peer_lost
 from ..platform import Platform, current
 from ..transport.engine import Transport
-from ..transport.netif import choose_addresses, network_of
+from ..transport.netif import network_of
 from .hosts import recv_exact
 from .records import Records
 from .setup import SetUp, connect_one_kind
-from .tcp import NO_SECRET_WARNING, _Acceptor, _connect, _listen, security_log, store_host
+from .tcp import NO_SECRET_WARNING, _Acceptor, _connect, _listen, local_addresses, security_log
 
 if TYPE_CHECKING:
     from ..transport import verbs as v
@@ -224,7 +224,7 @@ def connect_rdma_links(setup: SetUp) -> "RdmaLinks":
         if not usable:
             why = "; ".join(s.problem for s in states) or f"{verbs.provider.name} lists no RDMA device"
             raise RdmaError(f"rank {rank}: no usable RDMA device: {why}", call="", device="")
-        address = choose_addresses(cfg.ifnames, store_host(store))[0]
+        address = local_addresses(store, cfg, rank)[0]
         listener = _listen(address, dataclasses.replace(cfg, port=0, listen_all=False), rank)
         mine = {"endpoint": [address, listener.getsockname()[1]], "devices": usable}
         records.publish(f"{PREFIX}/dev/{rank}", mine)

@@ -33,7 +33,7 @@ from urllib.parse import parse_qsl, urlparse
 from ..config import Config
 from ..errors import ConfigError, PeerLostError, peer_lost
 from ..platform import LOCAL_NETWORK_SETTING, Platform, current
-from .tcp import LOCAL_NETWORK_ERRNOS, LOCAL_NETWORK_TRIES
+from .tcp import LOCAL_NETWORK_ERRNOS, LOCAL_NETWORK_TRIES, check_machine
 
 SHARED_STORE_WARNING = (
     "rank 0: torchrun may restart this job (--max-restarts %s) but keeps one rendezvous store for every restart, "
@@ -86,6 +86,7 @@ def probe_url(url: str, timeout: "timedelta | float | None" = None, env: Mapping
         cfg = Config.from_env(env)
     except ConfigError as exc:
         raise ConfigError(f"rank {who}: {exc}" if who else str(exc)) from None
+    check_machine(cfg, who)
     try:
         rank = int(who)
         host = parsed.hostname or env.get("MASTER_ADDR", "")

@@ -28,7 +28,7 @@ from ..platform import (DARWIN_TCP_RXT_CONNDROPTIME, LINUX_TCP_USER_TIMEOUT, LOC
 from ..protocol import handshake as hs
 from ..protocol.integrity import stream_keys
 from ..transport.engine import Transport
-from ..transport.netif import choose_addresses, network_of
+from ..transport.netif import Interfaces, choose_addresses, local_interfaces, network_of, resolve_ifnames
 from ..transport.tcp import TcpLinks
 from . import hosts
 from .hosts import recv_exact
@@ -52,10 +52,60 @@ def offer(cfg: Config) -> str | None:
     return None
 
 
-def local_networks(store: Any, cfg: Config) -> list[str]:
-    """The networks (CIDR) of the addresses this rank's TCP links use: THUNDERBOLT_IFNAME's, else the one
-    towards the store's host. The cluster's cabling, as the algorithms see it."""
-    return [network_of(a) for a in choose_addresses(cfg.ifnames, store_host(store))]
+def machine_problems(cfg: Config, plat: Platform | None = None,
+                     interfaces: "Interfaces | None" = None) -> list[ConfigError]:
+    """What this machine refuses of the settings of links over IP networks, which only it can tell (the
+    Config's parsing checked their form): every THUNDERBOLT_IFNAME entry an interface or address of this
+    host (`interfaces`: its table, default read now), THUNDERBOLT_CC a congestion control its kernel has.
+    Every rank checks them whatever kinds of link it will use (`check_machine`); doctor runs the same checks
+    (`choose_addresses`, `congestion_control_problem`)."""
+    problems = []
+    if cfg.ifnames:
+        try:
+            resolve_ifnames(cfg.ifnames, local_interfaces() if interfaces is None else interfaces)
+        except ConfigError as exc:
+            problems.append(exc)
+    cc = congestion_control_problem(cfg.congestion_control, plat)
+    if cc is not None:
+        problems.append(cc)
+    return problems
+
+
+def congestion_control_problem(cc: str, plat: Platform | None = None) -> ConfigError | None:
+    """THUNDERBOLT_CC=`cc` tried on a socket that is never connected: None where it is unset, works, or does
+    nothing on this platform (`SocketTuner` warns then), else the ConfigError a TCP link would raise."""
+    plat = plat or current()
+    if not cc or not plat.tcp_congestion or not hasattr(socket, "TCP_CONGESTION"):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
+        except (OSError, UnicodeEncodeError) as exc:
+            return ConfigError(f"THUNDERBOLT_CC={cc!r}: not available here ({exc}); unset it, or name one this "
+                               f"kernel has (sysctl net.ipv4.tcp_available_congestion_control)")
+    return None
+
+
+def check_machine(cfg: Config, rank: "int | str" = "") -> None:
+    """`machine_problems` as this rank's ConfigError, naming the rank (where known) and every problem."""
+    problems = machine_problems(cfg)
+    if problems:
+        raise ConfigError(("" if rank == "" else f"rank {rank}: ") + "; ".join(str(p) for p in problems))
+
+
+def local_addresses(store: Any, cfg: Config, rank: int) -> list[str]:
+    """The addresses this rank's links over IP networks use: THUNDERBOLT_IFNAME's, else the one towards the
+    store's host; a ConfigError naming the rank where there is none."""
+    try:
+        return choose_addresses(cfg.ifnames, store_host(store))
+    except ConfigError as exc:
+        raise ConfigError(f"rank {rank}: {exc}") from exc.__cause__
+
+
+def local_networks(store: Any, cfg: Config, rank: int) -> list[str]:
+    """The networks (CIDR) of the addresses this rank's TCP links use (`local_addresses`). The cluster's
+    cabling, as the algorithms see it."""
+    return [network_of(a) for a in local_addresses(store, cfg, rank)]
 
 
 def store_host(store: Any) -> str | None:
@@ -112,10 +162,10 @@ class SocketTuner:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
             except UnicodeEncodeError:  # a Config made without from_env, which refuses such values
-                raise ConfigError(f"THUNDERBOLT_CC={cc!r}: expected the name of a congestion control "
+                raise ConfigError(f"{self.who}THUNDERBOLT_CC={cc!r}: expected the name of a congestion control "
                                   f"algorithm in UTF-8 text, e.g. cubic") from None
             except OSError as exc:
-                raise ConfigError(f"THUNDERBOLT_CC={cc}: not available here ({exc})") from exc
+                raise ConfigError(f"{self.who}THUNDERBOLT_CC={cc}: not available here ({exc})") from exc
 
     def _set_buffers(self, sock: socket.socket) -> None:
         wanted = self.buffer
@@ -563,7 +613,7 @@ def connect_tcp_links(setup: SetUp) -> TcpLinks:
     tuner = SocketTuner(cfg, rank=rank)
     # Every peer's streams, twice while the listeners and handshakes overlap.
     ensure_open_files(len(members) * cfg.streams * 2 + OPEN_FILES_MARGIN, rank)
-    addrs = choose_addresses(cfg.ifnames, store_host(store))
+    addrs = local_addresses(store, cfg, rank)
     listeners = [_listen(a, cfg, rank, tuner) for a in (addrs[:1] if cfg.listen_all else addrs)]
     acceptor: _Acceptor | None = None
     conns: dict[int, list[socket.socket]] = {}

@@ -1078,8 +1078,27 @@ class Transport:
         """The group rank a receive's message came from."""
         return req.source
 
-    def check_usable(self) -> None:
-        """Raise the group's error if it broke or was closed."""
+    def check_usable(self, look: bool = False) -> None:
+        """Raise the group's error if it broke or was closed. `look`: first read what the links already hold,
+        without waiting (one poll(0) over their descriptors, then a pump of every link, those it found
+        readable woken): an op that took every byte it needed without the engine's loop (a link's `take`,
+        a window's published steps) or needed none (it only sends) has read nothing behind them, such as
+        an ABORT its peers sent when they gave up on the group."""
+        if look and self.broken is None and not self.closed:
+            engine = self.engine
+            with self._lock:
+                if engine.broken is None:
+                    poller = select.poll()
+                    by_fd: dict[int, Link] = {}
+                    for link in engine._links:
+                        if link.peer not in engine._dead:
+                            for fd, events in link.fds():
+                                poller.register(fd, events)
+                                by_fd[fd] = link
+                    engine._pump({by_fd[fd] for fd, _ in poller.poll(0) if fd in by_fd})
+                    # A thread asleep in the engine's poll() would miss what this pump read (it drained the
+                    # descriptors that were to wake that thread): it goes round its loop again.
+                    engine.wake_sleeper()
         if self.broken is not None:
             raise self.broken
         if self.closed:

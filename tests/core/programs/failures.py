@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import torch_thunderbolt  # noqa: F401 - registers the backend
-from torch_thunderbolt.testing.program import main, outcome, result
+from torch_thunderbolt.testing.program import emit, main, outcome, result, workdir
 
 
 def _init() -> tuple[int, int]:
@@ -45,6 +45,73 @@ def stalled() -> None:
             return
         dist.all_reduce(torch.ones(10))
     result(outcome(op))
+
+
+def _late_op(op: str, r: int, late: int) -> None:
+    """One op of TEST_OP: a small all_reduce, a broadcast from the late rank (which only sends), or a send from
+    the late rank to rank 0."""
+    x = torch.ones(4)
+    if op == "all_reduce":
+        dist.all_reduce(x)
+    elif op == "broadcast":
+        dist.broadcast(x, late)
+    elif r == late:
+        dist.send(x, 0)
+    elif r == 0:
+        dist.recv(x, late)
+
+
+def late() -> None:
+    """The last rank comes to an op (TEST_OP) well after the others timed out in it (TB_TIMEOUT): every rank
+    reports that op and the next. The others stay until it is done (their links stay open)."""
+    r, w = _init()
+    late_rank, op = w - 1, os.environ["TEST_OP"]
+    dist.all_reduce(torch.ones(4))  # (every link and the small op's buffers made)
+    if r == late_rank:
+        time.sleep(float(os.environ["TB_TIMEOUT"]) + 1.5)
+    res = outcome(lambda: _late_op(op, r, late_rank))
+    res["after"] = outcome(lambda: dist.all_reduce(torch.ones(4)))
+    done = workdir() / "late_done"
+    if r == late_rank:
+        done.write_text("")
+    else:
+        for _ in range(300):
+            if done.exists():
+                break
+            time.sleep(0.1)
+    result(res)
+
+
+def init_again() -> None:
+    """Rank 1's first process dies before it could join; rank 0's init_process_group fails (its set-up
+    times out waiting for rank 1 after THUNDERBOLT_CONNECT_TIMEOUT=3), and rank 0 says RETRY. The test then
+    starts rank 1 again (TEST_LIFE=2), and both init under a new prefix of rank 0's store, as
+    docs/fault-tolerance.md says (rank 0 waiting up to the group's timeout: a new process takes seconds to
+    start on a loaded machine), then run an all_reduce."""
+    r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), w, r == 0,
+                          timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    if r == 1 and os.environ.get("TEST_LIFE") != "2":
+        os._exit(0)  # (dies before it joins the group)
+
+    def init(attempt: int) -> None:
+        dist.init_process_group("thunderbolt", store=dist.PrefixStore(f"attempt{attempt}/", store), rank=r,
+                                world_size=w, timeout=datetime.timedelta(seconds=30))
+
+    res: dict = {}
+    if r == 0:
+        os.environ["THUNDERBOLT_CONNECT_TIMEOUT"] = "3"
+        res["first"] = outcome(lambda: init(0))
+        del os.environ["THUNDERBOLT_CONNECT_TIMEOUT"]
+        emit("RETRY", {})
+    res["again"] = outcome(lambda: init(1))
+    if res["again"]["ok"]:
+        x = torch.ones(4)
+        dist.all_reduce(x)
+        res["sum"] = x.tolist()
+        dist.barrier()
+        dist.destroy_process_group()
+    result(res)
 
 
 def mismatched() -> None:
@@ -88,4 +155,5 @@ def destroy() -> None:
 
 
 if __name__ == "__main__":
-    main({"kill_9": kill_9, "stalled": stalled, "mismatched": mismatched, "destroy": destroy})
+    main({"kill_9": kill_9, "stalled": stalled, "late": late, "init_again": init_again, "mismatched": mismatched,
+          "destroy": destroy})

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import torch_thunderbolt  # noqa: F401 - registers the backend
 from torch_thunderbolt.testing.program import (Exit, emit, main, outcome, pretend_hosts, rank, register_pid, result,
-                                               world)
+                                               workdir, world)
 
 from ..op_checks import LARGE, GroupChecks
 
@@ -163,6 +163,38 @@ def _excluded_alive() -> Exit:
     return Exit(0)
 
 
+def late() -> Exit:
+    """3 ranks, the last one slow: ranks 0 and 1 time out waiting for it in an all_reduce (TEST_TIMEOUT), shrink
+    it away and run an all_reduce on the shrunk group. Then the slow rank comes to that op on the old group
+    (TEST_OP: the all_reduce, all it needs already there; or a broadcast from itself, which only sends), and
+    reports it as its first call. The ranks that stay wait until it is done (their links stay open)."""
+    _init()
+    r, w = rank(), world()
+    dist.all_reduce(torch.ones(4))  # (every link and the small op's buffers made)
+    done = workdir() / "late_done"
+    if r == w - 1:
+        time.sleep(float(os.environ["TEST_TIMEOUT"]) + 1.5)
+        op = os.environ["TEST_OP"]
+        first = outcome(lambda: dist.all_reduce(torch.ones(4)) if op == "all_reduce"
+                        else dist.broadcast(torch.ones(4), src=r))
+        calls = [outcome(lambda: dist.all_reduce(torch.ones(4)))]
+        done.write_text("")
+        result({"excluded": True, "first": first, "calls": calls})
+        return Exit(0)
+    timed_out = outcome(lambda: dist.all_reduce(torch.ones(4)) if os.environ["TEST_OP"] == "all_reduce"
+                        else dist.broadcast(torch.ones(4), src=w - 1))
+    dist.shrink_group([w - 1])
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    for _ in range(300):
+        if done.exists():
+            break
+        time.sleep(0.1)
+    result({"timed_out": timed_out, "exact": x.tolist() == [float(w - 1)] * 4})
+    dist.destroy_process_group()
+    return Exit(0)
+
+
 def timing() -> Exit:
     """For the figures (scripts/shrink_times.py): every rank runs small all_reduces; the last rank, at the
     30th, says when (KILLED, wall clock) and SIGKILLs itself. The others report when the loss reached them,
@@ -237,4 +269,4 @@ def pending() -> Exit:
 
 
 if __name__ == "__main__":
-    main({"shrink": shrink, "mismatch": mismatch, "timing": timing, "pending": pending})
+    main({"shrink": shrink, "late": late, "mismatch": mismatch, "timing": timing, "pending": pending})
