@@ -473,6 +473,12 @@ class Rank:
         if x == self.me:
             self.op(i, "all_reduce", step["sub"], old_pg, mine, 33, expect_fail=True)
             sub.pg = None
+            try:  # (torch keeps a group it registered until it is destroyed: it would name a later one alike)
+                dist.destroy_process_group(old_pg)
+            except Exception as exc:  # noqa: BLE001 - judged by the runner
+                emit("OP", {"i": i, "what": "destroy", "on": step["sub"], "members": mine, "ok": False, "wrong": [],
+                            "err": self.error(exc, mine, "destroy"), "expect_fail": False, "t0": time.time(),
+                            "t": time.time()})
             return OK
         t0 = time.time()
         try:
