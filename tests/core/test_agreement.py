@@ -1,6 +1,7 @@
 """The agreement on new groups (protocol/agreement.py): every interleaving of its messages, retries, timeouts,
 deaths and closes explored for small worlds (testing/agreement_model.py), a mutant without call identity
-that the exploration catches, and the ledger of group ids. The worlds of 4 ranks run in the slow selection."""
+that the exploration catches, and the ledger of group ids. Scenarios of more than 20,000 states (those of 3
+ranks with faults, of 4 ranks: 70,000 to 520,000 states, 10 s to 80 s each) run in the slow selection."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +12,10 @@ from torch_thunderbolt.protocol.agreement import Agreement, Disagree, Joined, de
 from torch_thunderbolt.protocol.control import MAX_GID, Commit, Done, Propose
 from torch_thunderbolt.testing.agreement_model import SCENARIOS, Scenario, Violation, explore
 
-FAST = [s for s in SCENARIOS if len(s.wants) <= 3]
-SLOW = [s for s in SCENARIOS if len(s.wants) > 3]
+SMALL = {"2 ranks, two groups, retries, 1 fault", "2 ranks, two groups with closes, 1 fault",
+         "3 ranks, a group then a group of 2", "3 ranks shrink to 2: rank 2 dead, news on its way, retries"}
+FAST = [s for s in SCENARIOS if s.name in SMALL]
+SLOW = [s for s in SCENARIOS if s.name not in SMALL]
 
 
 @pytest.mark.parametrize("scenario", FAST, ids=[s.name for s in FAST])
@@ -24,7 +27,7 @@ def test_every_interleaving_keeps_the_promises(scenario: Scenario) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", SLOW, ids=[s.name for s in SLOW])
-def test_every_interleaving_of_four_ranks_keeps_the_promises(scenario: Scenario) -> None:
+def test_every_interleaving_of_larger_worlds_keeps_the_promises(scenario: Scenario) -> None:
     report = explore(scenario)
     print(f"{scenario.name}: {report.states} states, {report.transitions} transitions, {report.finals} quiet")
     assert report.states > 100

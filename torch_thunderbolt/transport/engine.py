@@ -421,6 +421,19 @@ class Engine(Sink):
                     self.probes_sent += 1
                     self._route[peer].say(control.Ping(op))
 
+    def look(self) -> None:
+        """Read what the links already hold, without waiting: one poll(0) over their descriptors, then a pump
+        of every link, those found readable woken."""
+        with self._lock:
+            if self.broken is not None:
+                return
+            poller = self._poll_set()
+            by_fd = self._by_fd
+            self._pump({by_fd[fd] for fd, _ in poller.poll(0) if fd in by_fd})
+            # A thread asleep in the engine's poll() would miss what this pump read (it drained the descriptors
+            # that were to wake that thread): it goes round its loop again.
+            self.wake_sleeper()
+
     def _poll_set(self) -> "select.poll":
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
@@ -1085,20 +1098,7 @@ class Transport:
         a window's published steps) or needed none (it only sends) has read nothing behind them, such as
         an ABORT its peers sent when they gave up on the group."""
         if look and self.broken is None and not self.closed:
-            engine = self.engine
-            with self._lock:
-                if engine.broken is None:
-                    poller = select.poll()
-                    by_fd: dict[int, Link] = {}
-                    for link in engine._links:
-                        if link.peer not in engine._dead:
-                            for fd, events in link.fds():
-                                poller.register(fd, events)
-                                by_fd[fd] = link
-                    engine._pump({by_fd[fd] for fd, _ in poller.poll(0) if fd in by_fd})
-                    # A thread asleep in the engine's poll() would miss what this pump read (it drained the
-                    # descriptors that were to wake that thread): it goes round its loop again.
-                    engine.wake_sleeper()
+            self.engine.look()
         if self.broken is not None:
             raise self.broken
         if self.closed:

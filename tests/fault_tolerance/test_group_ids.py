@@ -1,0 +1,61 @@
+"""Group ids over one set of links: reused once every member is done with a group (no cap over a process's
+life), and a group's identity in every signature, so two groups that share an id are a MismatchError, never
+each other's data. Ranks are threads over TCP on loopback and the in-memory kind."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from torch_thunderbolt.algorithms.collectives import Communicator
+from torch_thunderbolt.config import Config
+from torch_thunderbolt.errors import CollectiveTimeout, MismatchError
+from torch_thunderbolt.protocol.agreement import Record
+from torch_thunderbolt.testing.worlds import memory_world, on_threads, tcp_world
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _sum_on(t, world: int) -> float:
+    comm = Communicator(t, Config(), timeout=20.0)
+    import torch
+
+    x = torch.full((16,), float(t.rank + 1))
+    comm.all_reduce(x)
+    return float(x[0])
+
+
+def test_three_hundred_groups_made_and_closed_over_one_set_of_links() -> None:
+    """More than the 128 ids a frame can name, made and closed one after another (each checked exact)."""
+    with tcp_world(2) as ts:
+        def body(r: int) -> list[int]:
+            gids = []
+            for _ in range(300):
+                g = ts[r].split([0, 1], time.monotonic() + 20.0)
+                assert _sum_on(g, 2) == 3.0
+                gids.append(g.gid)
+                g.close()
+            return gids
+        run = on_threads(2, body, 240.0)
+        assert not run.hung and run.first_error_by_rank() is None
+        assert run.results[0] == run.results[1] and len(set(run.results[0])) < 128
+
+
+def test_a_frame_of_another_group_of_the_same_id_is_a_mismatch_not_data() -> None:
+    """Two ranks that each hold a group of id 5 made from different views (what a diverging agreement would
+    leave): the collective between them fails with MismatchError on both, nothing is combined."""
+    def fn(comm: Communicator) -> str:
+        t = comm.t
+        engine = t.engine
+        with engine._lock:
+            sub = engine.add_group(engine.agreement.add(5, (0, 1), (1, 1 + t.rank)))
+        try:
+            _sum_on(sub, 2)
+        except (MismatchError, CollectiveTimeout) as exc:
+            return type(exc).__name__
+        return "combined"
+    try:
+        got = memory_world(2, fn, timeout=60.0)
+    except MismatchError:
+        got = ["MismatchError"]
+    assert set(got) == {"MismatchError"}, got
