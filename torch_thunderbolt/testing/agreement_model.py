@@ -425,5 +425,4 @@ SCENARIOS: tuple[Scenario, ...] = (
              dead_news=((2, 0), (2, 1)), calls=3),
     Scenario("4 ranks, ranks 2 and 3 dead, survivors disagree, retries", ((0, 1), (0, 1, 2), None, None),
              dead_news=((2, 0), (3, 0), (2, 1), (3, 1)), calls=3, faults=0),
-    Scenario("4 ranks, a group, 1 fault", ((0, 1, 2, 3),) * 4, calls=1),
 )

@@ -582,7 +582,8 @@ class Rank:
                 continue
             parent, want = self.members, [g for g in self.members if g not in exclude]
             gone = self.torch_ranks(exclude)
-            torch_want = [r for k, r in enumerate(self.tview) if k not in gone]
+            # A shrunk default group is the default group: torch numbers global ranks by it from then on.
+            torch_want = list(range(len(want)))
             torch_arith = [r for r in self.tview if r not in gone]  # torch 2.13's (_finalize_shrunk_group)
             try:
                 got: Any = dist.get_process_group_ranks(new)
