@@ -540,7 +540,8 @@ class Transport:
                  names: RankNames | None = None) -> None:
         engine = Engine(rank, world, kinds, cv)
         members = list(range(world))
-        self._init_view(engine, 0, members, names, identity(0, members, ()))
+        # The set-up group's mark is 0: its signatures are the algorithms' own, and any agreed group's differs.
+        self._init_view(engine, 0, members, names, 0)
         engine.agreement.add(0, members)
         engine.groups[0] = self
         self.window_memory = engine.window_memory
