@@ -200,12 +200,10 @@ def test_a_longer_campaign_has_no_wrong_result_hang_or_misblame(tmp_path: Path) 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(reason="the agreement takes SHRINK proposals of attempts their senders gave up "
-                          "(transport/engine.py Transport._agree): the rewrite of the agreement fixes it",
-                   strict=False)
 def test_a_rank_late_to_a_retried_shrink_agrees_on_no_group_the_others_gave_up(tmp_path: Path) -> None:
     """Seed 346: 4 ranks; rank 2 killed, rank 1 killed as the survivors shrink, rank 3 joins the shrink a
-    little more than a timeout late. Rank 0 gives up on rank 3 and shrinks alone; rank 3 then retries and
-    agrees on [0, 3] with rank 0's proposals of the attempts it gave up, a group rank 0 never made."""
+    little more than a timeout late. Rank 0 gives up on rank 3 and shrinks alone; rank 3 then retries: it
+    must not agree on [0, 3] with rank 0's proposals of the attempts rank 0 gave up (the agreement before call
+    nonces did, making a group rank 0 never made)."""
     outcome = campaign.run_trial(make_trial(346), tmp_path)
     assert not outcome.phantoms and not outcome.divergent and outcome.ok, (outcome.phantoms, outcome.problems())
