@@ -846,6 +846,7 @@ class Transport:
 
     def _wait_until(self, reqs: Sequence[Request], how: "Callable[[Iterable[bool]], bool]",
                     deadline: float | None, what: object, arrived: Iterable[int] = ()) -> None:
+        late = False  # the deadline passed and the links were pumped once more since
         while True:
             for r in reqs:
                 if r.error is not None:
@@ -856,20 +857,13 @@ class Transport:
                 raise self.broken
             if self.closed:
                 self.check_usable()
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                # What the peers said while this rank was away (a frozen rank woken late: their ABORT naming
-                # it) is read before this rank blames anyone.
-                self.engine.progress(0.0)
-                for r in reqs:
-                    if r.error is not None:
-                        raise r.error
-                if how(r.done for r in reqs):
-                    return
-                if self.broken is not None:
-                    raise self.broken
+            if late:
                 raise self._timeout_error(reqs, what, arrived)
-            self.engine.progress(0.2 if deadline is None else min(0.2, deadline - now))
+            now = time.monotonic()
+            # At the deadline, what the peers said while this rank was away (a frozen rank woken late: their
+            # ABORT naming it) is read before this rank blames anyone: one more pump, then the checks above.
+            late = deadline is not None and now >= deadline
+            self.engine.progress(0.0 if late else 0.2 if deadline is None else min(0.2, deadline - now))
 
     def test(self, reqs: Iterable[Request]) -> bool:
         reqs = list(reqs)
