@@ -25,7 +25,6 @@ and where no fault happened and every rank asked for the same members, every cal
 from __future__ import annotations
 
 import copy
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
