@@ -702,7 +702,8 @@ def run_campaign(trials: int, seed: int, workdir: Path, *, timeout: float = TIME
                  transports: Sequence[str] = TRANSPORTS, worlds: Sequence[int] = WORLDS, code: str | None = None,
                  keep: bool = False, progress: Any = None, records: list[dict[str, Any]] | None = None) -> Summary:
     """Trials `seed` .. `seed + trials - 1`, each in `workdir/seed<s>` (removed when it passed, unless
-    `keep`). `progress(outcome)` is called after each; `records` collects each trial's record."""
+    `keep`). `progress(outcome, summary)` is called after each (the summary so far); `records` collects
+    each trial's record."""
     summary = Summary()
     for s in range(seed, seed + trials):
         trial = make_trial(s, timeout, transports, worlds)
@@ -718,7 +719,7 @@ def run_campaign(trials: int, seed: int, workdir: Path, *, timeout: float = TIME
         if records is not None:
             records.append(outcome.record())
         if progress is not None:
-            progress(outcome)
+            progress(outcome, summary)
         if outcome.ok and not keep:
             shutil.rmtree(where, ignore_errors=True)
     return summary
@@ -740,20 +741,25 @@ def main(argv: Iterable[str] | None = None) -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tb-campaign-"))
     records: list[dict[str, Any]] = []
 
-    def progress(o: TrialOutcome) -> None:
+    def write(summary: Summary) -> None:
+        if args.json:
+            args.json.write_text(json.dumps({"summary": summary.as_dict(), "trials": records}, indent=1,
+                                            default=str))
+
+    def progress(o: TrialOutcome, summary: Summary) -> None:
         print(o.line(), flush=True)
         for p in o.problems()[:6]:
             print(f"    {p[:300]}", flush=True)
         for n in o.notes[:3]:
             print(f"    note: {n[:300]}", flush=True)
+        write(summary)  # (after every trial: a long run stopped early keeps what it found)
 
     summary = run_campaign(args.trials, args.seed, workdir, timeout=args.timeout,
                            transports=args.transport or TRANSPORTS, worlds=args.world or WORLDS, code=args.code,
                            keep=args.keep, progress=progress, records=records)
     print(summary.text())
     print(f"trial directories: {workdir}")
-    if args.json:
-        args.json.write_text(json.dumps({"summary": summary.as_dict(), "trials": records}, indent=1, default=str))
+    write(summary)
     sys.exit(0 if summary.ok else 1)
 
 
