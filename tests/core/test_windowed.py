@@ -236,3 +236,22 @@ def test_all_gather_on_a_window_moves_nothing_over_the_links(world: int) -> None
     for out, sent in run_world(world, body, window_bytes=256):
         assert torch.equal(out, want)
         assert sent == 0
+
+
+def test_a_timeout_blames_the_members_furthest_behind_not_those_waiting_for_them() -> None:
+    """A healthy member that has posted a step more than a stopped one, and waits for it, is named apart and
+    never blamed (the survivors would leave it out of their shrink)."""
+    from types import SimpleNamespace
+
+    from torch_thunderbolt.algorithms.window import Window
+
+    counters = {0: 7, 1: 6, 2: 5, 3: 6}  # members' posted steps: 0 waits for step 7; 2 is furthest behind
+    win = object.__new__(Window)
+    win.members = [10, 11, 12, 13]  # group ranks by position
+    win.memory = SimpleNamespace(counter=lambda p: counters[p])
+    win.engine = SimpleNamespace(rank=10)
+    exc = win._timeout(7, [1, 2, 3], "all_reduce (op #3)")
+    assert isinstance(exc, CollectiveTimeout) and exc.ranks == [12], exc
+    assert "did not arrive: [12]; ranks [11, 13] were further on" in str(exc), exc
+    counters[2] = 6  # all three at the same step: all three blamed
+    assert win._timeout(7, [1, 2, 3], "op").ranks == [11, 12, 13]

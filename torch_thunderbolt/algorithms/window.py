@@ -95,14 +95,24 @@ class Window:
         while not ready():
             now = time.monotonic()
             if now >= deadline:
-                late = [self.members[p] for p in peers if counter(p) < value]
-                raise CollectiveTimeout(
-                    f"rank {engine.rank}: Timed out waiting in {what} (shared-memory window, step {value}); "
-                    f"ranks that did not arrive: {late}", ranks=late)
+                raise self._timeout(value, peers, what)
             engine.check_usable()
             engine.progress(min(0.2, deadline - now), until=ready)
             engine.check_usable()
             self._check_stray(peers, value, what)
+
+    def _timeout(self, value: int, peers: list[int], what: object) -> CollectiveTimeout:
+        """The timeout of a wait for step `value`: it blames the members furthest behind. Every step waits for
+        steps the others post, so a member that has posted more than the furthest behind but not `value` is
+        waiting for them (a healthy rank held up by a stopped one); it is named apart, never blamed."""
+        behind = {self.members[p]: self.memory.counter(p) for p in peers if self.memory.counter(p) < value}
+        low = min(behind.values(), default=value)
+        late = [g for g, c in behind.items() if c == low]
+        held = [g for g, c in behind.items() if c != low]
+        also = f"; ranks {held} were further on, waiting for them" if held else ""
+        return CollectiveTimeout(
+            f"rank {self.engine.rank}: Timed out waiting in {what} (shared-memory window, step {value}); "
+            f"ranks that did not arrive: {late}{also}", ranks=late)
 
     def _check_stray(self, peers: list[int], value: int, what: object) -> None:
         """A member we wait for that sent ring data of a collective has skipped this op: had it run it, it
