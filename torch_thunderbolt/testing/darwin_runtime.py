@@ -1,0 +1,90 @@
+"""macOS's runtime behaviour, modelled for tests on Linux: what the GIL does around a ctypes call, what a
+yield costs under XNU's scheduler, and IOKit's power assertions. (Sockets have their own model.)
+
+Each model follows a source, named where it is defined, and is used with `Platform.for_system("darwin")`:
+the code under test takes the platform and, where it calls into libSystem or IOKit, a lookup or library
+object that a test replaces with the model.
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+def releases_gil(fn: Callable[..., Any]) -> bool:
+    """Whether calling `fn` drops the GIL for the call. CPython's `_ctypes/callproc.c`
+    (`_call_function_pointer`) wraps a foreign call in Py_BEGIN_ALLOW_THREADS unless the function carries
+    `_FUNCFLAG_PYTHONAPI` (functions of `ctypes.PyDLL` and `ctypes.pythonapi`). A Python function keeps it
+    (it may switch at the interpreter's own switch points, as any Python code does)."""
+    flags = getattr(fn, "_flags_", None)
+    if flags is None:
+        return False
+    return not flags & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
+
+
+def with_gil_handoff(fn: Callable[[], None], busy_thread: bool = True,
+                     switch_interval: float | None = None) -> Callable[[], None]:
+    """`fn` as it behaves beside a Python thread that never blocks, in the worst case: where the call drops
+    the GIL, that thread takes it and keeps it until the caller's next switch request, one switch interval
+    (`sys.getswitchinterval()`, 5 ms by default) later. Without a busy thread, or for a call that keeps the
+    GIL, `fn` itself."""
+    if not busy_thread or not releases_gil(fn):
+        return fn
+    wait = sys.getswitchinterval() if switch_interval is None else switch_interval
+
+    def call() -> None:
+        fn()
+        time.sleep(wait)
+
+    return call
+
+
+# XNU's priorities (osfmk/kern/sched.h): a user thread runs at BASEPRI_DEFAULT (31); background QoS work
+# (Spotlight's indexer, Time Machine, a `nice`d build) at MAXPRI_THROTTLE (4); a depressed thread at 0.
+BASEPRI_DEFAULT = 31
+MAXPRI_THROTTLE = 4
+QUANTUM = 0.010  # std_quantum_us (osfmk/kern/sched_prim.c): also thread_depress_time
+
+
+@dataclass
+class XnuCore:
+    """One core as XNU's scheduler gives it to a thread that yields, with `others` (their priorities)
+    runnable on it, each of which keeps the core for `burst` seconds (at most a quantum) once given it.
+    `advance` lets the time pass (real sleep by default; a fake clock's for unit tests).
+
+    - `sched_yield` is libSystem's: `swtch_pri(0)` (libpthread), which when another thread is runnable
+      depresses the caller to priority 0 for a quantum (`thread_depress_abstime(thread_depress_time)`,
+      osfmk/kern/syscall_subr.c): every runnable thread goes first, whatever its priority, until the
+      depression times out.
+    - `thread_switch(MACH_PORT_NULL, SWITCH_OPTION_NONE, 0)` blocks with AST_YIELD and no depression: only
+      threads of the caller's priority or above go first.
+    """
+
+    others: list[int] = field(default_factory=list)
+    priority: int = BASEPRI_DEFAULT
+    burst: float = QUANTUM
+    advance: Callable[[float], None] = time.sleep
+    yields: list[tuple[str, float]] = field(default_factory=list)  # (which call, seconds it cost)
+
+    def sched_yield(self) -> None:
+        cost = min(QUANTUM, self.burst * len(self.others)) if self.others else 0.0
+        self._spend("sched_yield", cost)
+
+    def thread_switch(self, port: int, option: int, ms: int) -> int:
+        if port != 0 or option != 0:
+            raise ValueError(f"the model knows thread_switch(MACH_PORT_NULL, SWITCH_OPTION_NONE), not {port}, {option}")
+        ahead = [p for p in self.others if p >= self.priority]
+        self._spend("thread_switch", min(self.burst, QUANTUM) * len(ahead))
+        return 0  # KERN_SUCCESS
+
+    def lookup(self, name: str) -> Callable[..., int] | None:
+        """libSystem's functions by name, as `spin.yield_for` looks them up."""
+        return self.thread_switch if name == "thread_switch" else None
+
+    def _spend(self, call: str, seconds: float) -> None:
+        self.yields.append((call, seconds))
+        if seconds:
+            self.advance(seconds)
