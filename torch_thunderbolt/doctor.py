@@ -243,10 +243,15 @@ def _check_links(f: Facts) -> list[Finding]:
             out.append(Finding(WARN, f"{name} MTU", f"{mtu}", "jumbo frames help TCP over Thunderbolt: "
                                f"sudo networksetup -setMTU {name} 9000 (or topo --mtu 9000)"))
     if len(f.bridge_members) >= 2:
-        out.append(Finding(WARN, "Thunderbolt Bridge", f"bridge0 holds {', '.join(f.bridge_members)}",
-                           "with 3+ Macs in a loop this causes broadcast storms; `topo` plans one subnet per "
-                           "cable and removes ports from the bridge"))
+        out.append(_check_bridge(f.bridge_members))
     return out
+
+
+def _check_bridge(members: list[str]) -> Finding:
+    from .topology.persist import bridge_back
+
+    return Finding(WARN, "Thunderbolt Bridge", f"bridge0 holds {', '.join(members)}",
+                   bridge_back("bridge0", members))
 
 
 def _check_buffers(f: Facts, cfg: Config) -> Finding:
