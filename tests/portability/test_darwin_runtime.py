@@ -97,3 +97,34 @@ def test_async_ops_are_not_held_back_a_quantum_by_the_workers_yield(monkeypatch:
         worker.stop()
     assert len(core.yields) == 10
     assert sorted(latencies)[5] < QUANTUM / 2, f"median async op latency {sorted(latencies)[5] * 1e3:.1f} ms"
+
+
+def test_the_leak_check_counts_descriptors_where_dev_fd_holds_no_symlinks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """macOS's /dev/fd entries are fdesc nodes: readlink fails on each (EINVAL). The count must not
+    depend on it."""
+    import errno
+    import socket
+
+    from torch_thunderbolt.testing.leftovers import holdings
+
+    readlink = os.readlink
+
+    def not_a_link(path: str, *args: object, **kwargs: object) -> str:
+        if str(path).startswith("/dev/fd/"):
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return readlink(path, *args, **kwargs)  # (psutil reads /proc on this Linux host)
+
+    monkeypatch.setattr(os, "readlink", not_a_link)
+    before = holdings(plat=DARWIN)
+    r, w = os.pipe()
+    a, b = socket.socketpair()
+    try:
+        after = holdings(plat=DARWIN)
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        a.close()
+        b.close()
+    assert before["fds"] > 0 and after["fds"] == before["fds"] + 4
+    assert sum(after["fd_kinds"].values()) == after["fds"]
+    assert after["fd_kinds"].get("socket:", 0) == before["fd_kinds"].get("socket:", 0) + 2
