@@ -58,6 +58,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("THUNDERBOLT_SHM_DIR", ADVANCED, "(POSIX shared memory)"),
     Setting("THUNDERBOLT_VERBS", ADVANCED, "system"),
     Setting("THUNDERBOLT_AUTOLOAD", ADVANCED, "1"),
+    Setting("THUNDERBOLT_KEEP_AWAKE", ADVANCED, "1"),
     Setting("THUNDERBOLT_LAB_STATE_DIR", ADVANCED, "/run/torch-thunderbolt"),
 )
 SETTING_NAMES = frozenset(s.name for s in SETTINGS)
@@ -155,6 +156,7 @@ class Config:
     verbs: str = "system"
     verbs_fabric: str = ""
     autoload: bool = True  # THUNDERBOLT_AUTOLOAD=0: `import torch` does not register the backend
+    keep_awake: bool = True  # THUNDERBOLT_KEEP_AWAKE=0: no power assertion keeps a Mac awake (backend/keep_awake.py)
     # THUNDERBOLT_SECRET (or @file): the job's private key for the stream handshake; b"" = derive it from
     # the rendezvous store, which anyone who reaches MASTER_PORT can read. repr=False: never printed.
     secret: bytes = field(default=b"", repr=False)
@@ -239,6 +241,7 @@ class Config:
             take("connect_timeout", lambda: float(_int(get("THUNDERBOLT_CONNECT_TIMEOUT"),
                                                        "THUNDERBOLT_CONNECT_TIMEOUT", 1, 86400)))
         take("listen_all", lambda: _flag(get("THUNDERBOLT_LISTEN_ALL"), "THUNDERBOLT_LISTEN_ALL"))
+        take("keep_awake", lambda: _flag(get("THUNDERBOLT_KEEP_AWAKE") or "1", "THUNDERBOLT_KEEP_AWAKE"))
         take("debug", lambda: _flag(get("THUNDERBOLT_DEBUG"), "THUNDERBOLT_DEBUG") or env.get(
             "TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
         kw["congestion_control"] = get("THUNDERBOLT_CC")

@@ -11,7 +11,7 @@ import pytest
 
 from torch_thunderbolt.backend.work import Work
 from torch_thunderbolt.backend.worker import Worker
-from torch_thunderbolt.platform import Platform
+from torch_thunderbolt.platform import SYSCTL, Platform
 from torch_thunderbolt.testing.darwin_runtime import (BASEPRI_DEFAULT, MAXPRI_THROTTLE, QUANTUM, XnuCore,
                                                       releases_gil, with_gil_handoff)
 from torch_thunderbolt.transport import ordering, spin
@@ -97,3 +97,64 @@ def test_async_ops_are_not_held_back_a_quantum_by_the_workers_yield(monkeypatch:
         worker.stop()
     assert len(core.yields) == 10
     assert sorted(latencies)[5] < QUANTUM / 2, f"median async op latency {sorted(latencies)[5] * 1e3:.1f} ms"
+
+
+def test_the_leak_check_counts_descriptors_where_dev_fd_holds_no_symlinks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """macOS's /dev/fd entries are fdesc nodes: readlink fails on each (EINVAL). The count must not
+    depend on it."""
+    import errno
+    import socket
+
+    from torch_thunderbolt.testing.leftovers import holdings
+
+    readlink = os.readlink
+
+    def not_a_link(path: str, *args: object, **kwargs: object) -> str:
+        if str(path).startswith("/dev/fd/"):
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return readlink(path, *args, **kwargs)  # (psutil reads /proc on this Linux host)
+
+    monkeypatch.setattr(os, "readlink", not_a_link)
+    before = holdings(plat=DARWIN)
+    r, w = os.pipe()
+    a, b = socket.socketpair()
+    try:
+        after = holdings(plat=DARWIN)
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        a.close()
+        b.close()
+    assert before["fds"] > 0 and after["fds"] == before["fds"] + 4
+    assert sum(after["fd_kinds"].values()) == after["fds"]
+    assert after["fd_kinds"].get("socket:", 0) == before["fd_kinds"].get("socket:", 0) + 2
+
+
+M1_SYSCTL = {"hw.perflevel0.physicalcpu": "4\n", "hw.perflevel1.physicalcpu": "4\n", "hw.ncpu": "8\n"}
+
+
+def fake_sysctl(values: dict[str, str]):
+    """/usr/sbin/sysctl -n KEY of a Mac with `values` ("" for a key it lacks, as the tool's failure reads)."""
+    def run(argv: list[str]) -> str:
+        assert argv[:2] == [SYSCTL, "-n"], argv
+        return values.get(argv[2], "")
+    return run
+
+
+def test_spin_decisions_count_performance_cores_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An M1 (4 performance + 4 efficiency cores, os.cpu_count() 8) with 6 local ranks: they outnumber the
+    P-cores, so they must not spin, and the shared window takes its bigger size."""
+    from torch_thunderbolt import platform
+    from torch_thunderbolt.rendezvous.shm import default_window_bytes
+    from torch_thunderbolt.transport.shm import default_spin
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS has no affinity mask
+    monkeypatch.setattr(platform, "current", lambda: DARWIN)
+    monkeypatch.setattr(platform, "run_tool", fake_sysctl(M1_SYSCTL))
+    assert platform.spin_cores() == 4
+    assert default_spin(4) > 0 and default_spin(6) == 0.0
+    assert default_window_bytes(4) == 1 << 20 and default_window_bytes(6) == 4 << 20
+    # An Intel Mac has no perflevels: every core counts.
+    assert platform.spin_cores(DARWIN, fake_sysctl({"hw.ncpu": "8\n"})) == 8
+    assert platform.spin_cores(Platform.for_system("linux"), lambda argv: pytest.fail("no sysctl on Linux")) == 8

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from ..config import Config
 from ..errors import ConfigError, HandshakeError, PeerLostError, ThunderboltError, peer_lost
 from ..platform import (DARWIN_TCP_RXT_CONNDROPTIME, LINUX_TCP_USER_TIMEOUT, LOCAL_NETWORK_SETTING,  # noqa: F401
-                        Platform, current)
+                        Platform, current, spin_cores)
 from ..protocol import handshake as hs
 from ..protocol.integrity import stream_keys
 from ..transport.engine import Transport
@@ -666,7 +666,7 @@ def connect_tcp_links(setup: SetUp) -> TcpLinks:
         for p in members:
             same_integrity(rank, cfg, p, infos.get(p) or records.read(f"tb/ep/{p}", p, "its endpoints"))
         # Spinning only pays while every local rank has a core of its own.
-        spin = cfg.spin_us if setup.local_ranks() <= (os.cpu_count() or 1) else 0
+        spin = cfg.spin_us if setup.local_ranks() <= spin_cores() else 0
         seal = None if cfg.integrity == "none" else (
             rank, {p: [stream_keys(key, rank, p) for key in keys] for p, keys in sessions.items()})
         return TcpLinks(conns, stripe_bytes=cfg.stripe_bytes, early_bytes=cfg.small_bytes, spin_us=spin,

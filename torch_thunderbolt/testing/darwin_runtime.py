@@ -88,3 +88,53 @@ class XnuCore:
         self.yields.append((call, seconds))
         if seconds:
             self.advance(seconds)
+
+
+K_IORETURN_BAD_ARGUMENT = -536870206  # kIOReturnBadArgument (0xE00002C2) as the int32 IOReturn
+
+
+class FakeIOKit:
+    """IOKit's and CoreFoundation's power-assertion functions as `backend.keep_awake` calls them, recording
+    each call. A CFString is an integer handle to a Python string here; `live` holds the assertions taken
+    and not yet released (as `pmset -g assertions` would list them), `strings` the CFStrings not yet
+    released. `create_error`: what IOPMAssertionCreateWithName returns (0: success)."""
+
+    def __init__(self, create_error: int = 0) -> None:
+        self.calls: list[tuple] = []
+        self.live: dict[int, tuple[str, int, str]] = {}
+        self.strings: dict[int, str] = {}
+        self.create_error = create_error
+        self._next = 0x100
+
+    def libraries(self) -> tuple["FakeIOKit", "FakeIOKit"]:
+        """(IOKit, CoreFoundation), as `KeepAwake`'s `libraries` returns them."""
+        return self, self
+
+    def _handle(self) -> int:
+        self._next += 1
+        return self._next
+
+    # CoreFoundation
+    def CFStringCreateWithCString(self, allocator: Any, text: bytes, encoding: int) -> int:  # noqa: N802
+        handle = self._handle()
+        self.strings[handle] = text.decode()
+        return handle
+
+    def CFRelease(self, handle: int) -> None:  # noqa: N802
+        if handle not in self.strings:
+            raise AssertionError(f"CFRelease of {handle:#x}, which is not a live CFString")
+        del self.strings[handle]
+
+    # IOKit
+    def IOPMAssertionCreateWithName(self, kind: int, level: int, name: int, out: Any) -> int:  # noqa: N802
+        self.calls.append(("create", self.strings[kind], level, self.strings[name]))
+        if self.create_error:
+            return self.create_error
+        assertion = self._handle()
+        self.live[assertion] = (self.strings[kind], level, self.strings[name])
+        out.contents.value = assertion
+        return 0
+
+    def IOPMAssertionRelease(self, assertion: int) -> int:  # noqa: N802
+        self.calls.append(("release", assertion))
+        return 0 if self.live.pop(assertion, None) is not None else K_IORETURN_BAD_ARGUMENT
