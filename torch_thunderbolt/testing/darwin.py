@@ -312,6 +312,12 @@ def _module(xnu: Xnu) -> types.ModuleType:
     return mod
 
 
+def sockets_off_the_model(t: Any) -> "list[str]":
+    """The TCP streams of transport `t` whose socket is not one of a model's (each "stream S to rank P")."""
+    return [f"stream {c.stream} to rank {c.peer}" for kind in t.kinds if kind.name == "tcp"
+            for link in kind.links.values() for c in link.streams if not isinstance(c.sock, XnuSocket)]
+
+
 ENV = "XNU_MODEL"  # "1" in a rank process's environment: its TCP set-up runs on the model
 
 
