@@ -88,14 +88,15 @@ def test_ddp_summary_takes_the_slowest_rank_per_iteration():
 
 
 def test_decode_summary_pipeline_sums_the_stages_tensor_parallel_does_not():
-    a = decode.Phases(decode=[0.08, 0.08], compute=[0.03, 0.03], transfers=[0.01, 0.01])
-    b = decode.Phases(decode=[0.08, 0.09], compute=[0.04, 0.04], transfers=[0.01, 0.02])
+    a = decode.Phases(decode=[0.08, 0.08], compute=[0.03, 0.03], transfers=[0.01, 0.01], busy=[0.03, 0.03])
+    b = decode.Phases(decode=[0.08, 0.09], compute=[0.04, 0.04], transfers=[0.01, 0.02], busy=[0.02, 0.02])
     case = decode.Case(batch=4, microbatches=1)
     pp = decode.summarize([a, b], "pp", case, tokens=4)
     assert pp["compute_ms_per_token"] == pytest.approx(70 / 4)
     assert pp["ms_per_token"] == pytest.approx(85 / 4)  # median of 0.08, 0.09
     assert pp["comm_ms_per_token"] == pytest.approx(15 / 4)
     assert pp["tokens_per_s"] == pytest.approx(4 * 4 / 0.085)
+    assert pp["device_share"] == pytest.approx(0.05 / 0.07)
     assert decode.summarize([a, b], "tp", case, tokens=4)["compute_ms_per_token"] == pytest.approx(40 / 4)
 
 
@@ -175,3 +176,13 @@ def test_tiny_workload_on_two_ranks(tmp_path, workload, device, extra):
         projected = [r for r in rows if r.get("projection")]
         assert len(projected) == (1 if workload == "llama-tp" else 0)
         assert "PROJECTED, NOT MEASURED" in run.stdout or not projected
+
+
+def test_rows_paced_by_the_host_are_flagged():
+    row = {"backend": "thunderbolt", "how": "device tensors", "batch": 1, "ms_per_token": 10.0,
+           "compute_ms_per_token": 9.0, "comm_ms_per_token": 1.0, "tokens_per_s": 100.0,
+           "device_busy_ms_per_token": 8.0, "device_share": 8.0 / 9.0}
+    assert "HOST-BOUND" not in table.llama_table([row])
+    slow_host = dict(row, device_busy_ms_per_token=1.0, device_share=1.0 / 9.0)
+    assert "HOST-BOUND: in 1 row(s)" in table.llama_table([row, slow_host])
+    assert "HOST-BOUND" not in table.llama_table([dict(row, device_busy_ms_per_token=0.0, device_share=0.0)])

@@ -168,5 +168,6 @@ def summarize(per_rank: list[Phases], batch: int, world: int) -> dict[str, float
     med = {k: statistics.median(v) for k, v in per.items()}
     hidden = statistics.median(hidden_share(per["compute"][i], per["step"][i], per["exchange"][i]) for i in range(n))
     return {"step_s": med["step"], "compute_s": med["compute"], "exchange_s": med["exchange"],
-            "device_busy_s": med["busy"], "hidden": hidden, "exposed": exposed_share(med["step"], med["compute"]),
+            "device_busy_s": med["busy"], "device_share": med["busy"] / med["compute"] if med["compute"] > 0 else 0.0,
+            "hidden": hidden, "exposed": exposed_share(med["step"], med["compute"]),
             "images_per_s": batch * world / med["step"] if med["step"] > 0 else 0.0, "iters": n}

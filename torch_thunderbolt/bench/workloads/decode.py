@@ -81,6 +81,7 @@ class Phases:
     decode: list[float] = field(default_factory=list)
     compute: list[float] = field(default_factory=list)
     transfers: list[float] = field(default_factory=list)
+    busy: list[float] = field(default_factory=list)  # the device's modelled busy time in `compute`
 
 
 @dataclass(frozen=True)
@@ -244,12 +245,15 @@ def run(kind_of_parallel: str, preset: str, cases: list[Case], groups: list[Any]
                 order = list(enumerate(wires)) if it % 2 == 0 else list(enumerate(wires))[::-1]
                 for i, wire in order:
                     decode = timed(lambda: runner.decode(wire, case, tokens, caches))
+                    busy0 = device.busy_seconds() if device.busy_seconds else 0.0
                     compute = timed(lambda: runner.compute(case, tokens, caches))
+                    busy = (device.busy_seconds() - busy0) if device.busy_seconds else 0.0
                     transfers = timed(lambda: runner.transfers(wire, case, tokens))
                     if it >= warmup:
                         phases[i].decode.append(decode)
                         phases[i].compute.append(compute)
                         phases[i].transfers.append(transfers)
+                        phases[i].busy.append(busy)
             out[case.key] = phases
             del caches
     how = ["host copy + gloo" if w.staged else ("device tensors" if not device.is_cpu else "cpu tensors") for w in wires]
@@ -263,10 +267,11 @@ def summarize(per_rank: list[Phases], parallel: str, case: Case, tokens: int) ->
     n = len(per_rank[0].decode)
     decode = statistics.median(max(r.decode[i] for r in per_rank) for i in range(n))
     transfers = statistics.median(max(r.transfers[i] for r in per_rank) for i in range(n))
-    if parallel == "pp":
-        compute = statistics.median(sum(r.compute[i] for r in per_rank) for i in range(n))
-    else:
-        compute = statistics.median(max(r.compute[i] for r in per_rank) for i in range(n))
+    combine = sum if parallel == "pp" else max
+    compute = statistics.median(combine(r.compute[i] for r in per_rank) for i in range(n))
+    busy = statistics.median(combine(r.busy[i] for r in per_rank) for i in range(n))
     ms = 1e3 / tokens
     return {"ms_per_token": decode * ms, "compute_ms_per_token": compute * ms, "comm_ms_per_token": transfers * ms,
-            "tokens_per_s": case.batch * tokens / decode if decode > 0 else 0.0, "iters": n}
+            "tokens_per_s": case.batch * tokens / decode if decode > 0 else 0.0,
+            "device_busy_ms_per_token": busy * ms, "device_share": busy / compute if compute > 0 else 0.0,
+            "iters": n}

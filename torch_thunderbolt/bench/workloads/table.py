@@ -7,9 +7,13 @@ from .spec import PROJECTION_LABEL
 
 _VIT = (("backend", 14, "s"), ("exchange via", 17, "s"), ("hook", 5, "s"), ("bucket", 7, "s"), ("batch", 6, "s"),
         ("step ms", 9, "f1"), ("no-comm ms", 11, "f1"), ("exch ms", 9, "f1"), ("device ms", 10, "f1"),
-        ("exposed", 8, "f2"), ("hidden", 7, "f2"), ("img/s", 8, "f1"), ("speed", 7, "x"))
+        ("exposed", 8, "f2"), ("hidden", 7, "f2"), ("img/s", 8, "f1"), ("dev/wall", 8, "f2"), ("speed", 7, "x"))
 _LLAMA = (("backend", 19, "s"), ("messages via", 17, "s"), ("batch", 6, "s"), ("micro", 6, "s"),
-          ("ms/token", 9, "f2"), ("compute", 9, "f2"), ("comm", 9, "f2"), ("tok/s", 8, "f1"), ("speed", 7, "x"))
+          ("ms/token", 9, "f2"), ("compute", 9, "f2"), ("comm", 9, "f2"), ("tok/s", 8, "f1"), ("dev/wall", 8, "f2"),
+          ("speed", 7, "x"))
+# Below this share of the no-communication phase's wall time spent busy on the modelled device, the host (the
+# emulation's own per-op cost on this machine) set the pace, not the modelled GPU.
+HOST_BOUND_SHARE = 0.8
 
 
 def _cell(value: object, width: int, fmt: str) -> str:
@@ -40,8 +44,9 @@ def vit_table(records: Sequence[dict]) -> str:
     step time / this row's."""
     rows = [(r["backend"], r["how"], r["hook"], f"{r['bucket_cap_mb']:g}", r["batch"], r["step_s"] * 1e3,
              r["compute_s"] * 1e3, r["exchange_s"] * 1e3, r["device_busy_s"] * 1e3 if r["device_busy_s"] else None,
-             r["exposed"], r["hidden"], r["images_per_s"], r.get("speed")) for r in records]
-    return _format(_VIT, rows)
+             r["exposed"], r["hidden"], r["images_per_s"], r.get("device_share") if r["device_busy_s"] else None,
+             r.get("speed")) for r in records]
+    return _format(_VIT, rows) + host_bound_note(records)
 
 
 def llama_table(records: Sequence[dict]) -> str:
@@ -50,9 +55,22 @@ def llama_table(records: Sequence[dict]) -> str:
     rows = []
     for r in records:
         name = r["backend"] if not r.get("projection") else PROJECTION_LABEL
+        share = r.get("device_share") if r.get("device_busy_ms_per_token") and not r.get("projection") else None
         rows.append((name, r["how"], r["batch"], r.get("microbatches", 1), r["ms_per_token"],
-                     r["compute_ms_per_token"], r["comm_ms_per_token"], r["tokens_per_s"], r.get("speed")))
-    return _format(_LLAMA, rows)
+                     r["compute_ms_per_token"], r["comm_ms_per_token"], r["tokens_per_s"], share, r.get("speed")))
+    return _format(_LLAMA, rows) + host_bound_note(records)
+
+
+def host_bound_note(records: Sequence[dict]) -> str:
+    """A warning under the table when a timed-device row was paced by the host, not by the modelled GPU."""
+    bound = [r for r in records if not r.get("projection") and (r.get("device_busy_s") or
+                                                                  r.get("device_busy_ms_per_token"))
+             and r.get("device_share", 1.0) < HOST_BOUND_SHARE]
+    if not bound:
+        return ""
+    return (f"\n# HOST-BOUND: in {len(bound)} row(s) dev/wall < {HOST_BOUND_SHARE}: the modelled GPU was idle most of "
+            "the no-comm phase, waiting for this host to issue kernels (the emulation's own cost per op); those "
+            "times measure this machine, not a Mac")
 
 
 def add_speed(records: list[dict], baseline: str | None, time_key: str, case_keys: Sequence[str]) -> None:
