@@ -186,3 +186,24 @@ def test_rows_paced_by_the_host_are_flagged():
     slow_host = dict(row, device_busy_ms_per_token=1.0, device_share=1.0 / 9.0)
     assert "HOST-BOUND: in 1 row(s)" in table.llama_table([row, slow_host])
     assert "HOST-BOUND" not in table.llama_table([dict(row, device_busy_ms_per_token=0.0, device_share=0.0)])
+
+
+def test_blocks_are_fused_only_in_timing_only_mode():
+    from torch_thunderbolt.bench.workloads.device import Device
+
+    marked = []
+
+    def fuser(module):
+        marked.append(module)
+        return module
+
+    lin = torch.nn.Linear(2, 2)
+    timing = Device("m2-ultra", torch.device("cpu"), lambda: None, timed=True, timing_only=True, fuser=fuser)
+    exact = Device("m2-ultra", torch.device("cpu"), lambda: None, timed=True, timing_only=False, fuser=fuser)
+    assert timing.fuse(lin) is lin and marked == [lin]
+    assert exact.fuse(lin) is lin and marked == [lin]  # exact mode: the module runs op by op
+    cfg = llama.make_config("tiny")
+    stage = llama.build_stage(cfg, range(cfg.layers), True, True, shards=2)
+    marked.clear()
+    decode._fuse(stage, timing, whole_layers=False)
+    assert len(marked) == 3 + 4 * cfg.layers  # embed, norm, head; each layer's two norms and two halves

@@ -82,6 +82,11 @@ class _Trainer:
     def __init__(self, cfg: vit.ViTConfig, case: Case, group: Any, kind: str, device: Device) -> None:
         torch.manual_seed(0)  # the same weights on every rank: DDP's initial broadcast is not needed
         module = place(lambda d: vit.ViT(cfg).to(d), device)
+        # One block-level kernel per transformer block, patch embedding and head (device.fuse): DDP's hooks
+        # still fire per parameter, at the end of each block's backward.
+        module.patch_embed, module.head = device.fuse(module.patch_embed), device.fuse(module.head)
+        for i, block in enumerate(module.blocks):
+            module.blocks[i] = device.fuse(block)
         self.device, self.group = device, group
         self.staged = case.hook == "none" and kind == "gloo" and not device.is_cpu
         self.model = DDP(module, process_group=group, bucket_cap_mb=case.bucket_cap_mb,

@@ -94,6 +94,21 @@ class Case:
         return f"batch={self.batch} microbatches={self.microbatches}"
 
 
+def _fuse(stage: llama.LlamaStage, device: Device, whole_layers: bool) -> None:
+    """Block-level kernels on the timed device (device.fuse): a whole decoder layer each for pipeline
+    parallel; for tensor parallel each layer's attention and feed-forward halves and their norms, so the
+    all_reduces between them stay real."""
+    for name in ("embed", "norm", "lm_head"):
+        if getattr(stage, name) is not None:
+            setattr(stage, name, device.fuse(getattr(stage, name)))
+    for i, layer in enumerate(stage.layers):
+        if whole_layers:
+            stage.layers[i] = device.fuse(layer)
+        else:
+            for part in ("input_norm", "attn", "post_attn_norm", "mlp"):
+                setattr(layer, part, device.fuse(getattr(layer, part)))
+
+
 def _set_reduce(stage: llama.LlamaStage, reduce: llama.Reduce) -> None:
     for layer in stage.layers:
         layer.reduce = reduce
@@ -107,6 +122,7 @@ class _Pipeline:
         ids = llama.split_layers(cfg.layers, world)[rank]
         first, last = rank == 0, rank == world - 1
         self.stage = place(lambda d: llama.build_stage(cfg, ids, first, last, dtype=DTYPE, device=d), device)
+        _fuse(self.stage, device, whole_layers=True)
 
     def _input(self, b: int) -> torch.Tensor:
         dev = self.device.torch_device
@@ -177,6 +193,7 @@ class _TensorParallel:
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.stage = place(lambda d: llama.build_stage(cfg, range(cfg.layers), True, True, dtype=DTYPE, device=d,
                                                        shards=world), device)
+        _fuse(self.stage, device, whole_layers=False)
 
     def _step(self, wire: Wire | None, x: torch.Tensor, caches: list[llama.KVCache], pos: int) -> torch.Tensor:
         logits = self.stage(x, caches, pos)[:, -1]

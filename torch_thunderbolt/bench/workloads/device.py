@@ -25,6 +25,14 @@ class Device:
     timing_only: bool        # nothing is computed: values are meaningless, only times count
     busy_seconds: Callable[[], float] | None = None  # the timeline's modelled busy time so far
     chip: Any = None         # the timed device's preset (its published figures)
+    fuser: Callable[[nn.Module], nn.Module] | None = None  # apple_gpu.fuse where the device has it
+
+    def fuse(self, module: nn.Module) -> nn.Module:
+        """`module` as one block-level kernel on the timed device in timing-only mode (its forward one
+        timeline entry, its backward another, each the sum of its ops' modelled times): op by op, the
+        emulator's own per-kernel cost on this host would set the pace instead of the modelled GPU.
+        Elsewhere the module itself."""
+        return self.fuser(module) if self.fuser is not None and self.timing_only else module
 
     @property
     def is_cpu(self) -> bool:
@@ -55,7 +63,8 @@ def open_device(name: str) -> Device:
                           f"be imported ({exc}); use --device cpu or fake") from exc
     gpu = apple_gpu.install(preset=name, exact=False)
     return Device(name, torch.device(gpu.device), gpu.synchronize, timed=True, timing_only=not gpu.exact,
-                  busy_seconds=gpu.busy_seconds, chip=getattr(gpu, "chip", None))
+                  busy_seconds=gpu.busy_seconds, chip=getattr(gpu, "chip", None),
+                  fuser=getattr(apple_gpu, "fuse", None))
 
 
 def place(build: Callable[[torch.device], nn.Module], device: Device) -> nn.Module:
