@@ -29,7 +29,7 @@ def test_a_matmul_takes_its_modelled_time_and_issuing_it_does_not(tmp_path):
     modelled = max(flops / out["peak_flops"], moved / out["bandwidth"]) + out["launch_s"]
     assert out["stats"]["flops"] == flops and out["stats"]["bytes"] == moved and out["stats"]["kernels"] == 1
     assert out["stats"]["busy_s"] == pytest.approx(modelled, rel=1e-9)
-    assert modelled > 0.02  # the scenario's premise: long enough to tell waiting from not
+    assert modelled > 0.03  # the scenario's premise: long enough to tell waiting from not
     assert out["shape"] == [n, n] and out["on_device"]
     assert out["issue_s"] < modelled / 4, out  # the host does not spend the modelled time
     assert out["pending_s"] > modelled / 2, out
@@ -39,7 +39,7 @@ def test_a_matmul_takes_its_modelled_time_and_issuing_it_does_not(tmp_path):
 def test_host_reads_and_blocking_copies_wait_for_the_timeline_and_nothing_else_does(tmp_path):
     out = run("async_semantics", tmp_path)
     modelled = out["modelled_s"]
-    assert modelled > 0.02
+    assert modelled > 0.03
     assert out["copy_before_s"] < modelled / 2, out  # a copy issued before the matmul does not wait for it
     assert out["issue_s"] < modelled / 4, out
     assert out["event_query_at_issue"] is False and out["event_query_after_copy"] is True, out
@@ -78,3 +78,14 @@ def test_collectives_on_the_timed_device_move_real_bytes_from_the_issuing_thread
         assert not bad, f"rank {res.rank}: {bad}"
         assert out["ddp_steps"] is True and out["kernels"] > 0
         assert out["on_backend_threads"] == [], f"rank {res.rank}: device ops on backend threads: {out}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_calibration_table_holds_within_25_percent(tmp_path):
+    pytest.importorskip("torch_thunderbolt.testing.models.llama")
+    (res,) = run_ranks(timed_device, 1, tmp_path, args=["calibration"], timeout=1700)
+    rows = res.json()
+    assert len(rows) >= 4
+    bad = [r for r in rows if abs(r["error"]) > 0.25]
+    assert not bad, bad

@@ -25,12 +25,14 @@ Two modes:
 - exact (`exact=True`): every op computes exactly as on the plain fake device (so exactly as on the CPU);
   only the waiting is modelled;
 - timing-only (`exact=False`): what is computed and what is not --
-  - computed: every copy into an existing tensor (`copy_`, so `.to(device)`, `.cpu()` and the backend's
-    staging, which is how collectives move data, move the real bytes), every op whose result the host
-    reads (`.item()`, `torch.equal`, ops with a CPU result), views and metadata ops, and ops with no
-    meta kernel (data-dependent shapes: `nonzero`, `masked_select`, ...; listed in `TimedDevice.computed`);
-  - not computed: everything else. Its outputs get their shape, dtype and strides from the op run on
-    `meta` tensors, and zeroed memory: untouched anonymous pages for 1 MiB and more (mmap; torch.zeros
+  - computed: every copy between the host and the device (`.to(device)`, `.cpu()`, `copy_` with one side
+    on the CPU: so this backend's staging, which is how collectives move data, moves the real bytes),
+    every op whose result the host reads (`.item()`, `torch.equal`, ops with a CPU result), views and
+    metadata ops, and ops with no meta kernel (data-dependent shapes: `nonzero`, `masked_select`, ...;
+    listed in `TimedDevice.computed`);
+  - not computed: everything else, copies within the device included (timed, bytes left as they were).
+    Outputs get their shape, dtype and strides from the op run on
+    `meta` tensors, and zeroed memory: untouched anonymous pages from 64 KiB up (mmap; torch.zeros
     would write every byte), so a model's weights cost no memory until something writes them. In-place
     ops other than `copy_` (the initialisers `uniform_`, `normal_`, `fill_`, `zero_`; optimiser updates)
     leave their tensor's bytes as they were. Random ops draw nothing. Values are therefore zeros or stale,
@@ -54,10 +56,13 @@ from torch.utils.flop_counter import flop_registry
 
 from . import fake_device
 
-# The fixed cost of one kernel on the device timeline: MPS encodes and commits each op by itself.
+# The fixed cost of one kernel on the device timeline. PyTorch on MPS encodes each aten op by itself: ops
+# run as MPSGraph cost ~20 us each to dispatch, ops with their own Metal kernels ~5-8 us in all (M1 Pro,
+# pytorch/pytorch#148219; 10 us per command buffer plus 15 us per MPSGraph encode on an M1 Max,
+# pytorch/pytorch#82707). A model's ops are a mix of both: 10 us.
 LAUNCH_S = 10e-6
 
-ZERO_PAGES_FROM = 1 << 20  # bytes: from here up, outputs of skipped ops are fresh anonymous pages (mmap)
+ZERO_PAGES_FROM = 64 << 10  # bytes: from here up, outputs of skipped ops are fresh anonymous pages (mmap)
 
 _HALF = (torch.float16, torch.bfloat16)
 # Ops that read rows of a table: argument position of the table, whose bytes read are the output's size.
@@ -92,15 +97,23 @@ class Chip:
         return self.mem_gbps * 1e9 * self.calibration
 
 
-_APPLE_M2_ULTRA = "https://www.apple.com/newsroom/2023/06/apple-introduces-m2-ultra/"
-_APPLE_M3_ULTRA = "https://www.apple.com/newsroom/2025/03/apple-reveals-m3-ultra-taking-apple-silicon-to-a-new-extreme/"
-_APPLE_M4_PRO_MAX = "https://www.apple.com/newsroom/2024/10/apple-introduces-m4-pro-and-m4-max/"
-
+# Apple publishes each chip's memory bandwidth and GPU cores; of the FP32 peaks only the M2 Ultra's
+# (27.2 TFLOPS). The others are cores x 128 FP32 ALUs x 2 (a fused multiply-add) x GPU clock, the clocks
+# as listed by hmc-tech (M3 family 1.398 GHz, M4 family 1.678 GHz; its 40-core M3 Max 14.32 and 32-core
+# M4 Max 13.74 TFLOPS follow the same rule). FP16 runs at the FP32 rate on these GPUs (same listing).
+_APPLE_MAC_PRO = "https://www.apple.com/mac-pro/ (M2 Ultra: 76-core GPU, 27.2 TFLOPS, 800GB/s)"
+_APPLE_STUDIO = "https://www.apple.com/mac-studio/specs/ (M3 Ultra 819GB/s; M4 Max 40-core GPU 546GB/s)"
+_APPLE_MINI = "https://www.apple.com/mac-mini/specs/ (M4 Pro 20-core GPU, 273GB/s)"
+_CLOCKS = "https://hmc-tech.com/gpu/apple-32-core-m4-max-vs-apple-40-core-m3-max (GPU clocks, FP16 = FP32)"
+# Calibration: the achieved share of both peaks, one per chip, from docs/devices.md's table: the M2 Ultra's
+# balances the seed's 45 ms/token against llama.cpp's measured F16 decode; the M4 Max's and M4 Pro's are
+# their llama.cpp rows' (the M4 Max's checked against a measured 4096 matmul); the M3 Ultra, with no
+# comparable published row, takes the M2 Ultra's (the same two-die design).
 PRESETS: dict[str, Chip] = {
-    "m2-ultra": Chip("M2 Ultra (76-core GPU)", 76, 27.2, 27.2, 800.0, 0.6, (_APPLE_M2_ULTRA,)),
-    "m3-ultra": Chip("M3 Ultra (80-core GPU)", 80, 28.2, 28.2, 819.0, 0.6, (_APPLE_M3_ULTRA,)),
-    "m4-max": Chip("M4 Max (40-core GPU)", 40, 18.4, 18.4, 546.0, 0.6, (_APPLE_M4_PRO_MAX,)),
-    "m4-pro": Chip("M4 Pro (20-core GPU)", 20, 9.2, 9.2, 273.0, 0.6, (_APPLE_M4_PRO_MAX,)),
+    "m2-ultra": Chip("M2 Ultra (76-core GPU)", 76, 27.2, 27.2, 800.0, 0.75, (_APPLE_MAC_PRO,)),
+    "m3-ultra": Chip("M3 Ultra (80-core GPU)", 80, 28.6, 28.6, 819.0, 0.75, (_APPLE_STUDIO, _CLOCKS)),
+    "m4-max": Chip("M4 Max (40-core GPU)", 40, 17.2, 17.2, 546.0, 0.79, (_APPLE_STUDIO, _CLOCKS)),
+    "m4-pro": Chip("M4 Pro (20-core GPU)", 20, 8.6, 8.6, 273.0, 0.86, (_APPLE_MINI, _CLOCKS)),
 }
 
 
@@ -299,6 +312,8 @@ class TimedDevice:
         if not dst_device or (src_device != dst_device and not non_blocking):
             # To the host, or from it and blocking: MPS commits the command buffer and waits for it.
             _sleep_until(end)
+        if src_device and dst_device and not self.exact:
+            return dst  # within the device: timed, not done (nothing on the host reads device bytes unseen)
         return fn(*args, **kwargs)
 
     def _skip(self, op: Any, fn: Callable[..., Any], args: Any, kwargs: Any, kind: _Kind,
@@ -455,3 +470,119 @@ def uninstall(name: str = fake_device.DEFAULT_NAME) -> None:
     if module.executor is not None:
         module.executor.synchronize()
         module.executor = None
+
+
+# -- calibration ---------------------------------------------------------------------------------------------
+#
+# One factor per chip (`Chip.calibration`), chosen against published single-Mac figures; the table, its
+# sources and the command that reproduces it are in docs/devices.md ("The timed Apple-silicon GPU").
+
+# llama.cpp's Metal backend encodes a whole graph of its own fused kernels into a few command buffers, and
+# the GPU runs them back to back (a few µs each: pytorch/pytorch#82707); PyTorch's per-op cost (LAUNCH_S)
+# does not apply to it, so its rows are modelled as the roofline alone.
+LLAMA_CPP_LAUNCH_S = 0.0
+
+
+@dataclass(frozen=True)
+class Published:
+    """A published single-Mac figure the model is checked against: `ms` per token of a decode, or per call
+    of an fp32 matmul."""
+
+    preset: str
+    what: str
+    ms: float
+    source: str
+    workload: str  # "llama8b", "llama2-7b" (decode, batch 1, fp16) or "matmul4096" (fp32, one call)
+    launch_s: float
+    position: int = 0  # decode: KV-cache length at which the modelled tokens are decoded
+
+
+LLAMA_CPP_4167 = "https://github.com/ggml-org/llama.cpp/discussions/4167"
+PUBLISHED: tuple[Published, ...] = (
+    Published("m2-ultra", "Llama 3 8B, fp16, batch 1, ms/token (the project's seed; an estimate)", 45.0,
+              "the project's seed", "llama8b", LAUNCH_S, 128),
+    # llama-bench tg128 (128 tokens from an empty cache: the mean cache length is 64), build 8e672ef.
+    Published("m2-ultra", "llama.cpp, Llama 2 7B F16, tg128: 41.02 t/s", 1000 / 41.02, LLAMA_CPP_4167,
+              "llama2-7b", LLAMA_CPP_LAUNCH_S, 64),
+    Published("m4-max", "llama.cpp, Llama 2 7B F16, tg128: 31.64 t/s", 1000 / 31.64, LLAMA_CPP_4167,
+              "llama2-7b", LLAMA_CPP_LAUNCH_S, 64),
+    Published("m4-max", "PyTorch MPS, fp32 matmul 4096x4096: 10.30 ms (13.3 TFLOPS)", 10.30,
+              "https://github.com/chsasank/device-benchmarks/pull/13", "matmul4096", LAUNCH_S),
+    Published("m4-pro", "llama.cpp, Llama 2 7B F16, tg128: 17.18 t/s", 1000 / 17.18, LLAMA_CPP_4167,
+              "llama2-7b", LLAMA_CPP_LAUNCH_S, 64),
+)
+
+
+def decode_ms_per_token(preset: str, model: str, position: int, launch_s: float = LAUNCH_S,
+                        tokens: int = 2) -> dict[str, float]:
+    """Decode `tokens` tokens (batch 1, fp16, KV cache of `position` tokens) of a Llama-shaped model on the
+    timed device in timing-only mode: modelled ms per token, kernels and bytes per token, and this host's
+    time to issue one token (the emulator's own cost, not a Mac's). Installs the timed device."""
+    from .models import llama  # the workloads' model: one definition of the decoder
+
+    if model == "llama8b":
+        cfg = llama.make_config("llama8b")
+    elif model == "llama2-7b":  # Llama 2 7B: multi-head attention, 11008-wide MLP, 32k vocabulary
+        cfg = llama.LlamaConfig(vocab_size=32000, layers=32, heads=32, kv_heads=32, intermediate=11008)
+    else:
+        raise ValueError(f"unknown model {model!r}: llama8b or llama2-7b")
+    gpu = install(preset, exact=False, launch_s=launch_s)
+    with torch.device("meta"):
+        stage = llama.build_stage(cfg, range(cfg.layers), True, True, dtype=torch.float16, device="meta")
+    stage = stage.to_empty(device=gpu.device)  # zero pages: nothing written
+    caches = stage.new_caches(1)
+    token = torch.zeros(1, 1, dtype=torch.long, device=gpu.device)
+    stage(token, caches, position - 1)  # plans made once, outside the measurement
+    gpu.synchronize()
+    gpu.reset()
+    start = time.monotonic()
+    for i in range(tokens):
+        stage(token, caches, position + i)
+    host = (time.monotonic() - start) / tokens
+    gpu.synchronize()
+    stats = gpu.stats()
+    return {"ms": stats["busy_s"] / tokens * 1e3, "kernels": stats["kernels"] / tokens,
+            "gb": stats["bytes"] / tokens / 1e9, "host_s": host}
+
+
+def matmul_ms(preset: str, n: int = 4096, launch_s: float = LAUNCH_S) -> dict[str, float]:
+    """One fp32 n x n matmul on the timed device: modelled ms."""
+    gpu = install(preset, exact=False, launch_s=launch_s)
+    a = torch.empty(n, n, device=gpu.device)
+    gpu.synchronize()
+    gpu.reset()
+    a @ a
+    stats = gpu.stats()
+    return {"ms": stats["busy_s"] * 1e3, "kernels": stats["kernels"], "gb": stats["bytes"] / 1e9, "host_s": 0.0}
+
+
+def modelled(row: Published, tokens: int = 2) -> dict[str, float]:
+    """What the timed device gives for a published row's workload."""
+    if row.workload == "matmul4096":
+        return matmul_ms(row.preset, 4096, row.launch_s)
+    return decode_ms_per_token(row.preset, row.workload, row.position, row.launch_s, tokens)
+
+
+def calibration_table(tokens: int = 2) -> list[dict[str, Any]]:
+    """Every published row against the model: published and modelled ms and the error. Installs the timed
+    device (each preset in turn)."""
+    rows = []
+    for row in PUBLISHED:
+        got = modelled(row, tokens)
+        rows.append({"preset": row.preset, "calibration": PRESETS[row.preset].calibration, "what": row.what,
+                     "published_ms": row.ms, "modelled_ms": got["ms"], "error": got["ms"] / row.ms - 1,
+                     "source": row.source, "kernels": got["kernels"], "gb": got["gb"]})
+    return rows
+
+
+def _markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| chip | calibration | published figure | published ms | modelled ms | error | source |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {PRESETS[r['preset']].name} | {r['calibration']:.2f} | {r['what']} | {r['published_ms']:.1f} "
+                     f"| {r['modelled_ms']:.1f} | {r['error']:+.0%} | {r['source']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(_markdown(calibration_table()))

@@ -33,7 +33,7 @@ def matmul_timing() -> None:
     says, and the formula's inputs."""
     gpu = apple_gpu.install(os.environ.get("PRESET", "m4-pro"), exact=False)
     _warm(gpu)
-    n = 4096
+    n = 6144  # ~60 ms on the M4 Pro preset: long enough to tell waiting from not on a busy host
     a = torch.empty(n, n, device=gpu.device)
     b = torch.empty(n, n, device=gpu.device)
     gpu.synchronize()
@@ -56,7 +56,7 @@ def async_semantics() -> None:
     an event's query and synchronize; a blocking host-to-device copy waits, a non-blocking one does not."""
     gpu = apple_gpu.install("m4-pro", exact=False)
     _warm(gpu)
-    n = 4096
+    n = 6144  # ~60 ms on the M4 Pro preset: long enough to tell waiting from not on a busy host
     a = torch.empty(n, n, device=gpu.device)
     small = torch.arange(10.0).to(gpu.device)
     gpu.synchronize()
@@ -196,6 +196,11 @@ def collectives() -> None:
     result(out)
 
 
+def calibration() -> None:
+    """The calibration table (docs/devices.md): every published row against the model."""
+    result(apple_gpu.calibration_table())
+
+
 if __name__ == "__main__":
     main({"matmul_timing": matmul_timing, "async_semantics": async_semantics, "exact_matches_cpu": exact_matches_cpu,
-          "large_model": large_model, "collectives": collectives})
+          "large_model": large_model, "collectives": collectives, "calibration": calibration})
