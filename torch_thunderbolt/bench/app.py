@@ -130,6 +130,11 @@ def run_rank(cfg: BenchConfig, env: RankEnv, out: TextIO = sys.stdout, err: Text
     """Everything one rank does; rank 0 prints and writes files. Returns the exit code."""
     validate_for_world(cfg, env.world_size)
     backend = backend_config(cfg, os.environ)
+    if cfg.workload is not None:
+        from .workloads.session import run_rank as run_workload
+
+        _check_backends(cfg.backends)
+        return run_workload(cfg, env, backend, out)
     os.environ.setdefault("MASTER_ADDR", env.master_addr)  # for torch's env:// rendezvous of the control group
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
     import torch.distributed as dist

@@ -22,7 +22,11 @@ device's log, so a test can assert that no op on a device tensor ran on a thread
 property that matters on a Mac, where Metal command encoding from two threads at once crashes the process;
 every thread the backend starts is named `tb-...`).
 
-What it does not emulate: asynchronous execution (ops run at once), separate device memory (a fake
+Every op runs through the module's `executor`: by default the op itself on the CPU views, at once; the
+timed Apple-silicon GPU (`testing.apple_gpu`) puts its own there, which models each op's time on an in-order
+device timeline and may skip the arithmetic (see that module).
+
+What it does not emulate (by default): asynchronous execution (ops run at once), separate device memory (a fake
 tensor's `data_ptr()` is its host address, but the backend treats it as unreadable: it is not a CPU
 tensor), MPS's missing dtypes (float64), pinned memory (DDP's `find_unused_parameters=True` asks the
 accelerator for it and fails here).
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -75,11 +79,25 @@ class DeviceLog:
             return [(o, t) for o, t in self.entries if t.startswith("tb-")]
 
 
+class Executor(Protocol):
+    """Runs each op of the device on its CPU views (the hook of the timed device, `testing.apple_gpu`)."""
+
+    def execute(self, op: Any, fn: Callable[..., Any], args: Any, kwargs: Any, on_device: dict[int, torch.Tensor],
+                to_cpu: bool) -> Any:
+        """Run aten op `op` (computed by `fn`, which is `op` itself or the host copy that stands for
+        `_copy_from`) on `args`/`kwargs`, whose tensors are CPU views; `on_device` holds the ids of those
+        that stand for device tensors; `to_cpu`: the op was asked for a CPU result (`device="cpu"`)."""
+
+    def synchronize(self) -> None:
+        """Block until every op issued so far is done."""
+
+
 class _Module:
-    """What torch expects of a device module (torch.<name>), plus this process's op log."""
+    """What torch expects of a device module (torch.<name>), plus this process's op log and executor."""
 
     def __init__(self) -> None:
         self.log = DeviceLog()
+        self.executor: Executor | None = None  # None: each op runs at once (the plain fake device)
 
     def is_available(self) -> bool:
         return True
@@ -100,7 +118,15 @@ class _Module:
         pass
 
     def synchronize(self, device: object = None) -> None:
-        pass
+        if self.executor is not None:
+            self.executor.synchronize()
+
+
+def module(name: str = DEFAULT_NAME) -> _Module:
+    """The device module of the fake device registered as `name` (install() first)."""
+    if torch._C._get_privateuse1_backend_name() != name:
+        raise RuntimeError(f"the fake device {name!r} is not installed (call fake_device.install first)")
+    return getattr(torch, name)
 
 
 def install(name: str = DEFAULT_NAME) -> DeviceLog:
@@ -204,6 +230,12 @@ def _map(fn: Callable[[Any], Any], x: Any) -> Any:
     return fn(x)
 
 
+def _copy_between(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """`_copy_from` on CPU views: what a copy between the device and the host, or within the device, does."""
+    dst.copy_(src)
+    return dst
+
+
 def _written_arguments(schema: Any) -> list[tuple[int, str]]:
     """(position, name) of the arguments an op writes (in-place and out= ops)."""
     return [(i, arg.name) for i, arg in enumerate(schema.arguments)
@@ -218,12 +250,6 @@ def _fallback(module: _Module, name: str) -> Callable[..., Any]:
     def kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
         module.log.add(str(op.name()))
         schema = op._schema
-        if schema.name == "aten::_copy_from":  # (src, dst, non_blocking): either side may be on the CPU
-            src, dst = args[0], args[1]
-            (host_view(dst) if dst.device.type == name else dst).copy_(
-                host_view(src) if src.device.type == name else src)
-            return dst
-
         storages: dict[int, torch.UntypedStorage] = {}  # host storage -> the device storage over it
         fakes: dict[int, torch.Tensor] = {}  # id(CPU view) -> the fake tensor it stands for
 
@@ -243,7 +269,19 @@ def _fallback(module: _Module, name: str) -> Callable[..., Any]:
 
         raw_args = _map(unwrap, args)
         raw_kwargs = _map(unwrap, kwargs)
-        out = op(*raw_args, **raw_kwargs)
+        explicit = kwargs.get("device")
+        to_cpu = isinstance(explicit, torch.device) and explicit.type == "cpu"
+        # _copy_from (src, dst, non_blocking): either side may be on the CPU; it has no CPU kernel, and it
+        # hands back dst as it is.
+        copy = schema.name == "aten::_copy_from"
+        fn = _copy_between if copy else op
+        executor = module.executor
+        if executor is None:
+            out = fn(*raw_args, **raw_kwargs)
+        else:
+            out = executor.execute(op, fn, raw_args, raw_kwargs, fakes, to_cpu)
+        if copy:
+            return args[1]
 
         def storage_for(raw: torch.Tensor) -> torch.UntypedStorage:
             host = raw.untyped_storage()
@@ -272,9 +310,6 @@ def _fallback(module: _Module, name: str) -> Callable[..., Any]:
                         or f.untyped_storage()._tb_host._cdata != r.untyped_storage()._cdata
                         or f.untyped_storage().nbytes() != r.untyped_storage().nbytes()):
                     _point(f, storage_for(r), r)
-
-        explicit = kwargs.get("device")
-        to_cpu = isinstance(explicit, torch.device) and explicit.type == "cpu"
 
         def rewrap(x: Any) -> Any:
             if not isinstance(x, torch.Tensor):
