@@ -65,7 +65,8 @@ class Platform:
     machine: str  # "x86_64", "arm64", "aarch64", ... (platform.machine(), lower case)
     max_socket_io: int = SOCKET_IO_CAP  # bytes per sendmsg/recv_into call (see SOCKET_IO_CAP)
     # What SO_SNDBUF/SO_RCVBUF above the system's limit does: "cap" (Linux clamps silently) or "enobufs"
-    # (XNU and the BSDs refuse the call; the caller retries with less).
+    # (the BSDs and macOS up to 14.3 refuse the call; the caller retries with less). macOS 14.4 and later
+    # clamp silently too; the size read back after setting it shows either kind of cap.
     sockbuf_over_limit: str = "enobufs"
     # getsockopt(SO_RCVBUF) reports this many times what was set (Linux doubles it for bookkeeping).
     sockbuf_reported_factor: int = 1

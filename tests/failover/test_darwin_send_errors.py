@@ -139,3 +139,25 @@ def test_a_source_address_gone_is_a_lost_cable() -> None:
     finally:
         t0.close()
         t1.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_stops_reading_is_found_by_the_deadline_on_macos() -> None:
+    """macOS's TCP_RXT_CONNDROPTIME counts retransmissions only, and nothing sets PERSIST_TIMEOUT, so a
+    stream stuck on the zero window of a peer that stopped reading is never dropped by the kernel (and a cut
+    while the window is closed is not either): the wait's own deadline ends it, naming the peer. There is no
+    window guard on darwin (it lifts Linux's TCP_USER_TIMEOUT, which does cover closed windows)."""
+    from torch_thunderbolt.errors import CollectiveTimeout
+
+    t0, t1, _ = _pair(sources=("127.0.0.1",))
+    try:
+        assert _tcp(t0).guard_every == 0 and not _tcp(t0).threads
+        data = bytearray(32 << 20)  # far more than both socket buffers hold: the window closes
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeout) as info:
+            t0.wait([t0.isend(1, (Space.COLL, 1, 0), memoryview(data))], deadline=time.monotonic() + 2.0)
+        assert 2.0 <= time.monotonic() - start < 5
+        assert 1 in info.value.ranks or "rank 1" in str(info.value), str(info.value)
+    finally:
+        t0.close()
+        t1.close()

@@ -154,3 +154,42 @@ def test_a_buffer_granted_as_asked_is_not_reported(caplog) -> None:
         with xnu.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             bootstrap.SocketTuner(Config(socket_buffer=4 << 20), DARWIN).tune(s)
     assert not [r for r in caplog.records if "SOCKET_BUFFER" in r.getMessage()]
+
+
+@pytest.mark.timeout(90)
+def test_a_cut_cable_is_found_on_both_ranks_within_the_macos_drop_time(monkeypatch) -> None:
+    """2 ranks on the model, the cable cut while both wait to receive: each sends PINGs into the cut, its
+    kernel drops the stream `drop_after` the first (TCP_RXT_CONNDROPTIME from 3 s: 4.1 s), and the next PING
+    meets EPIPE with the ETIMEDOUT behind it. Both ranks raise PeerLostError long before the 20 s deadline.
+    (A stream that kept only what it inherited has no drop time: its rank would wait for the deadline.)"""
+    import threading
+    import time
+
+    from torch_thunderbolt.errors import PeerLostError
+    from torch_thunderbolt.protocol.framing import Space
+
+    xnu = Xnu()
+    xnu.install(monkeypatch)
+    with tcp_world(2, Config(streams=1, link_timeout_ms=3000)) as transports:
+        assert xnu.cut() == 2
+        cut = time.monotonic()
+        outcome: dict = {}
+
+        def wait(t) -> None:
+            try:
+                t.wait([t.irecv(1 - t.rank, (Space.COLL, 1, 1 - t.rank), memoryview(bytearray(8)))],
+                       deadline=time.monotonic() + 20)
+                outcome[t.rank] = None
+            except BaseException as exc:  # noqa: BLE001 - what the test looks at
+                outcome[t.rank] = (exc, time.monotonic() - cut)
+
+        threads = [threading.Thread(target=wait, args=(t,)) for t in transports]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+    for r in (0, 1):
+        exc, after = outcome[r]
+        assert isinstance(exc, PeerLostError), (r, exc)
+        assert "timed out" in str(exc).lower() or "ETIMEDOUT" in str(exc), (r, str(exc))
+        assert drop_after(3) <= after < drop_after(3) + 4, (r, after)

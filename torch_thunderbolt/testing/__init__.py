@@ -13,6 +13,7 @@ A tool beside the library: the backend never imports it. The one place that star
 - `testing.fake_device`: a fake accelerator standing in for `mps` on Linux.
 - `testing.apple_gpu`: that accelerator timed as an Apple-silicon GPU (presets per chip, asynchronous).
 - `testing.models`: the Llama-style decoder and the ViT that the examples run and `bench --workload` times.
+- `testing.darwin`: a model of macOS's socket layer (XNU's answers, option inheritance, the drop timer).
 
 This package imports nothing at import time, so that `import torch_thunderbolt.testing.X` costs only X.
 """

@@ -31,6 +31,11 @@ What it does, each with the XNU source it follows (xnu-11417 unless said otherwi
   (tcp_output.c:3389-3394): `fail_sends` queues either for the next sends.
 - One send or receive of more than INT_MAX bytes fails with EINVAL (uipc_syscalls.c:2219; Linux moves
   part of it).
+- `Xnu.cut` cuts the cable under connected sockets: from then on what they send goes nowhere (what was
+  sent before still arrives), and the kernel drops each as XNU would: `drop_after` the first segment sent
+  into the cut (TCP_RXT_CONNDROPTIME), or, with nothing sent, once keepalive gave up (idle time + count ×
+  interval, tcp_timer.c TCPT_KEEP), met at the socket's next call (XNU's timers run by themselves; the
+  links call often enough, their PING probes included, for the time to be right within a probe interval).
 - `drop_after` is when TCP_RXT_CONNDROPTIME really drops a connection whose peer stopped answering: the
   timer starts at the first retransmission timeout, not at the first unanswered segment, and is looked at
   only when a backed-off retransmission timeout fires (tcp_timer.c, TCPT_REXMT), so a 3 s setting drops
@@ -40,8 +45,9 @@ What it does, each with the XNU source it follows (xnu-11417 unless said otherwi
   timeout (tcp_clamp_rto_to_user_timeout), so the drop comes at the setting.
 
 Not emulated: a connection dropped with data still in its receive buffer delivers that data before the
-error on XNU (here the error comes first); the drop timer itself does not run (tests call `drop` at the
-moment the model says); zero-window probing (XNU's persist timer has no timeout unless PERSIST_TIMEOUT is
+error on XNU (here the error comes first); a dropped socket does not wake poll (XNU reports it readable);
+a send into a cut cable always takes everything (XNU's fills the send buffer, then blocks); zero-window
+probing (XNU's persist timer has no timeout unless PERSIST_TIMEOUT is
 set, so a cut while the peer's window is closed is found by the group timeout); 8 KB AF_UNIX buffers,
 16 KiB pages, `/dev/fd`, the scheduler, Metal.
 """
@@ -50,6 +56,7 @@ from __future__ import annotations
 import errno
 import os
 import socket as _socket
+import time
 import types
 from collections import deque
 from dataclasses import dataclass, field
@@ -165,6 +172,16 @@ class Xnu:
             out.append(s)
         return out
 
+    def cut(self, between: "tuple[str, str] | None" = None) -> int:
+        """Cut the cable `between` (its two addresses, either order; None: every cable) under this kernel's
+        connected sockets, now; how many sockets it cut."""
+        now, n = time.monotonic(), 0
+        for s in self.streams():
+            if between is None or {s.getsockname()[0], s.getpeername()[0]} == set(between):
+                s.cut_at = now
+                n += 1
+        return n
+
     def install(self, monkeypatch: Any) -> None:
         """Run the TCP set-up (rendezvous/tcp.py) on this kernel: its socket module and the darwin
         Platform, undone when the test ends (`monkeypatch`: pytest's fixture)."""
@@ -187,6 +204,8 @@ class XnuSocket(_socket.socket):
         self.dropped = False  # the kernel dropped the connection: SS_CANTSENDMORE | SS_CANTRCVMORE
         self.send_faults: deque[int] = deque()  # errnos the next sends fail with
         self.largest = 0  # the most bytes one send or receive asked for
+        self.cut_at: float | None = None  # when the cable under it was cut (`Xnu.cut`)
+        self.unanswered: float | None = None  # when the first segment went into the cut
         self.xnu.sockets.append(self)
 
     # -- options --------------------------------------------------------------------------------------------
@@ -212,6 +231,8 @@ class XnuSocket(_socket.socket):
         super().setsockopt(level, option, value, *rest)
 
     def getsockopt(self, level: int, option: int, *rest: Any) -> Any:  # type: ignore[override]
+        if level == _socket.SOL_SOCKET and option == _socket.SO_ERROR:
+            self._clock()
         if level == _socket.SOL_SOCKET and option == _socket.SO_ERROR and self.so_error:
             err, self.so_error = self.so_error, 0
             return err
@@ -241,25 +262,45 @@ class XnuSocket(_socket.socket):
         """The kernel drops this connection with `err` (tcp_drop): what a retransmission timeout does."""
         self.dropped, self.so_error = True, err
 
+    def _clock(self) -> None:
+        """The kernel's timers, looked at now: drop a cut connection whose time has come."""
+        if self.cut_at is None or self.dropped:
+            return
+        now = time.monotonic()
+        if self.unanswered is not None:
+            if now - self.unanswered >= drop_after(self.option(TCP_RXT_CONNDROPTIME)):
+                self.drop(errno.ETIMEDOUT)
+        elif super().getsockopt(_socket.SOL_SOCKET, _socket.SO_KEEPALIVE):
+            if now - self.cut_at >= self.option(TCP_KEEPALIVE) + self.option(TCP_KEEPCNT) * self.option(TCP_KEEPINTVL):
+                self.drop(errno.ETIMEDOUT)
+
     def fail_sends(self, *errs: int) -> None:
         """The next sends fail with these errnos, one each (ENOBUFS, EADDRNOTAVAIL ...)."""
         self.send_faults.extend(errs)
 
-    def _sending(self, n: int) -> None:
+    def _sending(self, n: int) -> bool:
+        """Whether a send of `n` bytes may go to the real socket (False: into a cut cable)."""
         self.largest = max(self.largest, n)
         if n > INT_MAX:
             raise OSError(errno.EINVAL, "Invalid argument (XNU: more than INT_MAX bytes in one call)")
+        self._clock()
         if self.dropped:
             raise BrokenPipeError(errno.EPIPE, "Broken pipe")
         if self.send_faults:
             err = self.send_faults.popleft()
             raise OSError(err, os.strerror(err))
+        if self.cut_at is not None:
+            if self.unanswered is None:
+                self.unanswered = time.monotonic()
+            return False
+        return True
 
     def _receiving(self, n: int) -> bool:
         """Whether a receive of `n` bytes may go to the real socket (False: end of stream)."""
         self.largest = max(self.largest, n)
         if n > INT_MAX:
             raise OSError(errno.EINVAL, "Invalid argument (XNU: more than INT_MAX bytes in one call)")
+        self._clock()
         if self.so_error:
             err, self.so_error = self.so_error, 0
             raise OSError(err, os.strerror(err))
@@ -267,17 +308,17 @@ class XnuSocket(_socket.socket):
 
     # -- data -----------------------------------------------------------------------------------------------
     def send(self, data: Any, *args: Any) -> int:  # type: ignore[override]
-        self._sending(memoryview(data).nbytes)
-        return super().send(data, *args)
+        n = memoryview(data).nbytes
+        return super().send(data, *args) if self._sending(n) else n
 
     def sendall(self, data: Any, *args: Any) -> None:  # type: ignore[override]
-        self._sending(memoryview(data).nbytes)
-        super().sendall(data, *args)
+        if self._sending(memoryview(data).nbytes):
+            super().sendall(data, *args)
 
     def sendmsg(self, buffers: Iterable[Any], *args: Any) -> int:  # type: ignore[override]
         buffers = list(buffers)
-        self._sending(sum(memoryview(b).nbytes for b in buffers))
-        return super().sendmsg(buffers, *args)
+        n = sum(memoryview(b).nbytes for b in buffers)
+        return super().sendmsg(buffers, *args) if self._sending(n) else n
 
     def recv(self, n: int, *args: Any) -> bytes:  # type: ignore[override]
         return super().recv(n, *args) if self._receiving(n) else b""
