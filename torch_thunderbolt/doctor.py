@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from .config import ADVANCED, SETTING_NAMES, SETTINGS, USER, Config
 from .errors import ConfigError
-from .platform import LOCAL_NETWORK_SETTING, RDMA_CTL, SYSCTL, Platform, current, macos_version
+from .platform import LOCAL_NETWORK_SETTING, PMSET, RDMA_CTL, SYSCTL, Platform, current, macos_version
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -59,6 +59,7 @@ class Facts:
     store_probe: str = ""
     rdma: "RdmaFacts | None" = None  # gathered on a Mac, or where a job would use RDMA (forced, a fake fabric)
     topology: dict[str, Any] = field(default_factory=dict)  # `topo --dump` of this host; {} if discovery failed
+    pmset: "tuple[str, str] | None" = None  # a Mac's `pmset -g batt` and `pmset -g` output (_check_sleep)
 
 
 @dataclass
@@ -98,6 +99,8 @@ def run_checks(f: Facts) -> list[Finding]:
     out.append(_check_buffers(f, cfg))
     if f.local_network_privacy:
         out.append(_check_local_network(f))
+    if f.pmset is not None:
+        out.append(_check_sleep(f.pmset, cfg))
     if f.rdma is not None:
         out.extend(check_rdma(f.rdma, cfg))
     if f.cc_error:
@@ -376,6 +379,14 @@ def gather_rdma(run: Callable[..., Any], plat: Platform, env: dict[str, str],
 LOCAL_NETWORK_DENIED = (errno.EPERM, errno.EHOSTUNREACH)
 
 
+def _check_sleep(pmset: tuple[str, str], cfg: Config) -> Finding:
+    """Whether this Mac may sleep during a job (on battery, lid, idle timer), and what that means."""
+    from .backend.keep_awake import parse_power, power_advice
+
+    fine, detail, fix = power_advice(parse_power(*pmset), cfg.keep_awake)
+    return Finding(OK if fine else WARN, "sleep", detail, fix)
+
+
 def _check_local_network(f: Facts) -> Finding:
     check = "Local Network permission"
     how = (f"allow the app this python runs under (Terminal, iTerm, VS Code, ...) in {LOCAL_NETWORK_SETTING} "
@@ -495,7 +506,7 @@ def gather_facts(run: Callable[[list[str]], Any] | None = None, plat: Platform |
                  or _macos_maxsockbuf(run, plat),
                  bridge_members=bridge, effective_socket_buffer=effective,
                  local_network_privacy=plat.local_network_privacy, local_network_probes=probes, rdma=rdma,
-                 topology=topology)
+                 topology=topology, pmset=_macos_pmset(run, plat))
 
 
 def _read_first(path: str) -> str:
@@ -515,3 +526,10 @@ def _macos_maxsockbuf(run: Callable, plat: Platform) -> int:
     except (ValueError, AttributeError):
         return 0
 
+
+def _macos_pmset(run: Callable, plat: Platform) -> tuple[str, str] | None:
+    """A Mac's `pmset -g batt` and `pmset -g` output ("" where one failed); None elsewhere."""
+    if plat.name != "darwin":
+        return None
+    batt, settings = (getattr(run([PMSET, *args]), "stdout", "") or "" for args in (["-g", "batt"], ["-g"]))
+    return batt, settings
