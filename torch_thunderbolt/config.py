@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from .errors import ConfigError
+from .platform import Platform, current
 
 ALGOS = ("auto", "ring", "biring", "direct", "chain")
 TRANSPORTS = ("auto", "tcp", "shm", "rdma")
@@ -437,9 +438,10 @@ def _pages(text: str, name: str, zero_ok: bool) -> int:
     return value
 
 
-def _shm_dir(text: str, name: str) -> str:
+def _shm_dir(text: str, name: str, plat: Platform | None = None) -> str:
     """An existing directory where this process can create, size and map a file: what every shm segment
-    does there. Probed rather than checked with os.access, which says yes to root even for /proc."""
+    does there. Probed rather than checked with os.access, which says yes to root even for /proc. The hint
+    names a directory `plat` (default: this system) has: /dev/shm is Linux's alone."""
     if not os.path.isdir(text):
         what = "is not a directory" if os.path.exists(text) else "does not exist"
         raise ConfigError(f"{name}={text}: expected an existing writable directory, but it {what}; create it "
@@ -453,8 +455,10 @@ def _shm_dir(text: str, name: str) -> str:
             os.close(fd)
             os.unlink(probe)
     except OSError as exc:
+        where = (plat or current()).shm_list_dir
+        examples = f"{where} or /tmp" if where else "/tmp"
         raise ConfigError(f"{name}={text}: expected a directory where shared-memory files can be created and "
-                          f"mapped ({exc.strerror or exc}); choose another directory (e.g. /dev/shm or /tmp) "
+                          f"mapped ({exc.strerror or exc}); choose another directory (e.g. {examples}) "
                           f"or unset {name}") from None
     return text
 

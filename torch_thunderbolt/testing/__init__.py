@@ -11,6 +11,7 @@ A tool beside the library: the backend never imports it. The one place that star
 - `testing.leftovers`: what a run may leave behind (processes, sockets, namespaces, segments).
 - `testing.reliability`: the fault scenarios shared by tests/reliability and scripts/reliability.
 - `testing.fake_device`: a fake accelerator standing in for `mps` on Linux.
+- `testing.models`: the Llama-style decoder and the ViT that the examples run and `bench --workload` times.
 
 This package imports nothing at import time, so that `import torch_thunderbolt.testing.X` costs only X.
 """
