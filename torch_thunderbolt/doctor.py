@@ -20,7 +20,7 @@ from .errors import ConfigError
 from .macos_firewall import (FIREWALL_BLOCK_ALL, FIREWALL_OFF, FirewallFacts, allow_commands, listed_verdict,
                              listening_binary, parse_app_blocked, parse_global_state, parse_listed_apps,
                              read_firewall, this_interpreter)
-from .platform import LOCAL_NETWORK_SETTING, RDMA_CTL, SYSCTL, Platform, current, macos_version
+from .platform import LOCAL_NETWORK_SETTING, PMSET, RDMA_CTL, SYSCTL, Platform, current, macos_version
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -63,6 +63,7 @@ class Facts:
     rdma: "RdmaFacts | None" = None  # gathered on a Mac, or where a job would use RDMA (forced, a fake fabric)
     topology: dict[str, Any] = field(default_factory=dict)  # `topo --dump` of this host; {} if discovery failed
     firewall: FirewallFacts | None = None  # macOS: what socketfilterfw says about the binary that listens
+    pmset: "tuple[str, str] | None" = None  # a Mac's `pmset -g batt` and `pmset -g` output (_check_sleep)
 
 
 @dataclass
@@ -102,6 +103,8 @@ def run_checks(f: Facts) -> list[Finding]:
     out.append(_check_buffers(f, cfg))
     if f.local_network_privacy:
         out.append(_check_local_network(f))
+    if f.pmset is not None:
+        out.append(_check_sleep(f.pmset, cfg))
     if f.rdma is not None:
         out.extend(check_rdma(f.rdma, cfg))
     if f.firewall is not None:
@@ -424,6 +427,14 @@ def gather_firewall(run: Callable[..., Any], plat: Platform) -> FirewallFacts | 
 LOCAL_NETWORK_DENIED = (errno.EPERM, errno.EHOSTUNREACH)
 
 
+def _check_sleep(pmset: tuple[str, str], cfg: Config) -> Finding:
+    """Whether this Mac may sleep during a job (on battery, lid, idle timer), and what that means."""
+    from .backend.keep_awake import parse_power, power_advice
+
+    fine, detail, fix = power_advice(parse_power(*pmset), cfg.keep_awake)
+    return Finding(OK if fine else WARN, "sleep", detail, fix)
+
+
 def _check_local_network(f: Facts) -> Finding:
     check = "Local Network permission"
     how = (f"allow the app this python runs under (Terminal, iTerm, VS Code, ...) in {LOCAL_NETWORK_SETTING} "
@@ -543,7 +554,7 @@ def gather_facts(run: Callable[[list[str]], Any] | None = None, plat: Platform |
                  or _macos_maxsockbuf(run, plat),
                  bridge_members=bridge, effective_socket_buffer=effective,
                  local_network_privacy=plat.local_network_privacy, local_network_probes=probes, rdma=rdma,
-                 topology=topology, firewall=gather_firewall(run, plat))
+                 topology=topology, firewall=gather_firewall(run, plat), pmset=_macos_pmset(run, plat))
 
 
 def _read_first(path: str) -> str:
@@ -563,3 +574,10 @@ def _macos_maxsockbuf(run: Callable, plat: Platform) -> int:
     except (ValueError, AttributeError):
         return 0
 
+
+def _macos_pmset(run: Callable, plat: Platform) -> tuple[str, str] | None:
+    """A Mac's `pmset -g batt` and `pmset -g` output ("" where one failed); None elsewhere."""
+    if plat.name != "darwin":
+        return None
+    batt, settings = (getattr(run([PMSET, *args]), "stdout", "") or "" for args in (["-g", "batt"], ["-g"]))
+    return batt, settings

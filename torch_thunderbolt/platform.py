@@ -41,6 +41,7 @@ TCP_INFO_SND_WND = 228
 IOREG = "/usr/sbin/ioreg"
 SYSCTL = "/usr/sbin/sysctl"
 RDMA_CTL = "/usr/bin/rdma_ctl"  # RDMA over Thunderbolt on/off (macOS 26.2+; enabling it needs Recovery)
+PMSET = "/usr/bin/pmset"  # power source and sleep settings (`doctor`)
 
 # Documented in the message of every Local Network failure and in `doctor`.
 LOCAL_NETWORK_SETTING = "System Settings › Privacy & Security › Local Network"

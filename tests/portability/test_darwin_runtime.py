@@ -22,7 +22,8 @@ DARWIN = Platform.for_system("darwin")
 def darwin_fences() -> ordering.Fences:
     """The fences the darwin selection makes with the real libc lookup; glibc has no OSMemoryBarrier, so the
     lookup is asked for a libc function of the same shape (no argument, no result, no work)."""
-    fences = ordering.fences(DARWIN, lambda name: ordering._libc_symbol("getpid" if name == "OSMemoryBarrier" else name))
+    fences = ordering.fences(DARWIN, lambda name: ordering._libc_symbol("getpid" if name == "OSMemoryBarrier"
+                                                                        else name))
     assert fences is not None
     return fences
 
@@ -65,7 +66,8 @@ def test_the_scheduler_model_charges_a_depressed_yield_a_quantum() -> None:
     assert now[0] == QUANTUM  # depressed to 0: even a background thread goes first, for a quantum
     core.thread_switch(0, 0, 0)
     assert now[0] == QUANTUM  # without depression: nothing of lower priority goes first
-    XnuCore(others=[BASEPRI_DEFAULT], burst=0.001, advance=lambda s: now.__setitem__(0, now[0] + s)).thread_switch(0, 0, 0)
+    busy = XnuCore(others=[BASEPRI_DEFAULT], burst=0.001, advance=lambda s: now.__setitem__(0, now[0] + s))
+    busy.thread_switch(0, 0, 0)
     assert round(now[0], 6) == QUANTUM + 0.001  # an equal-priority thread does go first: it is a yield
     assert XnuCore().lookup("sched_yield") is None
 

@@ -7,8 +7,9 @@ a `PreventUserIdleSystemSleep` assertion (IOKit's `IOPMAssertionCreateWithName`,
 when it is created, before its set-up waits for the other ranks, and every group split or shrunk from it
 shares it; the last of them to be destroyed releases it (`IOPMAssertionRelease`), as does a set-up that
 fails. The assertion keeps the system from sleeping when idle; the display may still sleep. It does not
-stop the sleep a closed lid causes on battery power (`doctor` says which applies to a Mac). The assertion
-shows in `pmset -g assertions` under the process's name with the reason below.
+stop the sleep a closed lid causes (unless the laptop is on power with an external display), nor a
+battery running low; `doctor` says how a Mac is set (`power_advice`). The assertion shows in
+`pmset -g assertions` under the process's name with the reason below.
 
 THUNDERBOLT_KEEP_AWAKE=0 turns it off. Elsewhere than macOS nothing is taken.
 """
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import re
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..platform import Platform, current
@@ -126,3 +129,58 @@ class Hold:
             owner, self._owner = self._owner, None
         if owner is not None:
             owner._drop()
+
+
+@dataclass(frozen=True)
+class PowerState:
+    """A Mac's power source and sleep settings, as `pmset -g batt` and `pmset -g` print them."""
+
+    source: str = ""  # "AC Power", "Battery Power", "UPS Power"; "" when pmset said nothing readable
+    battery: bool = False  # an internal battery (a laptop): its lid can close
+    percent: int | None = None  # its charge
+    sleep_minutes: int | None = None  # idle minutes before system sleep in use (0: never); None: unknown
+    sleep_disabled: bool = False  # `pmset disablesleep 1`: no system sleep at all, a closed lid's included
+
+
+_SOURCE = re.compile(r"Now drawing from '([^']+)'")
+_BATTERY = re.compile(r"InternalBattery\S*\s+\(id=\d+\)\s+(\d{1,3})%")
+_SLEEP = re.compile(r"^\s*sleep\s+(\d+)", re.MULTILINE)  # (displaysleep and disksleep are other lines)
+_SLEEP_DISABLED = re.compile(r"^\s*SleepDisabled\s+(\d)", re.MULTILINE)
+
+
+def parse_power(batt: str, settings: str) -> PowerState:
+    """The PowerState of `pmset -g batt`'s output and `pmset -g`'s (either may be "": unknown)."""
+    source = _SOURCE.search(batt)
+    battery = _BATTERY.search(batt)
+    sleep = _SLEEP.search(settings)
+    disabled = _SLEEP_DISABLED.search(settings)
+    return PowerState(source=source.group(1) if source else "", battery=battery is not None,
+                      percent=int(battery.group(1)) if battery else None,
+                      sleep_minutes=int(sleep.group(1)) if sleep else None,
+                      sleep_disabled=bool(disabled and disabled.group(1) == "1"))
+
+
+def power_advice(state: PowerState, keep_awake: bool) -> tuple[bool, str, str]:
+    """(fine, what the state means for a job, what to do when not fine)."""
+    if not state.source and state.sleep_minutes is None:
+        return False, "pmset printed nothing readable: whether this Mac sleeps during a job is unknown", \
+            "check System Settings › Battery (or Energy) › Options, or run `pmset -g`"
+    charge = f" ({state.percent}%)" if state.percent is not None else ""
+    source = {"AC Power": "on power", "Battery Power": "on battery", "UPS Power": "on a UPS"}.get(
+        state.source, f"on {state.source or 'an unknown power source'}")
+    where = source + (charge if state.source == "Battery Power" else f", a laptop{charge}" if state.battery else "")
+    if state.sleep_disabled:
+        return True, f"{where}; sleep is disabled (pmset disablesleep 1): it stays awake, closed lid included", ""
+    idle = ("never sleeps when idle" if state.sleep_minutes == 0 else
+            f"sleeps after {state.sleep_minutes} idle minute{'s' if state.sleep_minutes > 1 else ''}"
+            if state.sleep_minutes else "idle sleep unknown")
+    if not keep_awake and state.sleep_minutes != 0:
+        return False, f"{where}; {idle}, and THUNDERBOLT_KEEP_AWAKE=0 takes no power assertion: a job that " \
+            "outlasts that is cut off when the Mac sleeps", \
+            "unset THUNDERBOLT_KEEP_AWAKE, or run the ranks under `caffeinate -i`"
+    held = "; a group's power assertion holds off idle sleep" if state.sleep_minutes != 0 else ""
+    if state.source == "Battery Power":
+        return False, f"{where}; {idle}{held}, but not the sleep a closed lid or a low battery causes, and a " \
+            "Mac that sleeps is lost to its peers", "keep it on power, with the lid open"
+    lid = ", but closing the lid still sleeps it unless an external display is connected" if state.battery else ""
+    return True, f"{where}; {idle}{held}{lid}", ""

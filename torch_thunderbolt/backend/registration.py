@@ -76,7 +76,8 @@ def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
         awake = KeepAwake(cfg.keep_awake).hold()
     try:
         group = connect(dist_opts.store, rank, size, cfg, timeout, names=names)
-        return ThunderboltProcessGroup(group.transport, cfg, timeout, description=str(getattr(dist_opts, "group_id", "")),
+        description = str(getattr(dist_opts, "group_id", ""))
+        return ThunderboltProcessGroup(group.transport, cfg, timeout, description=description,
                                        nets=group.nets, hosts=group.hosts, global_ranks=global_ranks, awake=awake)
     except BaseException:
         awake.release()
