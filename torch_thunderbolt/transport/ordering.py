@@ -53,7 +53,7 @@ call and takes it back after (CPython's `_ctypes/callproc.c` releases it unless 
 `_FUNCFLAG_PYTHONAPI`). A `dmb` takes nanoseconds: dropping the GIL around it only hands another Python thread
 (the caller's training loop, a data loader, the worker of another group) a chance to take it, and that thread
 keeps it until the next switch interval (5 ms) asks for it back; each ring or window step would be such a
-chance. Measured on the busy two-core x86 VM (`scripts/fence_call_cost.py`, a libc call that does no work;
+chance. Measured on the busy two-core x86 VM (`python -m torch_thunderbolt.testing.darwin_runtime`, a libc call that does no work;
 medians of interleaved repeats, four runs as the VM's load varied): alone, a CDLL call cost 272-1155 ns and a
 PyDLL call 240-921 ns, the PyDLL call the cheaper in every run (an empty Python call: 30 ns), so keeping the
 GIL costs nothing; beside one Python thread that never blocks, the same loop made 186k-249k CDLL calls a
