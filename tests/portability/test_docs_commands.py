@@ -65,3 +65,13 @@ def test_the_demo_names_the_command_as_this_shell_can_run_it(tmp_path: Path) -> 
 def test_the_accelerate_recipe_says_which_backend_name_accelerate_reports(page: str) -> None:
     text = (REPO / page).read_text().split("**HF Accelerate**")[1].split("**Lightning**")[0]
     assert "accelerator.state.backend" in text and '`"gloo"`' in text and '`"thunderbolt"`' in text
+
+
+def test_platforms_gathers_the_first_day_steps_and_what_is_not_emulated() -> None:
+    text = (REPO / "docs" / "platforms.md").read_text()
+    setting_up = text.split("## Setting up a Mac")[1].split("\n## ")[0]
+    for step in ("doctor --firewall-command", "topo --persist", "THUNDERBOLT_KEEP_AWAKE", "Local Network",
+                 "sudo .venv/bin/python"):
+        assert step in setting_up, step
+    not_emulated = text.split("## Not emulated here")[1].split("\n## ")[0]
+    assert not_emulated.count("\n- ") >= 5
