@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Measure the thunderbolt backend against gloo on emulated Mac clusters (root; Linux network namespaces).
 
-    sudo python scripts/lab_bench.py                        # every scenario, writes docs/lab-results.md
-    sudo python scripts/lab_bench.py --scenarios chain3-1gbit,cables --iters 5
-    sudo python scripts/lab_bench.py --quick                # short version: 4K/1M only, 2 iterations
-    sudo python scripts/lab_bench.py --workload "vit-ddp --ddp-hook none,int8" --hosts 2 --rate 10gbit \
-        --work docs/bench/vit-ddp-pair-10gbit                # a `bench --workload` run on one lab
+    sudo .venv/bin/python scripts/lab_bench.py                        # every scenario, writes docs/lab-results.md
+    sudo .venv/bin/python scripts/lab_bench.py --scenarios chain3-1gbit,cables --iters 5
+    sudo .venv/bin/python scripts/lab_bench.py --quick                # short version: 4K/1M only, 2 iterations
+    sudo .venv/bin/python scripts/lab_bench.py --workload "vit-ddp --ddp-hook none,int8" --hosts 2 \
+        --rate 10gbit --work docs/bench/vit-ddp-pair-10gbit     # a `bench --workload` run on one lab
 
 Each scenario brings a lab up (`lab_session`), runs `torch-thunderbolt bench` (thunderbolt and gloo
 interleaved in the same run) on every host through `torch-thunderbolt launch --hostfile` with the lab's
@@ -140,12 +140,12 @@ def lab_command(scenario: Scenario, cmd_tail: str) -> str:
     """The commands a reader types to repeat a scenario by hand."""
     extra = f" --cables {scenario.cables}" if scenario.cables > 1 else ""
     nproc = f" --nproc-per-host {scenario.nproc_per_host}" if scenario.nproc_per_host > 1 else ""
-    return (f"sudo torch-thunderbolt lab up --hosts {scenario.hosts} --topology {scenario.topology} "
+    return (f"sudo .venv/bin/torch-thunderbolt lab up --hosts {scenario.hosts} --topology {scenario.topology} "
             f"--rate {scenario.rate}{extra} --cc {CC}\n"
             f"torch-thunderbolt lab hostfile -o hosts.json"
             f"{'   # then set ifname to one cable per host' if scenario.ifnames else ''}\n"
-            f"sudo torch-thunderbolt launch --hostfile hosts.json{nproc} -- {cmd_tail}\n"
-            f"sudo torch-thunderbolt lab down")
+            f"sudo .venv/bin/torch-thunderbolt launch --hostfile hosts.json{nproc} -- {cmd_tail}\n"
+            f"sudo .venv/bin/torch-thunderbolt lab down")
 
 
 # ---- compression: one rank of the fp32-vs-int8 job (run through the launcher) ------------------------------
