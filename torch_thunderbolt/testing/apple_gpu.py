@@ -243,6 +243,15 @@ class TimedDevice:
         with self._lock:
             return max(0.0, self._end - time.monotonic())
 
+    def charge(self, seconds: float, kernels: int = 1, flops: float = 0.0, moved: int = 0) -> float:
+        """Put `kernels` kernels lasting `seconds` in all on the timeline as one entry (a block-level kernel
+        of `apple_gpu_blocks`, whose time was measured op by op); returns when it ends."""
+        end = self._enqueue(seconds, flops, moved)
+        if kernels != 1:
+            with self._lock:
+                self._kernels += kernels - 1
+        return end
+
     # -- the model ------------------------------------------------------------------------------------------
 
     def kernel_seconds(self, op: Any, args: Any, kwargs: Any, out: Any) -> tuple[float, float, int]:

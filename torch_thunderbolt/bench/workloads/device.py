@@ -61,10 +61,11 @@ def open_device(name: str) -> Device:
     except ImportError as exc:
         raise ConfigError(f"--device {name}: the timed emulated GPU (torch_thunderbolt.testing.apple_gpu) cannot "
                           f"be imported ({exc}); use --device cpu or fake") from exc
+    from ...testing import apple_gpu_blocks
+
     gpu = apple_gpu.install(preset=name, exact=False)
     return Device(name, torch.device(gpu.device), gpu.synchronize, timed=True, timing_only=not gpu.exact,
-                  busy_seconds=gpu.busy_seconds, chip=getattr(gpu, "chip", None),
-                  fuser=getattr(apple_gpu, "fuse", None))
+                  busy_seconds=gpu.busy_seconds, chip=gpu.chip, fuser=apple_gpu_blocks.fuse)
 
 
 def place(build: Callable[[torch.device], nn.Module], device: Device) -> nn.Module:
