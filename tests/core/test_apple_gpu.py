@@ -55,6 +55,7 @@ def test_exact_mode_computes_as_the_cpu_and_timing_only_mode_computes_nothing(tm
     out = run("exact_matches_cpu", tmp_path)
     assert out["identical"] is True
     assert out["kernels"] > 10
+    assert out["flops"] == out["expected_flops"]  # matmuls and the convolution, forward and backward
     assert out["timing_shape"] == [8, 4] and out["timing_zeros"] is True and out["timing_kernels"] > 0
     assert out["computed"] == []
 

@@ -249,6 +249,9 @@ class TimedDevice:
         """(modelled seconds, FLOPs, bytes) of one kernel: `args`, `kwargs`, `out` as the op saw them (CPU
         or meta tensors, only their metadata is read)."""
         kind = self._kind(op)
+        as_aten = getattr(op, "aten_args", None)  # a stand-in for an aten op (fake_device's conv backward)
+        if as_aten is not None:
+            op, args = as_aten(*args, **kwargs)
         formula = flop_registry.get(op._overloadpacket)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
         gather = _GATHERS.get(op._schema.name)
