@@ -10,7 +10,8 @@ with FLOPs from `torch.utils.flop_counter`'s formulas (ops it has none for count
 products, convolutions and fused attention), bytes the sizes of the op's input and output tensors (of a
 gather, `embedding`/`index_select`/`gather`/`index`, only the rows read), peak FLOP/s the chip's fp32 rate
 (fp16 and bf16 run at the same rate on these GPUs), and `launch` a fixed cost per kernel (`LAUNCH_S`). View
-and metadata ops (`view`, `transpose`, `as_strided`, `set_`, ...) launch no kernel and take no time.
+and metadata ops (`view`, `transpose`, `as_strided`, `set_`, ...) and allocations (`empty`, ...) launch no
+kernel and take no time.
 
 The host thread returns at once, without spending the modelled time. What waits for the timeline, as on a
 Mac: a copy from the device to the host (`.cpu()`, `.to("cpu")`, `copy_` into a CPU tensor), every op whose
@@ -72,6 +73,9 @@ _METADATA = {"aten::set_", "aten::resize_", "aten::resize_as_", "aten::as_stride
              "aten::t_", "aten::squeeze_", "aten::unsqueeze_", "aten::swapdims_", "aten::swapaxes_",
              "aten::detach_", "aten::requires_grad_", "aten::_coalesced_"}
 _COPIES = {"aten::_copy_from", "aten::copy_"}
+# Allocations: memory, no kernel.
+_ALLOCATIONS = {"aten::empty", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
+                "aten::empty_like"}
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,7 @@ class _Kind:
     """How the timed device treats one aten op (worked out once per op)."""
 
     view: bool  # a view or a metadata change: no kernel
+    allocation: bool  # new memory, no kernel
     copy: bool
     reads_host: bool  # its result is a Python value (a scalar, a bool): the host waits for it
     written: list[tuple[int, str]]  # (position, name) of the arguments it writes
@@ -187,7 +192,7 @@ def _kind(op: Any) -> _Kind:
     aliasing = any(r.alias_info is not None for r in schema.returns)
     view = (aliasing and not written) or schema.name in _METADATA
     returns_tensors = all(isinstance(r.type, (torch.TensorType, torch.ListType, torch.OptionalType)) for r in schema.returns)
-    return _Kind(view=view, copy=schema.name in _COPIES, reads_host=bool(schema.returns) and not returns_tensors,
+    return _Kind(view=view, allocation=schema.name in _ALLOCATIONS, copy=schema.name in _COPIES, reads_host=bool(schema.returns) and not returns_tensors,
                  written=written, out_args=out_args)
 
 
@@ -297,7 +302,8 @@ class TimedDevice:
             return out
         if self.exact:
             out = fn(*args, **kwargs)
-            self._enqueue(*self.kernel_seconds(op, args, kwargs, out))
+            if not kind.allocation:
+                self._enqueue(*self.kernel_seconds(op, args, kwargs, out))
             return out
         return self._skip(op, fn, args, kwargs, kind, on_device)
 
@@ -338,7 +344,8 @@ class TimedDevice:
                 return out
             if key is not None:
                 self._plans[key] = plan
-        self._enqueue(plan.seconds, plan.flops, plan.moved)
+        if not kind.allocation:
+            self._enqueue(plan.seconds, plan.flops, plan.moved)
         raws = _tensors((args, kwargs))
         for k, shape, stride in plan.restride:
             _restride(raws[k], shape, stride)
