@@ -47,6 +47,7 @@ def test_host_reads_and_blocking_copies_wait_for_the_timeline_and_nothing_else_d
     assert out["copy_values_exact"] is True
     assert out["h2d_blocking_s"] >= modelled * 0.999, out
     assert out["h2d_non_blocking_s"] < modelled / 4, out
+    assert out["d2h_non_blocking_s"] < modelled / 4, out
     assert out["event_synchronize_s"] >= modelled * 0.999, out
     assert out["item_s"] >= modelled * 0.999, out
 

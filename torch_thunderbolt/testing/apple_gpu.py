@@ -14,12 +14,13 @@ and metadata ops (`view`, `transpose`, `as_strided`, `set_`, ...) and allocation
 kernel and take no time.
 
 The host thread returns at once, without spending the modelled time. What waits for the timeline, as on a
-Mac: a copy from the device to the host (`.cpu()`, `.to("cpu")`, `copy_` into a CPU tensor), every op whose
-result the host reads (`.item()`, `torch.equal`, ...; their time on the timeline included), a copy from the
-host to the device unless `non_blocking=True` (MPS commits and waits on both: `copy_and_sync` in
-aten/src/ATen/native/mps/operations/Copy.mm), `synchronize()` and `Event.synchronize()`. Each such wait
-sleeps until the timeline reaches the point it waits for. A copy within the device goes on the timeline and
-does not block.
+Mac: a copy between the host and the device, either way (`.cpu()`, `.to("cpu")`, `.to(device)`, `copy_`
+with one side on the CPU), unless `non_blocking=True` (MPS commits and waits for a blocking one:
+`copy_and_sync` in aten/src/ATen/native/mps/operations/Copy.mm); every op whose result the host reads
+(`.item()`, `torch.equal`, ...; their time on the timeline included); `synchronize()` and
+`Event.synchronize()`. Each such wait sleeps until the timeline reaches the point it waits for. A copy
+within the device goes on the timeline and does not block. A non-blocking copy to the host must be waited
+for (an event, `synchronize()`) before its bytes are read, as on MPS; here they are there early.
 
 Two modes:
 
@@ -32,12 +33,13 @@ Two modes:
     metadata ops, and ops with no meta kernel (data-dependent shapes: `nonzero`, `masked_select`, ...;
     listed in `TimedDevice.computed`);
   - not computed: everything else, copies within the device included (timed, bytes left as they were).
-    Outputs get their shape, dtype and strides from the op run on
-    `meta` tensors, and zeroed memory: untouched anonymous pages from 64 KiB up (mmap; torch.zeros
-    would write every byte), so a model's weights cost no memory until something writes them. In-place
-    ops other than `copy_` (the initialisers `uniform_`, `normal_`, `fill_`, `zero_`; optimiser updates)
-    leave their tensor's bytes as they were. Random ops draw nothing. Values are therefore zeros or stale,
-    never wrong in shape: a model runs with the data flow of the real one, not its numbers.
+    Outputs get their shape, dtype and strides from the op run on `meta` tensors (once per op and
+    argument shapes: the plan is kept), and zeroed memory: untouched anonymous pages from 64 KiB up
+    (mmap; torch.zeros would write every byte), so a model's weights cost no memory until something
+    writes them. In-place ops (the initialisers `uniform_`, `normal_`, `fill_`, `zero_`; optimiser
+    updates; a gradient copied into a DDP bucket) leave their tensor's bytes as they were. Random ops draw
+    nothing. Values are therefore zeros or stale, never wrong in shape: a model runs with the data flow of
+    the real one, not its numbers.
 
 The device's op log and its rule stay: every op is logged with its thread, and none may run on a thread of
 the backend's (`DeviceLog.on_backend_threads`). Not emulated: overlap of kernels on the GPU (one in-order
@@ -318,8 +320,8 @@ class TimedDevice:
         src_device, dst_device = id(src) in on_device, id(dst) in on_device
         seconds, flops, moved = self.kernel_seconds(op, (src,), {}, dst)
         end = self._enqueue(seconds, flops, moved)
-        if not dst_device or (src_device != dst_device and not non_blocking):
-            # To the host, or from it and blocking: MPS commits the command buffer and waits for it.
+        if src_device != dst_device and not non_blocking:
+            # Between the host and the device, blocking: MPS commits the command buffer and waits for it.
             _sleep_until(end)
         if src_device and dst_device and not self.exact:
             return dst  # within the device: timed, not done (nothing on the host reads device bytes unseen)

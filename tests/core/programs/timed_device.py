@@ -93,6 +93,13 @@ def async_semantics() -> None:
     out["event_synchronize_s"] = time.monotonic() - t0
     t0 = time.monotonic()
     a @ a
+    host = torch.empty(10)
+    host.copy_(small, non_blocking=True)  # to the host, non-blocking: returns at once
+    out["d2h_non_blocking_s"] = time.monotonic() - t0
+    gpu.synchronize()
+
+    t0 = time.monotonic()
+    a @ a
     (small + 1).sum().item()  # the host reads a value: waits
     out["item_s"] = time.monotonic() - t0
     result(out)
