@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from models.launch import (CommTimer, RankInfo, add_launch_args, launch, median, pick_device, run_main,
                            under_torchrun)
-from models.llama import (PRESETS, LlamaStage, build_stage, human_params, make_config, share_stage,
-                          split_layers)
+from torch_thunderbolt.testing.models.llama import (PRESETS, LlamaStage, build_stage, human_params, make_config,
+                                                    share_stage, split_layers)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -30,7 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models.launch import RankInfo, add_launch_args, import_thunderbolt, launch, median, pick_device, run_main
-from models.vit import PRESETS, SyntheticImages, ViT, make_config, param_count
+from torch_thunderbolt.testing.models.vit import PRESETS, SyntheticImages, ViT, make_config, param_count
 
 COMPRESSIONS = ("int8", "fp16", "bf16")
 

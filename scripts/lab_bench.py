@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Measure the thunderbolt backend against gloo on emulated Mac clusters (root; Linux network namespaces).
 
-    sudo python scripts/lab_bench.py                        # every scenario, writes docs/lab-results.md
-    sudo python scripts/lab_bench.py --scenarios chain3-1gbit,cables --iters 5
-    sudo python scripts/lab_bench.py --quick                # short version: 4K/1M only, 2 iterations
+    sudo .venv/bin/python scripts/lab_bench.py                        # every scenario, writes docs/lab-results.md
+    sudo .venv/bin/python scripts/lab_bench.py --scenarios chain3-1gbit,cables --iters 5
+    sudo .venv/bin/python scripts/lab_bench.py --quick                # short version: 4K/1M only, 2 iterations
+    sudo .venv/bin/python scripts/lab_bench.py --workload "vit-ddp --ddp-hook none,int8" --hosts 2 \
+        --rate 10gbit --work docs/bench/vit-ddp-pair-10gbit     # a `bench --workload` run on one lab
 
 Each scenario brings a lab up (`lab_session`), runs `torch-thunderbolt bench` (thunderbolt and gloo
 interleaved in the same run) on every host through `torch-thunderbolt launch --hostfile` with the lab's
@@ -138,12 +140,12 @@ def lab_command(scenario: Scenario, cmd_tail: str) -> str:
     """The commands a reader types to repeat a scenario by hand."""
     extra = f" --cables {scenario.cables}" if scenario.cables > 1 else ""
     nproc = f" --nproc-per-host {scenario.nproc_per_host}" if scenario.nproc_per_host > 1 else ""
-    return (f"sudo torch-thunderbolt lab up --hosts {scenario.hosts} --topology {scenario.topology} "
+    return (f"sudo .venv/bin/torch-thunderbolt lab up --hosts {scenario.hosts} --topology {scenario.topology} "
             f"--rate {scenario.rate}{extra} --cc {CC}\n"
             f"torch-thunderbolt lab hostfile -o hosts.json"
             f"{'   # then set ifname to one cable per host' if scenario.ifnames else ''}\n"
-            f"sudo torch-thunderbolt launch --hostfile hosts.json{nproc} -- {cmd_tail}\n"
-            f"sudo torch-thunderbolt lab down")
+            f"sudo .venv/bin/torch-thunderbolt launch --hostfile hosts.json{nproc} -- {cmd_tail}\n"
+            f"sudo .venv/bin/torch-thunderbolt lab down")
 
 
 # ---- compression: one rank of the fp32-vs-int8 job (run through the launcher) ------------------------------
@@ -203,6 +205,23 @@ def run_compression(work: Path, size: int, iters: int) -> dict:
         return data
 
     return with_lab(COMPRESSION, work, body)
+
+
+def run_workload(hosts: int, rate: str, workload: str, work: Path) -> dict:
+    """`bench --workload ...` with one rank per emulated Mac of a chain of `hosts` joined by `rate` cables;
+    its output and JSON are kept in `work`."""
+    name = f"workload-{shlex.split(workload)[0]}-{hosts}macs-{rate}"
+    scenario = Scenario(name, hosts, "chain" if hosts > 2 else "pair", rate)
+    out_json = work / f"{name}.json"
+    cmd = [sys.executable, "-m", "torch_thunderbolt", "bench", "--workload", *shlex.split(workload),
+           "--json", str(out_json), "--no-progress", "--timeout", "3000"]
+
+    def body(lab, hostfile):
+        argv, stdout = launch(hostfile, cmd, timeout=3600)
+        (work / f"{name}.txt").write_text(f"# {lab_command(scenario, shlex.join(['python', *cmd[1:]]))}\n{stdout}")
+        return {"argv": argv, "stdout": stdout, "doc": json.loads(out_json.read_text())}
+
+    return with_lab(scenario, work, body)
 
 
 # ---- report ------------------------------------------------------------------------------------------------
@@ -272,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=None, help="directory for the bench JSON files (default: a temp dir)")
     p.add_argument("--compression-rank", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--size", type=int, default=64 << 20, help=argparse.SUPPRESS)
+    p.add_argument("--workload", default=None, metavar="ARGS",
+                   help="instead of the scenarios: `bench --workload ARGS` on one lab (--hosts, --rate); output "
+                        "and JSON into --work")
+    p.add_argument("--hosts", type=int, default=2, help="with --workload: emulated Macs (a pair, or a chain)")
+    p.add_argument("--rate", default="10gbit", help="with --workload: the cables' rate")
     args = p.parse_args(argv)
     if args.compression_rank:
         compression_rank(args.size, args.iters)
@@ -286,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = Path(args.work or tempfile.mkdtemp(prefix="lab-bench-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.workload is not None:
+        print(run_workload(args.hosts, args.rate, args.workload, work)["stdout"])
+        print(f"lab_bench: wrote {work}", file=sys.stderr)
+        return 0
     tail = (f"python -m torch_thunderbolt bench --ops {BENCH_OPS} --sizes {args.sizes} -n {args.iters} "
             f"-w {args.warmup}")
     # The command that wrote the page, not a date: the page is a current figure with the command behind it.

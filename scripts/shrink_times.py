@@ -3,9 +3,9 @@
 
     python scripts/shrink_times.py loss --transport tcp --runs 5     # one host, 3 ranks
     python scripts/shrink_times.py loss --transport shm --runs 5
-    sudo python scripts/shrink_times.py loss --lab --runs 5          # 3 emulated Macs (a ring), TCP
+    sudo .venv/bin/python scripts/shrink_times.py loss --lab --runs 5          # 3 emulated Macs (a ring), TCP
     python scripts/shrink_times.py mesh --runs 5                     # 2x2 DeviceMesh, 4 ranks, one host
-    sudo python scripts/shrink_times.py mesh --lab --runs 5          # 4 emulated Macs (a mesh), TCP
+    sudo .venv/bin/python scripts/shrink_times.py mesh --lab --runs 5          # 4 emulated Macs (a mesh), TCP
 
 `loss`: 3 ranks run small all_reduces; the last one SIGKILLs itself after saying when (tests/fault_tolerance/
 programs/shrink.py `timing`); the two others catch the loss, call `dist.shrink_group` and run one all_reduce

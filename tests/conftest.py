@@ -69,6 +69,10 @@ SLOW_VARIANTS: dict[str, str] = {
     "tests/hybrid/test_hybrid.py::test_kill_9_gives_peer_lost_on_every_survivor[1048576]": "[256]",
     "tests/core/test_failures.py::test_kill_9_mid_all_reduce_every_survivor_raises_peer_lost[4194304-shm]":
         "[4194304-tcp] and [1024-shm]",
+    **{f"tests/failover/test_tcp_failover.py::test_transfers_survive_losing_one_of_two_cables[{case}-darwin]":
+       "[0-plain-darwin] and [1-sealed-darwin]"
+       for case in ("0-sealed", "1-plain", "2-plain", "2-sealed", "3-plain", "3-sealed", "4-plain", "4-sealed",
+                    "5-plain", "5-sealed")},
 }
 
 

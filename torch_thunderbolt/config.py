@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from .errors import ConfigError
+from .platform import Platform, current
 
 ALGOS = ("auto", "ring", "biring", "direct", "chain")
 TRANSPORTS = ("auto", "tcp", "shm", "rdma")
@@ -58,6 +59,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("THUNDERBOLT_SHM_DIR", ADVANCED, "(POSIX shared memory)"),
     Setting("THUNDERBOLT_VERBS", ADVANCED, "system"),
     Setting("THUNDERBOLT_AUTOLOAD", ADVANCED, "1"),
+    Setting("THUNDERBOLT_KEEP_AWAKE", ADVANCED, "1"),
     Setting("THUNDERBOLT_LAB_STATE_DIR", ADVANCED, "/run/torch-thunderbolt"),
 )
 SETTING_NAMES = frozenset(s.name for s in SETTINGS)
@@ -155,6 +157,7 @@ class Config:
     verbs: str = "system"
     verbs_fabric: str = ""
     autoload: bool = True  # THUNDERBOLT_AUTOLOAD=0: `import torch` does not register the backend
+    keep_awake: bool = True  # THUNDERBOLT_KEEP_AWAKE=0: no power assertion keeps a Mac awake (backend/keep_awake.py)
     # THUNDERBOLT_SECRET (or @file): the job's private key for the stream handshake; b"" = derive it from
     # the rendezvous store, which anyone who reaches MASTER_PORT can read. repr=False: never printed.
     secret: bytes = field(default=b"", repr=False)
@@ -239,6 +242,7 @@ class Config:
             take("connect_timeout", lambda: float(_int(get("THUNDERBOLT_CONNECT_TIMEOUT"),
                                                        "THUNDERBOLT_CONNECT_TIMEOUT", 1, 86400)))
         take("listen_all", lambda: _flag(get("THUNDERBOLT_LISTEN_ALL"), "THUNDERBOLT_LISTEN_ALL"))
+        take("keep_awake", lambda: _flag(get("THUNDERBOLT_KEEP_AWAKE") or "1", "THUNDERBOLT_KEEP_AWAKE"))
         take("debug", lambda: _flag(get("THUNDERBOLT_DEBUG"), "THUNDERBOLT_DEBUG") or env.get(
             "TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
         kw["congestion_control"] = get("THUNDERBOLT_CC")
@@ -434,9 +438,10 @@ def _pages(text: str, name: str, zero_ok: bool) -> int:
     return value
 
 
-def _shm_dir(text: str, name: str) -> str:
+def _shm_dir(text: str, name: str, plat: Platform | None = None) -> str:
     """An existing directory where this process can create, size and map a file: what every shm segment
-    does there. Probed rather than checked with os.access, which says yes to root even for /proc."""
+    does there. Probed rather than checked with os.access, which says yes to root even for /proc. The hint
+    names a directory `plat` (default: this system) has: /dev/shm is Linux's alone."""
     if not os.path.isdir(text):
         what = "is not a directory" if os.path.exists(text) else "does not exist"
         raise ConfigError(f"{name}={text}: expected an existing writable directory, but it {what}; create it "
@@ -450,8 +455,10 @@ def _shm_dir(text: str, name: str) -> str:
             os.close(fd)
             os.unlink(probe)
     except OSError as exc:
+        where = (plat or current()).shm_list_dir
+        examples = f"{where} or /tmp" if where else "/tmp"
         raise ConfigError(f"{name}={text}: expected a directory where shared-memory files can be created and "
-                          f"mapped ({exc.strerror or exc}); choose another directory (e.g. /dev/shm or /tmp) "
+                          f"mapped ({exc.strerror or exc}); choose another directory (e.g. {examples}) "
                           f"or unset {name}") from None
     return text
 

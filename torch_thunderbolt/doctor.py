@@ -17,7 +17,10 @@ from typing import Any, Callable
 
 from .config import ADVANCED, SETTING_NAMES, SETTINGS, USER, Config
 from .errors import ConfigError
-from .platform import LOCAL_NETWORK_SETTING, RDMA_CTL, SYSCTL, Platform, current, macos_version
+from .macos_firewall import (FIREWALL_BLOCK_ALL, FIREWALL_OFF, FirewallFacts, allow_commands, listed_verdict,
+                             listening_binary, parse_app_blocked, parse_global_state, parse_listed_apps,
+                             read_firewall, this_interpreter)
+from .platform import LOCAL_NETWORK_SETTING, PMSET, RDMA_CTL, SYSCTL, Platform, current, macos_version
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -59,6 +62,8 @@ class Facts:
     store_probe: str = ""
     rdma: "RdmaFacts | None" = None  # gathered on a Mac, or where a job would use RDMA (forced, a fake fabric)
     topology: dict[str, Any] = field(default_factory=dict)  # `topo --dump` of this host; {} if discovery failed
+    firewall: FirewallFacts | None = None  # macOS: what socketfilterfw says about the binary that listens
+    pmset: "tuple[str, str] | None" = None  # a Mac's `pmset -g batt` and `pmset -g` output (_check_sleep)
 
 
 @dataclass
@@ -98,8 +103,12 @@ def run_checks(f: Facts) -> list[Finding]:
     out.append(_check_buffers(f, cfg))
     if f.local_network_privacy:
         out.append(_check_local_network(f))
+    if f.pmset is not None:
+        out.append(_check_sleep(f.pmset, cfg))
     if f.rdma is not None:
         out.extend(check_rdma(f.rdma, cfg))
+    if f.firewall is not None:
+        out.append(check_firewall(f.firewall))
     if f.cc_error:
         out.append(Finding(FAIL, "THUNDERBOLT_CC", f.cc_error, "unset THUNDERBOLT_CC, or name a congestion "
                            "control this kernel has"))
@@ -199,7 +208,8 @@ def _check_store(f: Facts) -> Finding:
                        "rank 0 is not running)")
     if f.store_probe == "ETIMEDOUT":
         return Finding(WARN, check, f"{target}: no answer", "a firewall on rank 0's Mac drops the connection "
-                       "(System Settings › Network › Firewall: allow its python), or no host has that address")
+                       "(there, `torch-thunderbolt doctor --firewall-command` prints how to allow its Python), or "
+                       "no host has that address")
     return Finding(FAIL, check, f"{target}: {f.store_probe}", "MASTER_ADDR must be rank 0's address on a network "
                    "this machine is on (with one subnet per cable, the address of a cable joining the two); on "
                    f"macOS, EHOSTUNREACH/EPERM also mean a missing Local Network permission ({LOCAL_NETWORK_SETTING})")
@@ -236,10 +246,15 @@ def _check_links(f: Facts) -> list[Finding]:
             out.append(Finding(WARN, f"{name} MTU", f"{mtu}", "jumbo frames help TCP over Thunderbolt: "
                                f"sudo networksetup -setMTU {name} 9000 (or topo --mtu 9000)"))
     if len(f.bridge_members) >= 2:
-        out.append(Finding(WARN, "Thunderbolt Bridge", f"bridge0 holds {', '.join(f.bridge_members)}",
-                           "with 3+ Macs in a loop this causes broadcast storms; `topo` plans one subnet per "
-                           "cable and removes ports from the bridge"))
+        out.append(_check_bridge(f.bridge_members))
     return out
+
+
+def _check_bridge(members: list[str]) -> Finding:
+    from .topology.persist import bridge_back
+
+    return Finding(WARN, "Thunderbolt Bridge", f"bridge0 holds {', '.join(members)}",
+                   bridge_back("bridge0", members))
 
 
 def _check_buffers(f: Facts, cfg: Config) -> Finding:
@@ -373,7 +388,51 @@ def gather_rdma(run: Callable[..., Any], plat: Platform, env: dict[str, str],
     return facts
 
 
+def check_firewall(fw: FirewallFacts) -> Finding:
+    """Whether the macOS firewall lets this Python accept the other Macs' connections (every rank listens,
+    rank 0's rendezvous store first of all)."""
+    check, binary = "firewall", fw.binary
+    allow = "run `torch-thunderbolt doctor --firewall-command` and the two commands it prints: " + "; ".join(
+        allow_commands(binary))
+    state = parse_global_state(fw.global_state)
+    if state is None:
+        said = fw.global_state.strip() or "nothing"
+        return Finding(WARN, check, f"could not read the firewall's state (`socketfilterfw --getglobalstate`: "
+                       f"{said})", f"if the firewall is on (System Settings › Network › Firewall), {allow}")
+    if state == FIREWALL_OFF:
+        return Finding(OK, check, "off: other Macs may connect to this one")
+    if state == FIREWALL_BLOCK_ALL:
+        return Finding(FAIL, check, "on and blocking all incoming connections: no other Mac can connect to a "
+                       "rank here", "System Settings › Network › Firewall › Options: turn off \"Block all "
+                       f"incoming connections\", then {allow}")
+    listed = listed_verdict(parse_listed_apps(fw.listed), binary)
+    blocked = parse_app_blocked(fw.app_blocked)
+    if listed is False or blocked is True:
+        return Finding(FAIL, check, f"on and blocking {binary}, the binary this Python runs as: other Macs "
+                       "cannot connect to a rank here (rank 0's store is reported unanswered)", allow)
+    if listed is None:
+        return Finding(WARN, check, f"on, and {binary} (the binary this Python runs as) is not in its list: a "
+                       "rank started over ssh cannot answer the firewall's prompt, so other Macs' connections "
+                       "may stay blocked", allow)
+    return Finding(OK, check, f"on; {binary} may accept incoming connections")
+
+
+def gather_firewall(run: Callable[..., Any], plat: Platform) -> FirewallFacts | None:
+    """The firewall's answers on a Mac (None elsewhere: no application firewall to ask)."""
+    if plat.name != "darwin":
+        return None
+    return read_firewall(run, listening_binary(this_interpreter()))
+
+
 LOCAL_NETWORK_DENIED = (errno.EPERM, errno.EHOSTUNREACH)
+
+
+def _check_sleep(pmset: tuple[str, str], cfg: Config) -> Finding:
+    """Whether this Mac may sleep during a job (on battery, lid, idle timer), and what that means."""
+    from .backend.keep_awake import parse_power, power_advice
+
+    fine, detail, fix = power_advice(parse_power(*pmset), cfg.keep_awake)
+    return Finding(OK if fine else WARN, "sleep", detail, fix)
 
 
 def _check_local_network(f: Facts) -> Finding:
@@ -495,7 +554,7 @@ def gather_facts(run: Callable[[list[str]], Any] | None = None, plat: Platform |
                  or _macos_maxsockbuf(run, plat),
                  bridge_members=bridge, effective_socket_buffer=effective,
                  local_network_privacy=plat.local_network_privacy, local_network_probes=probes, rdma=rdma,
-                 topology=topology)
+                 topology=topology, firewall=gather_firewall(run, plat), pmset=_macos_pmset(run, plat))
 
 
 def _read_first(path: str) -> str:
@@ -515,3 +574,10 @@ def _macos_maxsockbuf(run: Callable, plat: Platform) -> int:
     except (ValueError, AttributeError):
         return 0
 
+
+def _macos_pmset(run: Callable, plat: Platform) -> tuple[str, str] | None:
+    """A Mac's `pmset -g batt` and `pmset -g` output ("" where one failed); None elsewhere."""
+    if plat.name != "darwin":
+        return None
+    batt, settings = (getattr(run([PMSET, *args]), "stdout", "") or "" for args in (["-g", "batt"], ["-g"]))
+    return batt, settings

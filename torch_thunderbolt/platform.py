@@ -9,11 +9,13 @@ reference notes; each field says what it changes.
 """
 from __future__ import annotations
 
+import os
 import platform as _std_platform
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 INT_MAX = 2**31 - 1
 # One send/recv moves at most this many bytes. XNU fails a call over INT_MAX with EINVAL (Linux returns a
@@ -39,6 +41,7 @@ TCP_INFO_SND_WND = 228
 IOREG = "/usr/sbin/ioreg"
 SYSCTL = "/usr/sbin/sysctl"
 RDMA_CTL = "/usr/bin/rdma_ctl"  # RDMA over Thunderbolt on/off (macOS 26.2+; enabling it needs Recovery)
+PMSET = "/usr/bin/pmset"  # power source and sleep settings (`doctor`)
 
 # Documented in the message of every Local Network failure and in `doctor`.
 LOCAL_NETWORK_SETTING = "System Settings › Privacy & Security › Local Network"
@@ -63,7 +66,8 @@ class Platform:
     machine: str  # "x86_64", "arm64", "aarch64", ... (platform.machine(), lower case)
     max_socket_io: int = SOCKET_IO_CAP  # bytes per sendmsg/recv_into call (see SOCKET_IO_CAP)
     # What SO_SNDBUF/SO_RCVBUF above the system's limit does: "cap" (Linux clamps silently) or "enobufs"
-    # (XNU and the BSDs refuse the call; the caller retries with less).
+    # (the BSDs and macOS up to 14.3 refuse the call; the caller retries with less). macOS 14.4 and later
+    # clamp silently too; the size read back after setting it shows either kind of cap.
     sockbuf_over_limit: str = "enobufs"
     # getsockopt(SO_RCVBUF) reports this many times what was set (Linux doubles it for bookkeeping).
     sockbuf_reported_factor: int = 1
@@ -138,6 +142,30 @@ class Platform:
     @property
     def is_arm64(self) -> bool:
         return self.machine in ("arm64", "aarch64")
+
+
+def run_tool(argv: list[str]) -> str:
+    """stdout of a system tool (run by absolute path), or "" when it is missing or fails."""
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return res.stdout if res.returncode == 0 else ""
+
+
+def spin_cores(plat: "Platform | None" = None, run: Callable[[list[str]], str] | None = None) -> int:
+    """How many of this host's cores the ranks' spin decisions count (busy-polling pays only while every
+    local rank has one of its own): `os.cpu_count()`, except on macOS, where that counts the efficiency
+    cores too, which run a rank several times slower and carry the system's background work; there the
+    performance cores (`sysctl hw.perflevel0.physicalcpu`, perflevel0 being the fastest level, macOS 12
+    and later), or `os.cpu_count()` where the key is missing (Intel Macs). Every rank of a host gets the
+    same answer, which the shared window's size relies on. `run` runs a tool, for tests."""
+    plat = plat or current()
+    if plat.name == "darwin":
+        text = (run or run_tool)([SYSCTL, "-n", "hw.perflevel0.physicalcpu"]).strip()
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    return os.cpu_count() or 1
 
 
 def current() -> Platform:

@@ -3,7 +3,7 @@
 rank 0 checkpointed step 10 with 3 ranks, the third is lost, and the two left restart and go on.
 
     python scripts/reliability/elastic_restart.py --where host --fault agent --repeats 3
-    sudo python scripts/reliability/elastic_restart.py --where lab --fault cut --repeats 3
+    sudo .venv/bin/python scripts/reliability/elastic_restart.py --where lab --fault cut --repeats 3
 
 --where host: three agents on loopback (THUNDERBOLT_TRANSPORT=tcp); lab: three emulated Macs in a ring
 (root). --fault agent: the third agent and its worker killed; worker: only its worker killed (its agent

@@ -2,7 +2,7 @@
 and with 2 cables (the job must carry on: checked all_reduces for 12 s, longest pause reported), cable cut while
 idle. Lab scenarios need root. Prints per-scenario outcome counts and detection times.
 
-    sudo python scripts/reliability/link_faults.py --trials 5 --json links.json
+    sudo .venv/bin/python scripts/reliability/link_faults.py --trials 5 --json links.json
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-# Run from a checkout without installing (`sudo python scripts/...` may be another interpreter): the package
+# Run from a checkout without installing (under `sudo`, `python` may be another interpreter): the package
 # is this checkout's.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 

@@ -16,7 +16,7 @@ import tracemalloc
 from datetime import timedelta
 from pathlib import Path
 
-# Run from a checkout without installing (`sudo python scripts/...` may be another interpreter): the package
+# Run from a checkout without installing (under `sudo`, `python` may be another interpreter): the package
 # is this checkout's.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 

@@ -94,3 +94,15 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     with pytest.raises(ConfigError, match=r"--plot needs matplotlib: pip install matplotlib"):
         report.require_matplotlib()
+
+
+def test_a_ratio_between_different_paths_says_so():
+    from torch_thunderbolt.bench.app import unlike_paths_note
+
+    note = unlike_paths_note({"thunderbolt": "shm", "gloo": "tcp"}, "gloo")
+    assert note is not None and "thunderbolt over shm, gloo over tcp" in note and "--transport tcp" in note
+    assert unlike_paths_note({"thunderbolt": "tcp", "gloo": "tcp"}, "gloo") is None
+    assert unlike_paths_note({"thunderbolt": "tcp", "gloo": "tcp", "floor": "none"}, "gloo") is None
+    mixed = unlike_paths_note({"thunderbolt": "shm+tcp", "gloo": "tcp"}, "gloo")
+    assert mixed is not None and "shm+tcp" in mixed
+    assert unlike_paths_note({"thunderbolt": "shm"}, None) is None

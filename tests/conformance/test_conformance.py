@@ -40,6 +40,9 @@ def _memory(world: int):
 KINDS = {
     "memory": lambda tmp: run_on_threads(_memory, WORLD),
     "tcp": lambda tmp: run_in_processes("tcp", WORLD, tmp),
+    # on the darwin socket model (testing/darwin.py): macOS's option names, accept without the listener's
+    # timeouts, silent buffer clamping (each check fails unless every stream is the model's)
+    "tcp-darwin": lambda tmp: run_in_processes("tcp", WORLD, tmp, env={"XNU_MODEL": "1"}),
     # (each check fails unless the links really are the sealed ones)
     "tcp-sealed": lambda tmp: run_in_processes("tcp", WORLD, tmp, env={
         "THUNDERBOLT_INTEGRITY": "mac", "THUNDERBOLT_SECRET": secrets.token_hex(32),
@@ -66,12 +69,27 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str,
 
 @pytest.mark.parametrize("check", list(CHECKS))
 @pytest.mark.parametrize("kind", ["memory", pytest.param("tcp", marks=MULTIPROCESS),
+                                  pytest.param("tcp-darwin", marks=MULTIPROCESS),
                                   pytest.param("tcp-sealed", marks=MULTIPROCESS),
                                   pytest.param("shm", marks=MULTIPROCESS), pytest.param("sock", marks=MULTIPROCESS),
                                   pytest.param("rdma", marks=MULTIPROCESS)])
 def test_every_kind_passes_every_check(kind: str, check: str, suite) -> None:
     outcome = suite(kind)[check]
     assert outcome.ok, str(outcome)
+
+
+# The checks the default selection runs on the darwin model (the whole suite runs there with -m slow): one
+# set-up per check, so each costs a group; these cover ordering, partial I/O, a peer that stops reading, an
+# ABORT and a rank that dies.
+DARWIN_CORE = ["order", "partial", "stops_reading", "abort_lost", "peer_dies"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_tcp_on_the_darwin_model_passes_the_core_checks(tmp_path) -> None:
+    outcomes = run_in_processes("tcp", WORLD, tmp_path, checks=DARWIN_CORE, env={"XNU_MODEL": "1"})
+    failed = [str(o) for o in outcomes.values() if not o.ok]
+    assert not failed, failed
 
 
 # Which checks each mutant must fail (a short wait: a lost message is found when a wait runs out).

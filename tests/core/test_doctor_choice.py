@@ -68,7 +68,7 @@ def test_the_store_probe_tells_refused_from_accepted() -> None:
     env = {"MASTER_ADDR": "10.77.0.2", "MASTER_PORT": "29500"}
     assert finding(facts(env, store_probe="refused"), "rendezvous store").status == OK
     silent = finding(facts(env, store_probe="ETIMEDOUT"), "rendezvous store")
-    assert silent.status == WARN and "Firewall" in silent.fix
+    assert silent.status == WARN and "doctor --firewall-command" in silent.fix
     denied = finding(facts(env, store_probe="EHOSTUNREACH"), "rendezvous store")
     assert denied.status == FAIL and "Local Network" in denied.fix
 

@@ -17,7 +17,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def load_example(name: str) -> ModuleType:
-    """examples/<name>.py, or a module of the examples' `models` package ("models.llama" ...), imported by
+    """examples/<name>.py, or a module of the examples' `models` package ("models.launch"), imported by
     path under the name the examples use for each other when run as scripts (`from models.launch import`),
     without putting examples/ on sys.path. Each is imported once (sys.modules), like any module."""
     if "models" not in sys.modules:  # first: every example script imports it
@@ -46,6 +46,8 @@ def run_example(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
     # The runs here use gloo: keep them independent of the installed package's `import torch` autoload
     # hook, which the core's own tests cover.
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    # The examples import their models from the package: this checkout's, whatever is installed.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXAMPLES.parent), os.environ.get("PYTHONPATH", "")) if p)
     proc = subprocess.Popen(cmd, cwd=EXAMPLES, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:

@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torch_thunderbolt.testing.models import llama, vit
+
 from .helpers import load_example
 
-llama, vit = load_example("models.llama"), load_example("models.vit")
 CommTimer, median = load_example("models.launch").CommTimer, load_example("models.launch").median
 
 

@@ -1,7 +1,9 @@
 """Losing one stream of a pair whose streams use two different address pairs (two cables): the transfer
 completes on the other stream with every byte right. Two TCP transports in one process over loopback
 (127.0.0.1 and 127.0.0.2 stand for the two cables); the cut is injected as the ETIMEDOUT a dead cable
-gives, on one side only, at a random moment."""
+gives, on one side only, at a random moment. On the darwin socket model (testing/darwin.py) the cut is the
+kernel's drop, met through the socket as macOS answers: EPIPE on a send with the ETIMEDOUT in SO_ERROR,
+the ETIMEDOUT on a receive."""
 from __future__ import annotations
 
 import errno
@@ -17,13 +19,16 @@ import torch
 from torch_thunderbolt.errors import PeerLostError
 from torch_thunderbolt.protocol.framing import Space
 from torch_thunderbolt.protocol.integrity import stream_keys
+from torch_thunderbolt.testing.darwin import DARWIN, Xnu, XnuSocket
 from torch_thunderbolt.transport.engine import Transport
 from torch_thunderbolt.transport.tcp import TcpLinks, tcp_transport
 
 
-def _pair(sources=("127.0.0.1", "127.0.0.2"), stripe=64 << 10, sealed: bool = False) -> tuple[Transport, Transport]:
+def _pair(sources=("127.0.0.1", "127.0.0.2"), stripe=64 << 10, sealed: bool = False,
+          darwin: bool = False) -> tuple[Transport, Transport]:
     """`sealed`: every frame carries a MAC (THUNDERBOLT_INTEGRITY=mac), so a resend must be sealed anew on
-    the surviving stream and a payload cut short never counts."""
+    the surviving stream and a payload cut short never counts. `darwin`: every socket one of the darwin
+    model's."""
     lst = socket.create_server(("127.0.0.1", 0))
     port = lst.getsockname()[1]
     client, server = [], []
@@ -35,10 +40,15 @@ def _pair(sources=("127.0.0.1", "127.0.0.2"), stripe=64 << 10, sealed: bool = Fa
         client.append(c)
         server.append(s)
     lst.close()
+    options: dict = {}
+    if darwin:
+        xnu = Xnu()
+        client, server = [xnu.wrap(x) for x in client], [xnu.wrap(x) for x in server]
+        options["plat"] = DARWIN
     sessions = [os.urandom(32) for _ in sources]
     seal = [(r, {1 - r: [stream_keys(s, r, 1 - r) for s in sessions]}) if sealed else None for r in (0, 1)]
-    return (tcp_transport(0, 2, {1: server}, stripe_bytes=stripe, seal=seal[0]),
-            tcp_transport(1, 2, {0: client}, stripe_bytes=stripe, seal=seal[1]))
+    return (tcp_transport(0, 2, {1: server}, stripe_bytes=stripe, seal=seal[0], **options),
+            tcp_transport(1, 2, {0: client}, stripe_bytes=stripe, seal=seal[1], **options))
 
 
 def _tcp(t: Transport) -> TcpLinks:
@@ -50,7 +60,11 @@ def _tcp(t: Transport) -> TcpLinks:
 def _cut(t: Transport, stream: int) -> None:
     with t._cv:
         link = _tcp(t).links[1 - t.rank]
-        link.conn_error(link.streams[stream], TimeoutError(errno.ETIMEDOUT, "Connection timed out (injected cable cut)"))
+        c = link.streams[stream]
+        if isinstance(c.sock, XnuSocket):
+            c.sock.drop(errno.ETIMEDOUT)  # met by the next send (EPIPE) or receive on it
+        else:
+            link.conn_error(c, TimeoutError(errno.ETIMEDOUT, "Connection timed out (injected cable cut)"))
 
 
 def _exchange(t: Transport, msgs: list[torch.Tensor], results: dict, lazy: bool, seed: int) -> None:
@@ -82,6 +96,9 @@ def _cut_mid_frame(victim: Transport, fraction: float, total: int) -> dict:
         if (not state["cut"] and c.stream == 0 and c.inbound is not None
                 and victim.bytes_received >= fraction * total):
             state["cut"] = True
+            if isinstance(c.sock, XnuSocket):
+                c.sock.drop(errno.ETIMEDOUT)
+                return original(c)  # the receive meets the drop
             link.conn_error(c, TimeoutError(errno.ETIMEDOUT, "Connection timed out (injected cable cut)"))
             return None
         return original(c)
@@ -111,11 +128,12 @@ def _run(t0, t1, sizes, cut_at: float | None, lazy: bool, seed: int, cut_rank: i
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("system", ["linux", "darwin"])
 @pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
 @pytest.mark.parametrize("seed", range(6))
-def test_transfers_survive_losing_one_of_two_cables(seed, sealed):
+def test_transfers_survive_losing_one_of_two_cables(seed, sealed, system):
     rng = random.Random(seed)
-    t0, t1 = _pair(sealed=sealed)
+    t0, t1 = _pair(sealed=sealed, darwin=system == "darwin")
     try:
         sizes = [rng.choice([1, 1000, 50_000, 1 << 20, 3 << 20]) for _ in range(24)]
         msgs, results = _run(t0, t1, sizes, cut_at=0.1 + 0.4 * rng.random(), lazy=seed % 2 == 1, seed=seed,

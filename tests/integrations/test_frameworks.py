@@ -37,6 +37,7 @@ def test_accelerate_recipe_trains_as_gloo_does(tmp_path) -> None:
     for r in ours:
         assert (r["backend"], r["distributed_type"], r["processes"], r["wrapped"]) == \
             ("thunderbolt", "DistributedType.MULTI_CPU", 2, "DistributedDataParallel")
+        assert r["accelerate_backend"] == "gloo"  # Accelerate's own name for CPU ranks (docs/tools.md)
     assert ours[0]["params"] == ours[1]["params"] == gloo[0]["params"]  # two ranks: the sums are exact
 
 

@@ -74,3 +74,24 @@ def test_lab_on_a_mac_is_one_clear_error_at_once(capsys, monkeypatch, tmp_path):
         assert main(["lab", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "needs Linux network namespaces" in err[0] and "'darwin'" in err[0], err
+
+
+def test_exec_runs_a_bare_python_as_this_interpreter(monkeypatch):
+    """Under a stock sudo, `python` on PATH is not the venv's: `lab exec` runs this interpreter instead."""
+    import subprocess
+
+    from torch_thunderbolt.cli import lab as lab_cli
+    from torch_thunderbolt.lab import executor, view
+
+    class FakeLab:
+        def exec_argv(self, host, argv):
+            return ["ip", "netns", "exec", f"t-{host}", *argv]
+
+    ran = []
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(view.Lab, "load", classmethod(lambda cls, name, state_dir=None: FakeLab()))
+    monkeypatch.setattr(executor, "running_as_root", lambda: True)
+    monkeypatch.setattr(lab_cli.subprocess, "run",
+                        lambda argv, check=False: ran.append(argv) or subprocess.CompletedProcess(argv, 0))
+    assert main(["lab", "exec", "mac2", "--", "python", "-c", "print('hi')"]) == 0
+    assert ran == [["ip", "netns", "exec", "t-mac2", sys.executable, "-c", "print('hi')"]]

@@ -1,6 +1,7 @@
 """`torch-thunderbolt launch` end to end on this machine: local mode, a fake ssh, Ctrl-C."""
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -162,7 +163,7 @@ def test_lab_option_builds_hosts_from_a_lab_state(capsys, tmp_path):
     assert main(["launch", "--lab", "lc1", "--lab-state-dir", str(tmp_path), "--master-port", "29511",
                  "--dry-run", "--", "python", "t.py"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1] == "ip netns exec lc1-mac0 python t.py"
+    assert out[1] == f"ip netns exec lc1-mac0 {shlex.quote(sys.executable)} t.py"  # sudo's PATH lacks the venv
     assert "MASTER_ADDR=10.213.0.1 MASTER_PORT=29511 RANK=2" in out[4]
     assert "THUNDERBOLT_IFNAME=tb1_0 GLOO_SOCKET_IFNAME=tb1_0" in out[4]
     assert "THUNDERBOLT_IFNAME=tb0_0,tb2_0 GLOO_SOCKET_IFNAME=tb0_0" in out[2]

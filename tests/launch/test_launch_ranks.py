@@ -1,4 +1,5 @@
 import os
+import sys
 import subprocess
 
 import pytest
@@ -75,7 +76,7 @@ def test_master_address_choice():
 def test_argv_per_exec_mode():
     lab_host = parse_hostfile([{"name": "mac1", "exec": "lab", "lab": "l7", "addresses": ["10.0.0.1"]}])
     spec = build_rank_specs(lab_host, 1, ["python", "t.py"], cwd="/w")[0]
-    assert spec.argv == ["ip", "netns", "exec", "l7-mac1", "python", "t.py"]
+    assert spec.argv == ["ip", "netns", "exec", "l7-mac1", sys.executable, "t.py"]
     assert (spec.cwd, spec.env_in_argv) == ("/w", False)
     ssh = build_rank_specs(TWO_MACS, 1, ["python", "t.py"], cwd="/w", ssh_options=["-p2222"])[1]
     assert ssh.argv[:6] == ["ssh", "-o", "BatchMode=yes", "-p2222", "--", "me@b.local"]
@@ -142,7 +143,20 @@ def test_bare_python_becomes_the_interpreter_by_path_on_ssh_hosts():
     assert host_command(own, ["python3", "t.py"], "/venv/bin/python") == ["/opt/homebrew/bin/python3.12", "t.py"]
     assert host_command(ssh, ["/usr/local/bin/python3", "t.py"], "/v") == ["/usr/local/bin/python3", "t.py"]
     assert host_command(ssh, ["torchrun", "t.py"], "/v") == ["torchrun", "t.py"]
-    assert host_command(Host(name="l"), ["python", "t.py"], "/v") == ["python", "t.py"]  # local: our PATH
+
+
+def test_bare_python_on_this_machine_is_the_launchers_interpreter():
+    """`sudo .venv/bin/torch-thunderbolt launch --lab L -- python t.py`: sudo's secure_path has no venv, so
+    a bare python on local and lab hosts runs as the launcher's own interpreter, whatever --python says."""
+    from torch_thunderbolt.launch.ranks import host_command
+
+    lab = Host(name="m", exec="lab", lab="l")
+    for host in (Host(name="l"), lab):
+        assert host_command(host, ["python3", "t.py"], "/v", here="/venv/bin/python") == ["/venv/bin/python", "t.py"]
+        assert host_command(host, ["torchrun", "t.py"], "/v", here="/venv/bin/python") == ["torchrun", "t.py"]
+    specs = build_rank_specs([lab], 1, ["python", "-m", "torch_thunderbolt", "bench"], cwd="/w", master_addr="10.0.0.1",
+                             python="/elsewhere/python")
+    assert specs[0].argv[4:] == [sys.executable, "-m", "torch_thunderbolt", "bench"]
 
 
 def test_ssh_rank_checks_the_interpreter_and_runs_it_by_path():

@@ -231,3 +231,15 @@ def test_the_runtime_asks_the_platform_not_sys_platform() -> None:
     found += [f"doctor.py:{i}" for i, line in enumerate((root / "doctor.py").read_text().splitlines(), 1)
               if "platform.system() !=" in line or "sys.platform" in line]
     assert not found, "use torch_thunderbolt.platform.current() / a Platform argument:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("system, names_dev_shm", [("darwin", False), ("linux", True)])
+def test_the_shm_dir_hint_names_only_directories_the_system_has(system: str, names_dev_shm: bool) -> None:
+    from torch_thunderbolt import config
+    from torch_thunderbolt.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        config._shm_dir("/proc", "THUNDERBOLT_SHM_DIR", Platform.for_system(system))  # nothing can be created there
+    text = str(info.value)
+    assert "THUNDERBOLT_SHM_DIR=/proc" in text and "/tmp" in text
+    assert ("/dev/shm" in text) == names_dev_shm, text

@@ -1,8 +1,10 @@
-"""macOS socket behaviour, run on Linux: fake sockets that fail the way XNU does.
+"""macOS socket behaviour, run on Linux: sockets of the darwin model (testing/darwin.py) and fakes that fail
+the way XNU does.
 
 XNU fails a single send/recv over INT_MAX bytes with EINVAL (Linux moves part of it), refuses socket
-buffers above its limit with ENOBUFS (Linux caps them), and on macOS 15+ answers connections to directly
-attached peers with EHOSTUNREACH/EPERM when the app lacks the Local Network permission.
+buffers above its limit with ENOBUFS up to macOS 14.3 (Linux caps them), and on macOS 15+ answers
+connections to directly attached peers with EHOSTUNREACH/EPERM when the app lacks the Local Network
+permission.
 """
 from __future__ import annotations
 
@@ -21,44 +23,12 @@ from torch_thunderbolt.platform import INT_MAX, LOCAL_NETWORK_SETTING, SOCKET_IO
 from torch_thunderbolt.protocol.framing import Space
 from torch_thunderbolt.rendezvous import tcp as bootstrap
 from torch_thunderbolt.rendezvous.setup import SetUp
+from torch_thunderbolt.testing.darwin import Xnu
 from torch_thunderbolt.transport.engine import Transport
 from torch_thunderbolt.transport.tcp import tcp_transport
 
 DARWIN = Platform.for_system("darwin")
 LINUX = Platform.for_system("linux")
-
-
-class DarwinSocket:
-    """A real socket whose single calls fail with EINVAL above INT_MAX bytes, as on macOS; records the
-    largest call it saw."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self.largest = 0
-
-    def _check(self, n: int) -> None:
-        self.largest = max(self.largest, n)
-        if n > INT_MAX:
-            raise OSError(errno.EINVAL, "Invalid argument (XNU: more than INT_MAX bytes in one call)")
-
-    def sendmsg(self, bufs, *args):
-        self._check(sum(memoryview(b).nbytes for b in bufs))
-        return self._sock.sendmsg(bufs, *args)
-
-    def send(self, data, *args):
-        self._check(memoryview(data).nbytes)
-        return self._sock.send(data, *args)
-
-    def recv_into(self, buf, nbytes: int = 0, *args):
-        self._check(nbytes or memoryview(buf).nbytes)
-        return self._sock.recv_into(buf, nbytes, *args)
-
-    def recv(self, n: int, *args):
-        self._check(n)
-        return self._sock.recv(n, *args)
-
-    def __getattr__(self, name: str):
-        return getattr(self._sock, name)
 
 
 @pytest.mark.slow
@@ -70,7 +40,8 @@ def test_a_message_over_int_max_bytes_moves_in_calls_macos_accepts() -> None:
     with socket.create_server(("127.0.0.1", 0)) as lst:
         a = socket.create_connection(lst.getsockname())
         b, _ = lst.accept()
-    fa, fb = DarwinSocket(a), DarwinSocket(b)
+    xnu = Xnu()
+    fa, fb = xnu.wrap(a), xnu.wrap(b)
     t0, t1 = tcp_transport(0, 2, {1: [fa]}), tcp_transport(1, 2, {0: [fb]})
     src = torch.empty(n, dtype=torch.uint8)  # untouched pages stay unallocated; the marks below are checked
     marks = [0, 1, SOCKET_IO_CAP - 1, SOCKET_IO_CAP, INT_MAX, INT_MAX + 1, n - 1]
@@ -103,7 +74,7 @@ def test_a_message_over_int_max_bytes_moves_in_calls_macos_accepts() -> None:
 
 
 class BufferLimitedSocket:
-    """SO_SNDBUF/SO_RCVBUF above `limit` fail with ENOBUFS, as on macOS; records what was set."""
+    """SO_SNDBUF/SO_RCVBUF above `limit` fail with ENOBUFS, as on macOS up to 14.3; records what was set."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -114,6 +85,9 @@ class BufferLimitedSocket:
             if value > self.limit:
                 raise OSError(errno.ENOBUFS, "No buffer space available")
             self.set[option] = value
+
+    def getsockopt(self, level: int, option: int) -> int:
+        return self.set[option]
 
 
 def test_socket_buffers_above_the_macos_limit_are_retried_smaller_with_one_warning(caplog) -> None:

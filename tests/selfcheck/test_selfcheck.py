@@ -71,7 +71,7 @@ def test_quick_on_one_host_reports_everything_and_changes_nothing(tmp_path):
     assert leftovers.new_with_dead_creator(segments) == []
 
     assert doc is not None and report.validate(doc) == []
-    assert doc["version"] == 1 and doc["world_size"] == 2 and doc["result"] in ("ok", "warn")
+    assert doc["version"] == 2 and doc["world_size"] == 2 and doc["result"] in ("ok", "warn")
     checks = lines_of(doc)
     for kind in ("shm", "tcp"):
         for family in FAMILIES:
@@ -92,7 +92,7 @@ def test_quick_on_one_host_reports_everything_and_changes_nothing(tmp_path):
     assert f"hides {ddp['hidden']:.2f} of the exchange" in checks["DDP step"]["detail"]
 
     # Progress: a line as each check ends, numbered, then where the report is.
-    numbered = re.findall(r"^\[\s*(\d+)/(\d+)\] (ok|warn|FAIL) ", done.stdout, re.M)
+    numbered = re.findall(r"^\[\s*(\d+)/(\d+)\] (ok|warn|FAIL|not run) ", done.stdout, re.M)
     assert [int(n) for n, _, _ in numbered] == list(range(1, int(numbered[0][1]) + 1))
     assert done.stdout.startswith("# starting 2 ranks")
     md = sorted(glob.glob(str(out / "selfcheck-*.md")))[-1]
@@ -245,14 +245,39 @@ def test_injections_parse_in_config():
 
 def test_the_schema_checker_finds_what_breaks_it():
     sch = report.schema()
-    assert sch["properties"]["version"] == {"const": 1}
+    assert sch["properties"]["version"] == {"const": 2}
     good = {"status": "ok", "check": "c", "detail": "d", "fix": "", "seconds": 0.1, "ranks": [], "errors": []}
     item = sch["properties"]["checks"]["items"]
     assert report.validate(good, item) == []
-    assert report.validate({**good, "status": "fine"}, item) == ["report.status: 'fine' is not one of ['ok', 'warn', 'FAIL']"]
+    assert report.validate({**good, "status": "fine"}, item) == [
+        "report.status: 'fine' is not one of ['ok', 'warn', 'FAIL', 'not run']"]
     assert report.validate({**good, "ranks": [True]}, item) == ["report.ranks[0]: expected integer, got bool"]
     assert report.validate({k: v for k, v in good.items() if k != "errors"}, item) == ["report: lacks 'errors'"]
-    assert "report.version: expected 1, got 2" in report.validate({"version": 2}, sch)
+    assert "report.version: expected 2, got 1" in report.validate({"version": 1}, sch)
+
+
+def test_a_check_that_did_not_run_is_not_counted_ok(capsys):
+    """Three states: a check skipped (no group of that kind) or not run on any rank is "not run" with its
+    reason, and the summary counts it apart from the checks that ran."""
+    import io
+
+    from torch_thunderbolt.bench.config import RankEnv
+    from torch_thunderbolt.selfcheck.model import NOT_RUN, OK, Line, Options, worst
+    from torch_thunderbolt.selfcheck.rank import Selfcheck
+
+    out = io.StringIO()
+    sc = Selfcheck(Options(), RankEnv(0, 2, 0, "127.0.0.1", 29500), out=out)
+    sc.total = 3
+    sc._emit(Line(OK, "barrier over tcp on cpu", "1 case(s) exact against the reference"))
+    sc._skip("all_reduce over rdma on cpu", "no rdma group (see 'links of kind rdma')")
+    sc._emit(sc._combine("links of kind shm", [(NOT_RUN, "the ranks run on several hosts", "", [])] * 2, 0.1))
+    assert [line.status for line in sc.lines] == ["ok", "not run", "not run"]
+    assert "not run all_reduce over rdma on cpu: no rdma group" in out.getvalue()
+    assert worst([NOT_RUN, OK]) == OK and worst([NOT_RUN, NOT_RUN]) == NOT_RUN
+    doc = report.document(sc, None)
+    assert doc["counts"] == {"ok": 1, "warn": 0, "FAIL": 0, "not run": 2} and doc["result"] == "ok"
+    assert report.validate(doc) == []
+    assert "ok 1, warn 0, FAIL 0, not run 2" in report.markdown(doc)
 
 
 def test_the_documented_schema_is_the_packaged_one():

@@ -30,6 +30,7 @@ from ..transport.base import ANY_SOURCE
 from ..transport.engine import Transport
 from ..transport.names import RankNames
 from .device import DeviceCompletions
+from .keep_awake import Hold
 from .tensors import (Staged, byte_view, check_same_dtype, flat_cat, flat_view, on_device, reduce_op,
                       rows_to_elems, split_into, total_bytes)
 from .work import WaitedWork, Work
@@ -64,11 +65,13 @@ def _timeout_s(opts: Any, default: float) -> float:
 class ThunderboltProcessGroup(dist.ProcessGroup):
     """`nets` and `hosts`: every rank's networks and host, as the set-up found them (None where it had no
     reason to look), for the shape of this group and of the groups split from it; `global_ranks`: each
-    rank's global rank (None: the ranks are the global ones)."""
+    rank's global rank (None: the ranks are the global ones); `awake`: this group's share of the process's
+    power assertion (keep_awake.py), released at shutdown."""
 
     def __init__(self, transport: Transport, cfg: Config, timeout: float, description: str = "",
                  shape: Shape | None = None, *, nets: "list[list[str]] | None" = None,
-                 hosts: "list[str] | None" = None, global_ranks: "list[int] | None" = None) -> None:
+                 hosts: "list[str] | None" = None, global_ranks: "list[int] | None" = None,
+                 awake: Hold | None = None) -> None:
         super().__init__(transport.rank, transport.world)
         self._rank, self._size = transport.rank, transport.world  # rank() is a C++ call, ~1 µs each
         self._transport = transport
@@ -78,6 +81,7 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         self._global_ranks = list(global_ranks) if global_ranks is not None else list(range(transport.world))
         self._comm = Communicator(transport, cfg, timeout, shape if shape is not None else cluster_shape(nets, hosts))
         self._worker = Worker(f"tb-worker-r{transport.rank}")
+        self._awake = awake
         self._devices = DeviceCompletions()  # ops on device tensors not yet complete (device.py)
         self._group_name = ""
         self._group_desc = description
@@ -211,7 +215,14 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                cfg: Config | None = None) -> "ThunderboltProcessGroup":
         pick = (lambda xs: None if xs is None else [xs[r] for r in ranks])  # noqa: E731
         return ThunderboltProcessGroup(view, cfg or self._cfg, timeout, description=what, nets=pick(self._nets),
-                                       hosts=pick(self._hosts), global_ranks=pick(self._global_ranks))
+                                       hosts=pick(self._hosts), global_ranks=pick(self._global_ranks),
+                                       awake=self.awake_hold())
+
+    def awake_hold(self) -> Hold | None:
+        """Another share of the power assertion this group holds, for a group made from it (None: it holds
+        none, or no longer)."""
+        owner = self._awake.owner if self._awake is not None else None
+        return owner.hold() if owner is not None else None
 
     @property
     def usable(self) -> bool:
@@ -752,8 +763,12 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
                 return
             self._closed = True
         atexit.unregister(self._exit_hook)  # a process that makes group after group must not collect hooks
-        self._worker.stop()
-        self._transport.close()
+        try:
+            self._worker.stop()
+            self._transport.close()
+        finally:
+            if self._awake is not None:
+                self._awake.release()
 
     def abort(self) -> None:
         self.shutdown()

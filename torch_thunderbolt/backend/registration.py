@@ -52,6 +52,7 @@ def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
     from ..config import Config
     from ..rendezvous.group import connect
     from ..transport.names import RankNames
+    from .keep_awake import KeepAwake
     from .process_group import ThunderboltProcessGroup
 
     cfg = backend_opts if isinstance(backend_opts, Config) else Config.from_env()
@@ -67,9 +68,30 @@ def create_process_group(dist_opts: Any, backend_opts: Any = None) -> Any:
     # In a subgroup, "rank 0" in an error is a group rank: name the global one too. torch gives an extended
     # backend's creator the group's global ranks (none for the default group, whose ranks are global).
     names = RankNames.for_group(global_ranks, size, name)
-    group = connect(dist_opts.store, rank, size, cfg, timeout, names=names)
-    return ThunderboltProcessGroup(group.transport, cfg, timeout, description=str(getattr(dist_opts, "group_id", "")),
-                                   nets=group.nets, hosts=group.hosts, global_ranks=global_ranks)
+    # The Mac stays awake from here (the set-up may wait long for the other ranks) until the last group
+    # sharing this assertion is destroyed; a group set up on its own beside a default group of ours shares
+    # that group's.
+    awake = _default_group_awake() if global_ranks else None
+    if awake is None:
+        awake = KeepAwake(cfg.keep_awake).hold()
+    try:
+        group = connect(dist_opts.store, rank, size, cfg, timeout, names=names)
+        description = str(getattr(dist_opts, "group_id", ""))
+        return ThunderboltProcessGroup(group.transport, cfg, timeout, description=description,
+                                       nets=group.nets, hosts=group.hosts, global_ranks=global_ranks, awake=awake)
+    except BaseException:
+        awake.release()
+        raise
+
+
+def _default_group_awake() -> Any:
+    """Another share of the default group's power assertion, if the default group is ours and holds one."""
+    import torch.distributed as dist
+
+    from .process_group import ThunderboltProcessGroup
+
+    parent = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    return parent.awake_hold() if isinstance(parent, ThunderboltProcessGroup) else None
 
 
 SPLIT_KEY = "thunderbolt-split/"  # in the new group's store: whether each member can split it off

@@ -11,16 +11,16 @@ device tensor, nor completes a device op's future (device.py).
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from typing import Callable
 
+from ..transport import spin
 from .work import Work
 
 
 class Worker:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, yield_cpu: spin.Yield | None = None) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _pending, _thread and _stopped
         self._turn = threading.Lock()  # held while one of this group's ops runs (inline, or the worker's)
@@ -28,6 +28,7 @@ class Worker:
         self._name = name
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._yield = yield_cpu or spin.yield_cpu  # (tests pass a scheduler model's)
 
     def try_inline(self) -> bool:
         """Take the group's turn to run one op in the caller's thread, if no op is queued or running: True
@@ -79,8 +80,10 @@ class Worker:
             # The issuing thread is usually still returning from the call that queued this op (an op on
             # device tensors has just copied its inputs out). Where cores are fewer than busy threads, the
             # freshly woken worker would take the core from it and the caller's "async" call would return
-            # late: let it go first. One system call, immediate where nothing else waits for the core.
-            os.sched_yield()
+            # late: let it go first. One system call, immediate where nothing else waits for the core; a
+            # yield that does not depress this thread's priority (spin.py), or it would wait behind
+            # every runnable thread for a quantum on macOS.
+            self._yield()
             work, fn = item
             exc: BaseException | None = None
             try:

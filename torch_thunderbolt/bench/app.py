@@ -95,6 +95,20 @@ def _transport_of(kind: str, group: Any, backend: Config) -> str:
     return backend.transport if kind == "thunderbolt" else "?"
 
 
+def unlike_paths_note(transports: Mapping[str, str], baseline: str | None) -> str | None:
+    """The warning printed above the tables when a backend's bytes take another path than the baseline's."""
+    base = transports.get(baseline) if baseline else None
+    if base is None or base == "none":
+        return None
+    others = {label: t for label, t in transports.items() if label != baseline and t not in (base, "none")}
+    if not others:
+        return None
+    paths = ", ".join(f"{label} over {t}" for label, t in sorted(others.items()))
+    hint = " (--transport tcp compares the same path)" if "shm" in " ".join(others.values()) else ""
+    return (f"# NOTE: {paths}, {baseline} over {base}: the ratio column compares these paths as much as the "
+            f"backends, not a cable{hint}")
+
+
 def _link_streams_of(kind: str, streams: int) -> int | None:
     """The stream count whose raw throughput a backend's busbw is compared to (gloo: one socket per peer)."""
     return {"thunderbolt": streams, "gloo": 1}.get(kind)
@@ -116,6 +130,11 @@ def run_rank(cfg: BenchConfig, env: RankEnv, out: TextIO = sys.stdout, err: Text
     """Everything one rank does; rank 0 prints and writes files. Returns the exit code."""
     validate_for_world(cfg, env.world_size)
     backend = backend_config(cfg, os.environ)
+    if cfg.workload is not None:
+        from .workloads.session import run_rank as run_workload
+
+        _check_backends(cfg.backends)
+        return run_workload(cfg, env, backend, out)
     os.environ.setdefault("MASTER_ADDR", env.master_addr)  # for torch's env:// rendezvous of the control group
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
     import torch.distributed as dist
@@ -186,6 +205,7 @@ class _Session:
                  f"{f' with the dispatch floor ({FLOOR_LABEL})' if self.cfg.floor else ''}; "
                  f"{self.cfg.iters} iters after {self.cfg.warmup} warmup; time = median of per-iteration max over "
                  f"ranks; tcp congestion control {congestion or '?'}")
+        self._warn_unlike_paths()
         self._say_cabling()
         link_gbps = self._link() if self.cfg.link else {}
         before = self._memcpy() if self.cfg.memcpy else None
@@ -280,6 +300,13 @@ class _Session:
         if ours and ours != system and {"thunderbolt", "gloo"} <= kinds:
             self.say(f"# warning: THUNDERBOLT_CC={ours} but gloo uses the system's {system or '?'}: "
                      "the ratio column compares congestion controls as much as backends")
+
+    def _warn_unlike_paths(self) -> None:
+        """A ratio between backends whose bytes take different paths measures the paths, not the backends:
+        on one host "auto" picks shared memory while gloo always goes through loopback TCP."""
+        text = unlike_paths_note(self.transports, self.cfg.baseline)
+        if text:
+            self.say(text)
 
     def _link(self) -> dict[int, dict]:
         import torch.distributed as dist

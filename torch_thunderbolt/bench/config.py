@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from . import sizes as sz
 from .bounds import parse_cable_rate
 from .spec import DTYPES, FLOOR_LABEL, NULL_BACKEND, OP_ALIASES, OPS, check_world_size, dtype
+from .workloads import spec as ws
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 _LABEL_RE = re.compile(r"^[A-Za-z0-9_.#:-]+$")
@@ -52,6 +53,14 @@ class BenchConfig:
     plot_path: str | None = None
     timeout: float = 1800.0
     progress: bool = True
+    workload: str | None = None      # --workload: a model's step or token timed instead of single ops
+    device: str = ws.DEFAULT_DEVICE  # where the workload's model runs (workloads.spec.DEVICES)
+    model: str | None = None         # the model's preset (None: the workload's default)
+    batches: tuple[int, ...] = ()    # per rank (vit-ddp) or per job (llama-*)
+    ddp_hooks: tuple[str, ...] = ("none",)
+    bucket_caps: tuple[float, ...] = (25.0,)
+    microbatches: int = 1
+    tokens: int = 8                  # decoded tokens per timed iteration (llama-*)
 
 
 @dataclass(frozen=True)
@@ -108,8 +117,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("-b", "--minbytes", default=None, help="nccl-tests style: first size")
     a("-e", "--maxbytes", default=None, help="nccl-tests style: last size")
     a("-f", "--stepfactor", type=float, default=2.0, help="nccl-tests style: size multiplier (default 2)")
-    a("-n", "--iters", type=int, default=20, help="timed iterations per size and backend (default 20)")
-    a("-w", "--warmup", type=int, default=5, help="untimed iterations first (default 5)")
+    a("-n", "--iters", type=int, default=None,
+      help=f"timed iterations per size and backend (default 20; {ws.DEFAULT_ITERS} with --workload)")
+    a("-w", "--warmup", type=int, default=None,
+      help=f"untimed iterations first (default 5; {ws.DEFAULT_WARMUP} with --workload)")
     a("-d", "--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
     a("--link", action="store_true",
       help="also measure the raw TCP link between rank 0 and rank 1 (the eff column; the bound of TCP rows on one host)")
@@ -131,10 +142,84 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--plot", dest="plot_path", metavar="FILE.png", default=None, help="plot busbw and latency (matplotlib)")
     a("--timeout", type=float, default=1800.0, help="seconds for the whole run (default 1800)")
     a("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+    w = parser.add_argument_group("workloads", "time a model's training step or decoded token instead of single ops")
+    w.add_argument("--workload", choices=ws.WORKLOADS, default=None,
+                   help="vit-ddp: ViT under DDP (step with and without the exchange, the exchange alone); "
+                        "llama-pp / llama-tp: a Llama-shaped decoder, pipeline or tensor parallel over the ranks")
+    w.add_argument("--device", choices=ws.DEVICES, default=None,
+                   help=f"where the model runs (default {ws.DEFAULT_DEVICE}: the timed emulated Apple-silicon GPU, "
+                        "timing only; fake: the untimed fake accelerator; cpu: this host's CPU)")
+    w.add_argument("--model", default=None, help="the model's preset (default: ViT base, Llama llama8b)")
+    w.add_argument("--batch", default=None, help="comma list of batch sizes (vit-ddp: images per rank, default "
+                                                 "32; llama-*: sequences, default 1,4)")
+    w.add_argument("--ddp-hook", default=None, help=f"vit-ddp: comma list of {', '.join(ws.DDP_HOOKS)} (default none)")
+    w.add_argument("--bucket-cap-mb", default=None, help="vit-ddp: comma list of DDP bucket_cap_mb (default 25)")
+    w.add_argument("--microbatches", type=int, default=None, help="llama-pp: pieces each batch is cut into (default 1)")
+    w.add_argument("--tokens", type=int, default=None, help="llama-*: decoded tokens per timed iteration (default 8)")
+
+
+def _float_list(text: str, what: str) -> tuple[float, ...]:
+    values = []
+    for item in sz.split_list(text, what):
+        try:
+            value = float(item)
+        except ValueError:
+            value = -1.0
+        if value <= 0:
+            raise ConfigError(f"bad --{what} entry {item!r}: expected a number > 0")
+        values.append(value)
+    return tuple(values)
+
+
+_WORKLOAD_ONLY = ("device", "model", "batch", "ddp_hook", "bucket_cap_mb", "microbatches", "tokens")
+
+
+def _workload_fields(ns: argparse.Namespace) -> dict:
+    """The --workload settings, checked against the workload (an option another workload ignores is an
+    error, not a silent no-op)."""
+    given = [f"--{k.replace('_', '-')}" for k in _WORKLOAD_ONLY if getattr(ns, k, None) is not None]
+    if ns.workload is None:
+        if given:
+            raise ConfigError(f"{', '.join(given)} only apply with --workload")
+        return {}
+    collective_only = [flag for flag, on in (("--sizes", ns.sizes), ("-b/-e", ns.minbytes or ns.maxbytes),
+                                             ("--ops", ns.ops != "all"), ("--link", ns.link), ("--memcpy", ns.memcpy),
+                                             ("--floor", ns.floor), ("--plot", ns.plot_path),
+                                             ("--cable-rate", ns.cable_rate)) if on]
+    if collective_only:
+        raise ConfigError(f"{', '.join(collective_only)} do not apply with --workload {ns.workload}")
+    name = ns.workload
+    wrong = [flag for flag, on in (("--ddp-hook", ns.ddp_hook is not None), ("--bucket-cap-mb", ns.bucket_cap_mb is not None))
+             if on and name != "vit-ddp"]
+    wrong += [flag for flag, on in (("--microbatches", ns.microbatches is not None),) if on and name != "llama-pp"]
+    wrong += [flag for flag, on in (("--tokens", ns.tokens is not None),) if on and name == "vit-ddp"]
+    if wrong:
+        raise ConfigError(f"{', '.join(wrong)} do not apply to --workload {name}")
+    out: dict = {"workload": name, "device": ns.device or ws.DEFAULT_DEVICE,
+                 "model": ns.model or ws.DEFAULT_MODEL[name],
+                 "batches": tuple(sz.parse_int_list(ns.batch, "batch")) if ns.batch else ws.DEFAULT_BATCHES[name]}
+    if ns.ddp_hook is not None:
+        out["ddp_hooks"] = tuple(sz.choose(sz.split_list(ns.ddp_hook, "ddp-hook"), ws.DDP_HOOKS, "--ddp-hook"))
+    if ns.bucket_cap_mb is not None:
+        out["bucket_caps"] = _float_list(ns.bucket_cap_mb, "bucket-cap-mb")
+    for flag, value in (("--microbatches", ns.microbatches), ("--tokens", ns.tokens)):
+        if value is not None and value < 1:
+            raise ConfigError(f"bad {flag} {value}: expected at least 1")
+    if ns.microbatches is not None:
+        out["microbatches"] = ns.microbatches
+        too_small = [b for b in out["batches"] if b % ns.microbatches and b >= ns.microbatches]
+        if too_small:
+            raise ConfigError(f"--microbatches {ns.microbatches} does not divide --batch {too_small[0]}")
+    if ns.tokens is not None:
+        out["tokens"] = ns.tokens
+    return out
 
 
 def from_args(ns: argparse.Namespace) -> BenchConfig:
     """Validate parsed flags into a BenchConfig; every problem is a ConfigError naming the flag."""
+    workload = _workload_fields(ns)
+    iters = ns.iters if ns.iters is not None else (ws.DEFAULT_ITERS if workload else 20)
+    warmup = ns.warmup if ns.warmup is not None else (ws.DEFAULT_WARMUP if workload else 5)
     if ns.sizes and (ns.minbytes or ns.maxbytes):
         raise ConfigError("give either --sizes or -b/-e/-f, not both")
     if ns.minbytes or ns.maxbytes:
@@ -153,7 +238,7 @@ def from_args(ns: argparse.Namespace) -> BenchConfig:
     allowed = labels + ([FLOOR_LABEL] if floor else [])
     if baseline is not None and baseline not in allowed:
         raise ConfigError(f"--baseline {baseline!r} is not one of the measured backends ({', '.join(allowed)})")
-    for flag, value, low in (("--iters", ns.iters, 1), ("--warmup", ns.warmup, 0), ("--nproc", ns.nproc, 1),
+    for flag, value, low in (("--iters", iters, 1), ("--warmup", warmup, 0), ("--nproc", ns.nproc, 1),
                              ("--link-repeats", ns.link_repeats, 1)):
         if value < low:
             raise ConfigError(f"bad {flag} {value}: expected at least {low}")
@@ -162,11 +247,11 @@ def from_args(ns: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         backends=backends, baseline=baseline,
         ops=tuple(sz.choose(sz.split_list(ns.ops, "ops"), OPS, "op", OP_ALIASES)),
-        sizes=tuple(sizes), dtype=dtype(ns.dtype).name, iters=ns.iters, warmup=ns.warmup, nproc=ns.nproc,
+        sizes=tuple(sizes), dtype=dtype(ns.dtype).name, iters=iters, warmup=warmup, nproc=ns.nproc,
         link=ns.link, link_streams=tuple(sz.parse_int_list(ns.link_streams, "link-streams")),
         link_bytes=sz.parse_size(ns.link_bytes), link_repeats=ns.link_repeats, memcpy=ns.memcpy,
         floor=floor, cable_rate=parse_cable_rate(ns.cable_rate), transport=ns.transport,
-        json_path=ns.json_path, plot_path=ns.plot_path, timeout=ns.timeout, progress=ns.progress)
+        json_path=ns.json_path, plot_path=ns.plot_path, timeout=ns.timeout, progress=ns.progress, **workload)
 
 
 def to_argv(cfg: BenchConfig) -> list[str]:
@@ -189,7 +274,31 @@ def to_argv(cfg: BenchConfig) -> list[str]:
     argv += ["--memcpy"] if cfg.memcpy else []
     argv += ["--floor"] if cfg.floor else []
     argv += [] if cfg.progress else ["--no-progress"]
+    if cfg.workload is not None:
+        argv = _without(argv, ("--ops", "--sizes"))
+        argv += ["--workload", cfg.workload, "--device", cfg.device, "--model", cfg.model or "",
+                 "--batch", ",".join(map(str, cfg.batches))]
+        if cfg.workload == "vit-ddp":
+            argv += ["--ddp-hook", ",".join(cfg.ddp_hooks), "--bucket-cap-mb", ",".join(map(repr, cfg.bucket_caps))]
+        else:
+            argv += ["--tokens", str(cfg.tokens)]
+        if cfg.workload == "llama-pp":
+            argv += ["--microbatches", str(cfg.microbatches)]
     return argv
+
+
+def _without(argv: list[str], flags: Sequence[str]) -> list[str]:
+    """`argv` less each of `flags` and its value."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        else:
+            out.append(a)
+    return out
 
 
 def _int_env(environ: Mapping[str, str], name: str) -> int:
@@ -224,6 +333,15 @@ def backend_config(cfg: BenchConfig, environ: Mapping[str, str]) -> Config:
 
 def validate_for_world(cfg: BenchConfig, world_size: int) -> None:
     """Checks that need the world size, run before any process group exists."""
+    if cfg.workload is not None:
+        if cfg.workload == "llama-tp":
+            from ..testing.models.llama import check_shards, make_config
+
+            try:
+                check_shards(make_config(cfg.model or "llama8b"), world_size)
+            except ValueError as exc:
+                raise ConfigError(f"--workload llama-tp over {world_size} ranks: {exc}") from None
+        return
     check_world_size(list(cfg.ops), world_size, dtype(cfg.dtype))
     if cfg.link and world_size < 2:
         raise ConfigError("--link needs at least 2 ranks (it measures rank 0 <-> rank 1)")

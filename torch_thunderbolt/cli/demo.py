@@ -63,6 +63,7 @@ def _rank_main(args: argparse.Namespace) -> int:
 
     from ..backend.registration import register
     from ..config import parse_size
+    from .main import self_command
 
     register()  # the command line's import of the package does not (torch_thunderbolt/__init__.py)
     dist.init_process_group("thunderbolt")
@@ -102,5 +103,5 @@ def _rank_main(args: argparse.Namespace) -> int:
         say(f"  all_reduce {label:>6}: median {med * 1e6:10.1f} us   busbw {bus:6.2f} GB/s")
     del big
     dist.destroy_process_group()
-    say("done. Compare with gloo: torch-thunderbolt bench --ops all_reduce --sizes 4K,64M")
+    say(f"done. Compare with gloo: {self_command()} bench --ops all_reduce --sizes 4K,64M")
     return 0

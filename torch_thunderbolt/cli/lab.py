@@ -111,8 +111,10 @@ def _hostfile(args: argparse.Namespace) -> int:
 def _exec(args: argparse.Namespace) -> int:
     from ..lab.executor import require_root, running_as_root
     from ..lab.view import Lab
+    from ..launch.ranks import bare_python
 
-    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    # A bare `python` is this interpreter: under a stock sudo, PATH is secure_path, without the venv.
+    cmd = bare_python(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd, sys.executable)
     if not cmd:
         raise ConfigError("expected a command: lab exec HOST -- CMD [ARGS...]")
     lab = Lab.load(args.name, args.state_dir)

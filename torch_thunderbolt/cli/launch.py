@@ -61,6 +61,19 @@ def _hosts(args: argparse.Namespace):
     return local_hosts()
 
 
+def bridge_warning(hosts, python: str, run=None, system: str = sys.platform) -> str:
+    """On a Mac: whether this Mac's bridge holds again a port the hostfile's hosts use (a reboot puts them
+    back, topology/persist.py), as the warning to print; "" otherwise."""
+    if system != "darwin":
+        return ""
+    from ..topology.discover import subprocess_runner
+    from ..topology.persist import launch_bridge_check
+
+    in_use = sorted({n.strip() for h in hosts if h.ifname for n in h.ifname.split(",") if n.strip()})
+    advice = launch_bridge_check(run or subprocess_runner, in_use, python)
+    return f"torch-thunderbolt launch: warning: on this Mac, {advice}" if advice else ""
+
+
 def run(args: argparse.Namespace) -> int:
     from ..launch.ranks import DEFAULT_MASTER_PORT, build_rank_specs, parse_env_assignments
     from ..config import parse_secret
@@ -87,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
                              master_port=port, extra_env=parse_env_assignments(args.env),
                              ssh_options=args.ssh_option, inherited=os.environ, secret=secret,
                              python=args.python)
+    warning = bridge_warning(hosts, args.python)
+    if warning:
+        print(warning, file=sys.stderr)
     if args.dry_run:
         for spec in specs:
             env = " ".join([f"{k}={shlex.quote(v)}" for k, v in spec.env.items()] +

@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
+import shlex
+import shutil
 import sys
 from typing import Sequence
 
@@ -32,6 +35,21 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("torch_thunderbolt.cli.doctor", "check this machine's setup for torch-thunderbolt"),
     "selfcheck": ("torch_thunderbolt.cli.selfcheck", "check everything (ops, links, bench, faults) and write a report"),
 }
+
+
+def self_command(executable: str = sys.executable, path: str | None = None, cwd: str | None = None) -> str:
+    """`torch-thunderbolt` as the user can type it here: the bare name when PATH finds this environment's
+    script (an activated venv), else that script's path (relative to `cwd` inside it: `.venv/bin/...`), else
+    this interpreter with `-m torch_thunderbolt` (a checkout that was not installed)."""
+    script = os.path.join(os.path.dirname(executable), "torch-thunderbolt")
+    if not os.path.isfile(script):
+        return f"{shlex.quote(executable)} -m torch_thunderbolt"
+    found = shutil.which("torch-thunderbolt", path=os.environ.get("PATH", "") if path is None else path)
+    if found and os.path.realpath(found) == os.path.realpath(script):
+        return "torch-thunderbolt"
+    here = os.path.abspath(cwd or os.getcwd())
+    inside = here != os.sep and os.path.commonpath([here, os.path.abspath(script)]) == here
+    return shlex.quote(os.path.relpath(script, here) if inside else script)
 
 
 def _available() -> dict[str, tuple[str, str]]:

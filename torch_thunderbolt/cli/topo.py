@@ -4,15 +4,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ThunderboltError
 from ..topology.discover import RunCommand, discover_local, local_hostname, subprocess_runner
 from ..topology.draw import require_png, to_dot, write_png
 from ..topology.model import Host, load_host_dump
 from ..topology.record import RECORD_FILE, record
 from ..topology.addressing import DEFAULT_BASE
+from ..topology import persist
 from ..topology.remote import apply_commands, gather_over_ssh, parse_ssh_list
 from ..topology.report import analyse, analysis_json, cluster_report, commands_text, host_summary, hostfile
 
@@ -35,17 +37,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--png", metavar="OUT", help="draw the graph as PNG (needs matplotlib)")
     parser.add_argument("--apply", action="store_true",
                         help="run the plan's commands (this host locally, --ssh hosts over ssh; sudo)")
+    parser.add_argument("--persist", action="store_true",
+                        help="on this Mac, as root: install a LaunchDaemon that keeps the Thunderbolt ports out of "
+                             "the bridge after every reboot (`ifconfig bridgeN deletem` does not survive one)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def run(args: argparse.Namespace, *, runner: RunCommand = subprocess_runner, system: str | None = None,
-        hostname: str | None = None, sysfs_root: str = "/") -> int:
+        hostname: str | None = None, sysfs_root: str = "/", root: str = "/") -> int:
     def local() -> Host:
         return discover_local(runner, system=system, hostname=hostname, sysfs_root=sysfs_root)
 
     if args.png:  # before anything is written, gathered or applied (as bench checks --plot)
         require_png()
     cluster = bool(args.from_files or args.ssh)
+    if args.persist:
+        if cluster or args.record or args.dump or args.hostfile or args.dot or args.png or args.apply:
+            raise ConfigError("--persist installs on this Mac alone: run it by itself on each Mac (after "
+                              "--apply, topo prints the command for every Mac)")
+        return _persist(local(), runner, Path(root))
     if args.record:
         if cluster or args.dump:
             raise ConfigError("--record saves this host's outputs; it does not combine with --dump/--from/--ssh")
@@ -85,10 +95,32 @@ def _cluster(args, runner: RunCommand, local, local_name: str) -> int:
     done = apply_commands(a.commands, runner, local_name, ssh, is_root=_is_root(),
                           log=lambda line: print(f"running: {line}", file=sys.stderr))
     print(f"Applied {len(done.ran)} commands, {len(done.skipped)} already satisfied.", file=sys.stderr)
+    keep = [persist.persist_command(args.python, h.ssh) for h in a.graph.hosts if h.platform == "macos" and h.bridge]
+    if keep:
+        print("Taking the ports out of the bridge does not survive a reboot; to keep it, run on each Mac once "
+              "(it installs a LaunchDaemon):\n  " + "\n  ".join(keep), file=sys.stderr)
     if done.unreachable:
         print("Not reachable from here (run these on those hosts yourself, or use --ssh):\n"
               + commands_text(done.unreachable), file=sys.stderr)
         return 1
+    return 0
+
+
+def _persist(host: Host, runner: RunCommand, root: Path) -> int:
+    bridge, ports = persist.ports_to_keep_out(host)
+    plist = persist.daemon_plist(bridge, ports)
+    if not _is_root():
+        raise ConfigError(f"--persist writes {persist.plist_path(root)} and loads it with launchctl, as root: "
+                          f"{persist.persist_command()}")
+    path = persist.install(plist, root)
+    unload, load = persist.load_commands(path)
+    runner(unload)  # fails when no earlier copy is loaded: nothing to undo then
+    done = runner(load)
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip() or "no output"
+        raise ThunderboltError(f"wrote {path}, but `{shlex.join(load)}` failed (exit {done.returncode}): {said}")
+    print(f"Installed {path}: at every boot and every {persist.RECHECK_SECONDS} s it runs, as root, "
+          f"`{persist.boot_script(bridge, ports)}`.\nTo undo: {persist.undo_text(path)}")
     return 0
 
 

@@ -6,10 +6,12 @@ so both our backend and gloo use the Thunderbolt interfaces rather than Wi-Fi or
 THUNDERBOLT_SECRET. That one is kept apart (`RankSpec.private_env`): it never goes on a command line, where
 `ps` would show it to every user of the launching and the remote host; ssh ranks read it from stdin.
 
-On ssh hosts a bare `python`/`python3`/`python3.12` at the start of the command becomes an interpreter
-by absolute path (the host's `python`, else the launcher's --python, else its own sys.executable): a
+A bare `python`/`python3`/`python3.12` at the start of the command becomes an interpreter by absolute
+path. On ssh hosts: the host's `python`, else the launcher's --python, else its own sys.executable (a
 non-login ssh shell on a Mac has PATH=/usr/bin:/bin:/usr/sbin:/sbin, with no `python` and a `python3`
-that is Apple's 3.9 without torch. The remote script checks the program exists before starting it.
+that is Apple's 3.9 without torch); the remote script checks the program exists before starting it. On
+local and lab hosts (this machine): the launcher's own interpreter, since under a stock `sudo` the PATH is
+sudo's `secure_path`, where `python` is not the venv's (or does not exist).
 """
 from __future__ import annotations
 
@@ -120,11 +122,17 @@ def remote_script(env: Mapping[str, str], cmd: Sequence[str], cwd: str, private:
 _BARE_PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 
 
-def host_command(host: Host, cmd: Sequence[str], python: str) -> list[str]:
-    """`cmd` as run on `host`: on ssh hosts a bare python name becomes the interpreter's absolute path."""
-    if host.exec != "ssh" or not cmd or not _BARE_PYTHON.match(cmd[0]):
+def bare_python(cmd: Sequence[str], interpreter: str) -> list[str]:
+    """`cmd` with a bare python name at its start replaced by `interpreter` (an absolute path)."""
+    if not cmd or not _BARE_PYTHON.match(cmd[0]):
         return list(cmd)
-    return [host.python or python, *cmd[1:]]
+    return [interpreter, *cmd[1:]]
+
+
+def host_command(host: Host, cmd: Sequence[str], python: str, here: str = sys.executable) -> list[str]:
+    """`cmd` as run on `host`: a bare python name becomes an interpreter's absolute path (see the module
+    doc): on ssh hosts the host's or `python`, on this machine `here`, the launcher's own."""
+    return bare_python(cmd, (host.python or python) if host.exec == "ssh" else here)
 
 
 def program_check(host: Host, program: str) -> str:

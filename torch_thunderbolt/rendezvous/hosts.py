@@ -5,26 +5,16 @@ from __future__ import annotations
 import os
 import re
 import socket
-import subprocess
 from pathlib import Path
 from typing import Callable
 
-from ..platform import IOREG, SYSCTL, Platform, current
-
-
-def _run_tool(argv: list[str]) -> str:
-    """stdout of a system tool (run by absolute path), or "" when it is missing or fails."""
-    try:
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return res.stdout if res.returncode == 0 else ""
+from ..platform import IOREG, SYSCTL, Platform, current, run_tool
 
 
 _IOPLATFORM_UUID = re.compile(r'"IOPlatformUUID"\s*=\s*"([^"]+)"')
 
 
-def host_identity(plat: Platform | None = None, run: Callable[[list[str]], str] = _run_tool) -> str:
+def host_identity(plat: Platform | None = None, run: Callable[[list[str]], str] = run_tool) -> str:
     """Who shares memory with whom: the hostname, plus what tells machines and boots apart on `plat`.
 
     Linux: boot id and network namespace; the namespace makes the emulated Macs of `torch-thunderbolt lab`

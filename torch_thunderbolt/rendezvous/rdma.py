@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from ..config import Config
 from ..errors import ConfigError, HandshakeError, RdmaError, peer_lost
-from ..platform import Platform, current
+from ..platform import Platform, current, spin_cores
 from ..transport.engine import Transport
 from ..transport.netif import network_of
 from .hosts import recv_exact
@@ -288,7 +288,7 @@ def connect_rdma_links(setup: SetUp) -> "RdmaLinks":
             e.send_hello()
         _await_hellos(rank, ends, min(deadline, time.monotonic() + HELLO_TIMEOUT), records)
         _barrier(records, socks, HELLOED, rank, deadline)  # from here a peer may send data
-        spin = cfg.spin_us if setup.local_ranks() <= (os.cpu_count() or 1) else 0
+        spin = cfg.spin_us if setup.local_ranks() <= spin_cores() else 0
         kind = RdmaLinks(verbs, list(devices.values()), ends, socks, spin_us=spin,
                          link_timeout=cfg.link_timeout_ms / 1000)
         for p, e in ends.items():

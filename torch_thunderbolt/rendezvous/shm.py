@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 from ..config import Config
 from ..errors import ConfigError, HandshakeError, peer_lost
+from ..platform import spin_cores
 from ..transport import ordering
 from ..transport import shm_ring as ring
 from ..transport import shm_segment as segs
@@ -60,9 +61,9 @@ def default_window_bytes(local_ranks: int) -> int:
     """Bytes per window buffer (a round): 1 MB keeps rounds in cache; with more ranks than cores every
     wait is a scheduler wake-up, so 4 MB quarters their number (4 ranks on 2 cores, 64 MB, interleaved:
     all_reduce 38.8 against 41.9 ms with 2 MB, 39.8 against 42.7; 8 MB was faster still for all_reduce but
-    slower for broadcast). os.cpu_count(), not the affinity mask, so every rank on the host picks the
-    same size (the segment layouts must agree)."""
-    return (4 << 20) if local_ranks > (os.cpu_count() or 1) else (1 << 20)
+    slower for broadcast). The host's cores (`spin_cores`), not the affinity mask, so every rank on the
+    host picks the same size (the segment layouts must agree)."""
+    return (4 << 20) if local_ranks > spin_cores() else (1 << 20)
 
 
 def _listen() -> tuple[socket.socket, str]:

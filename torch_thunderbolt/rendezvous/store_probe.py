@@ -162,7 +162,8 @@ def _unreachable(rank: int, host: str, port: int, loopback: bool, waited: float,
     what = "; ".join(f"{n} attempt(s) {k}" for k, n in seen.items()) or f"{last}"
     across = "" if loopback else (
         f"; that {host} is rank 0's address on a network this Mac is on (ping {host}); that the firewall of "
-        f"rank 0's Mac lets its python accept incoming connections (System Settings › Network › Firewall); and "
+        f"rank 0's Mac lets its python accept incoming connections (`torch-thunderbolt doctor --firewall-command` "
+        f"there prints how); and "
         f"that the app this python runs under has the Local Network permission ({LOCAL_NETWORK_SETTING})")
     return peer_lost(
         rank, 0, f"could not connect to the rendezvous store at {host}:{port} (MASTER_ADDR:MASTER_PORT, "

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from ..config import Config
 from ..errors import ConfigError, HandshakeError, PeerLostError, ThunderboltError, peer_lost
 from ..platform import (DARWIN_TCP_RXT_CONNDROPTIME, LINUX_TCP_USER_TIMEOUT, LOCAL_NETWORK_SETTING,  # noqa: F401
-                        Platform, current)
+                        Platform, current, spin_cores)
 from ..protocol import handshake as hs
 from ..protocol.integrity import stream_keys
 from ..transport.engine import Transport
@@ -124,12 +124,14 @@ MIN_SOCKET_BUFFER = 64 << 10  # below this, keep the system's default rather tha
 
 
 class SocketTuner:
-    """Applies the job's socket options to every socket of one transport set-up, on `plat`.
+    """Applies the job's socket options to every socket of one transport set-up, on `plat`: `tune` before a
+    socket connects or listens, `established` on every stream once it is connected or accepted.
 
-    It remembers the buffer size the system accepted: macOS refuses SO_SNDBUF/SO_RCVBUF above its limit
-    with ENOBUFS (Linux caps silently), so the size is halved until accepted, later sockets start there,
-    and the set-up warns once, not once per socket. THUNDERBOLT_CC where TCP_CONGESTION does not exist
-    (macOS) is one warning too: it does nothing there."""
+    It remembers the buffer size the system accepted: macOS up to 14.3 refuses SO_SNDBUF/SO_RCVBUF above its
+    limit with ENOBUFS, so the size is halved until accepted and later sockets start there; macOS 14.4 and
+    later (uipc_socket2.c:803-815) and Linux grant less than asked without a word, which the size read back
+    shows. Either way the set-up warns once, not once per socket. THUNDERBOLT_CC where TCP_CONGESTION does
+    not exist (macOS) is one warning too: it does nothing there."""
 
     def __init__(self, cfg: Config, plat: Platform | None = None, rank: int | None = None) -> None:
         self.cfg, self.plat = cfg, plat or current()
@@ -138,7 +140,19 @@ class SocketTuner:
         self._warned_buffer = self._warned_cc = False
 
     def tune(self, sock: socket.socket) -> None:
+        """Before `sock` connects or listens: the buffer sizes (the window scale is fixed by the handshake)
+        and the options of `established`, but TCP_NODELAY."""
         self._set_buffers(sock)
+        self._connection_options(sock)
+
+    def established(self, sock: socket.socket) -> None:
+        """Every stream once connected or accepted: the per-connection options again, and TCP_NODELAY. XNU
+        gives an accepted socket neither its listener's TCP_RXT_CONNDROPTIME nor its keepalive idle time
+        (tcp_input.c:2883-2898; Linux copies both), so no stream relies on what it inherited."""
+        self._connection_options(sock)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _connection_options(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         # Half-open connections (a frozen or unplugged peer) are found within ~15 s even when idle.
         for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPALIVE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 4)):
@@ -169,10 +183,13 @@ class SocketTuner:
 
     def _set_buffers(self, sock: socket.socket) -> None:
         wanted = self.buffer
+        granted = 0
         while self.buffer:
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.buffer)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.buffer)
+                granted = min(sock.getsockopt(socket.SOL_SOCKET, o) for o in (socket.SO_SNDBUF, socket.SO_RCVBUF))
+                granted //= self.plat.sockbuf_reported_factor
                 break
             except OSError as exc:
                 if exc.errno != errno.ENOBUFS or self.plat.sockbuf_over_limit != "enobufs":
@@ -185,6 +202,12 @@ class SocketTuner:
             log.warning("%sTHUNDERBOLT_SOCKET_BUFFER=%d is above this system's socket buffer limit (ENOBUFS); "
                         "using %s instead. Raise the limit (macOS: sudo sysctl kern.ipc.maxsockbuf=...) or "
                         "lower THUNDERBOLT_SOCKET_BUFFER", self.who, self.cfg.socket_buffer, got)
+        elif self.buffer and granted < self.buffer and not self._warned_buffer:
+            self._warned_buffer = True
+            log.warning("%sTHUNDERBOLT_SOCKET_BUFFER=%d: this system granted %d bytes per socket buffer, not the "
+                        "%d asked (it caps them silently). Raise its limit (macOS: sudo sysctl "
+                        "kern.ipc.maxsockbuf=...; Linux: net.core.rmem_max and net.core.wmem_max) or lower "
+                        "THUNDERBOLT_SOCKET_BUFFER", self.who, self.cfg.socket_buffer, granted, self.buffer)
 
 
 def tune_socket(sock: socket.socket, cfg: Config, plat: Platform | None = None) -> None:
@@ -198,6 +221,7 @@ def effective_socket_buffer(cfg: Config, plat: Platform | None = None) -> int:
     plat = plat or current()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         tuner = SocketTuner(cfg, plat)
+        tuner._warned_buffer = True  # (the caller reports the size itself)
         tuner._set_buffers(sock)
         return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // plat.sockbuf_reported_factor
 
@@ -245,10 +269,6 @@ def ensure_open_files(needed: int, rank: int | None = None,
     return target
 
 
-def _nodelay(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
 class _Acceptor:
     """Accepts and authenticates the streams of every higher rank, each handshake on its own thread.
 
@@ -259,10 +279,11 @@ class _Acceptor:
 
     def __init__(self, listeners: list[socket.socket], rank: int, world: int, streams: int, secret: bytes,
                  group_id: str, peer_addrs: "Callable[[int], set[str]]", cfg: Config, deadline: float,
-                 higher: "set[int] | None" = None) -> None:
+                 higher: "set[int] | None" = None, tuner: "SocketTuner | None" = None) -> None:
         self.listeners, self.rank, self.world, self.streams = listeners, rank, world, streams
         self.secret, self.group_id, self.peer_addrs, self.cfg = secret, group_id, peer_addrs, cfg
         self.deadline = deadline
+        self.tuner = tuner or SocketTuner(cfg, rank=rank)
         self.higher = set(range(rank + 1, world)) if higher is None else higher
         self.expected = len(self.higher) * streams
         self.conns: dict[tuple[int, int], socket.socket] = {}
@@ -365,7 +386,7 @@ class _Acceptor:
                     f"was rewritten to point elsewhere); restart every rank and firewall MASTER_PORT (README, "
                     f"Security)", why="relay"))
             return
-        _nodelay(sock)
+        self.tuner.established(sock)
         with self.lock:
             self.conns[(result.peer_rank, result.stream)] = sock
             self.sessions[(result.peer_rank, result.stream)] = result.session
@@ -484,7 +505,7 @@ def _dial(rank: int, peer: int, stream: int, target: tuple[str, int], source: st
                                         local=sock.getsockname()[:2])
             sock.sendall(client.receive_challenge(recv_exact(sock, hs.CHALLENGE_SIZE)))
             client.receive_reply(recv_exact(sock, hs.REPLY_SIZE))
-            _nodelay(sock)
+            tuner.established(sock)
             return sock, client.session
         except HandshakeError as exc:
             sock.close()
@@ -628,7 +649,7 @@ def connect_tcp_links(setup: SetUp) -> TcpLinks:
         # Accept before waiting for anyone: peers may connect as soon as we published our endpoint.
         acceptor = _Acceptor(listeners, rank, world, cfg.streams, auth.key, auth.group_id,
                              lambda p: {a for a, _ in records.read(f"tb/ep/{p}", p, "its endpoints")["endpoints"]},
-                             cfg, deadline, {p for p in members if p > rank})
+                             cfg, deadline, {p for p in members if p > rank}, tuner)
         acceptor.start()
         lower = [p for p in members if p < rank]
         infos = {p: records.read(f"tb/ep/{p}", p, "its endpoints") for p in lower}
@@ -666,7 +687,7 @@ def connect_tcp_links(setup: SetUp) -> TcpLinks:
         for p in members:
             same_integrity(rank, cfg, p, infos.get(p) or records.read(f"tb/ep/{p}", p, "its endpoints"))
         # Spinning only pays while every local rank has a core of its own.
-        spin = cfg.spin_us if setup.local_ranks() <= (os.cpu_count() or 1) else 0
+        spin = cfg.spin_us if setup.local_ranks() <= spin_cores() else 0
         seal = None if cfg.integrity == "none" else (
             rank, {p: [stream_keys(key, rank, p) for key in keys] for p, keys in sessions.items()})
         return TcpLinks(conns, stripe_bytes=cfg.stripe_bytes, early_bytes=cfg.small_bytes, spin_us=spin,

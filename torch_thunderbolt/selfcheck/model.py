@@ -7,8 +7,11 @@ from typing import Any, Protocol
 from ..config import Injection
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
-STATUSES = (OK, WARN, FAIL)
-REPORT_VERSION = 1
+# A check that did not run (no group of that kind here, no mps device, ...): its detail says why. Counted
+# apart, so a report's "ok" count holds only checks that ran and passed.
+NOT_RUN = "not run"
+STATUSES = (OK, WARN, FAIL, NOT_RUN)
+REPORT_VERSION = 2
 # The exit code of a rank that found rank 0 stuck and wrote the report in its place (the run is over).
 LEAD_STUCK = 3
 
@@ -35,7 +38,20 @@ class Line:
 
 
 def worst(statuses: "list[str]") -> str:
-    return FAIL if FAIL in statuses else WARN if WARN in statuses else OK
+    """The line's status from every rank's: the worst that ran; "not run" only when no rank ran it."""
+    for status in (FAIL, WARN, OK):
+        if status in statuses:
+            return status
+    return NOT_RUN if statuses else OK
+
+
+def counts(lines: "list[Line]") -> dict[str, int]:
+    return {s: sum(1 for line in lines if line.status == s) for s in STATUSES}
+
+
+def summary(tally: dict[str, int]) -> str:
+    """"ok 20, warn 1, FAIL 0, not run 17": every status, those that did not run apart."""
+    return ", ".join(f"{s} {tally.get(s, 0)}" for s in STATUSES)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from ..bench.config import RankEnv
 from ..config import Config
 from ..errors import CollectiveTimeout, ConfigError, PeerLostError, ThunderboltError
 from . import ops, report
-from .model import BENCH_SIZES, FAIL, FAMILIES, KINDS, LEAD_STUCK, OK, WARN, Line, Options, format_line, worst
+from .model import (BENCH_SIZES, FAIL, FAMILIES, KINDS, LEAD_STUCK, NOT_RUN, OK, WARN, Line, Options, counts,
+                    format_line, summary, worst)
 
 GRACE = 5.0  # seconds the other ranks get to finish a check after its deadline on this one
 FAULT_BOUND = 20.0  # seconds within which survivors must get a named error when a rank leaves
@@ -187,8 +188,8 @@ class Selfcheck:
         status = worst(statuses)
         bad = [r for r, p in enumerate(parts) if p and p[0] != OK]
         errors = [e for p in parts if p for e in p[3]]
-        if status == OK:
-            return Line(OK, name, parts[0][1], seconds=seconds)
+        if status in (OK, NOT_RUN):
+            return Line(status, name, next(p[1] for p in parts if p and p[0] == status), seconds=seconds)
         first = parts[bad[0]]
         detail = "; ".join(dict.fromkeys(p[1] for p in parts if p and p[0] == status))
         return Line(status, name, detail, first[2], seconds, ranks=bad if status == FAIL else [], errors=errors)
@@ -264,6 +265,7 @@ class Selfcheck:
                 step()
         except Stuck as exc:
             stuck = str(exc)
+        self.say(f"# {summary(counts(self.lines))}" + (f" of {self.total} checks (stopped)" if stuck else ""))
         if self.reporter:
             self._write_report(stuck)
         if stuck is not None and self.reporter and not self.lead:
@@ -338,15 +340,14 @@ class Selfcheck:
 
         def part() -> Part:
             if kind == "shm" and not single:
-                return OK, "not checked: the ranks run on several hosts (shared memory joins ranks of one host)", \
-                    "", []
+                return NOT_RUN, "the ranks run on several hosts (shared memory joins ranks of one host)", "", []
             cfg = dataclasses.replace(Config.from_env(os.environ), transport=kind)
             try:
                 group = dist.new_group(backend="thunderbolt", timeout=self.timeout, pg_options=cfg)
             except ConfigError as exc:
                 if kind == "rdma":
                     # Where RDMA is expected (a Mac), its absence is worth a look; elsewhere it is normal.
-                    status = WARN if sys.platform == "darwin" else OK
+                    status = WARN if sys.platform == "darwin" else NOT_RUN
                     return status, f"not available: {exc}", \
                         "run `torch-thunderbolt doctor` for RDMA's set-up (rdma_ctl enable in Recovery)" \
                         if status == WARN else "", []
@@ -374,7 +375,7 @@ class Selfcheck:
 
     def _skip(self, name: str, why: str) -> None:
         self.index += 1
-        self._emit(Line(OK, name, f"not checked: {why}"))
+        self._emit(Line(NOT_RUN, name, why))
 
     def _no_mps(self) -> None:
         self._skip("ops on mps tensors", "no mps device on every rank (Apple-silicon Macs have one)")

@@ -14,7 +14,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from ..bench.sizes import format_size
-from .model import REPORT_VERSION, STATUSES, Findings
+from .model import REPORT_VERSION, Findings, counts, summary
 
 if TYPE_CHECKING:
     from ..doctor import Facts, Finding
@@ -146,7 +146,7 @@ def bench_summary(records: list[dict], cable_rate: str | None, single_host: bool
 
 
 def document(sc: Findings, stuck: str | None) -> dict[str, Any]:
-    counts = {s: sum(1 for line in sc.lines if line.status == s) for s in STATUSES}
+    tally = counts(sc.lines)
     return {
         "version": REPORT_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -154,8 +154,8 @@ def document(sc: Findings, stuck: str | None) -> dict[str, Any]:
         "quick": sc.opts.quick,
         "world_size": sc.world,
         "seconds": round(time.monotonic() - sc.started, 2),
-        "result": "FAIL" if stuck or counts["FAIL"] else "warn" if counts["warn"] else "ok",
-        "counts": counts,
+        "result": "FAIL" if stuck or tally["FAIL"] else "warn" if tally["warn"] else "ok",
+        "counts": tally,
         "stopped": stuck,
         "reported_by": sc.rank,
         "hosts": [{k: h[k] for k in ("rank", "hostname", "os", "machine", "model", "cpu", "python", "torch",
@@ -177,7 +177,7 @@ def _cell(text: str) -> str:
 def markdown(doc: dict[str, Any]) -> str:
     out = [f"# torch-thunderbolt selfcheck: {doc['result']}", "",
            f"{doc['created']}, {doc['world_size']} ranks, {doc['seconds']} s{', quick' if doc['quick'] else ''}; "
-           f"ok {doc['counts']['ok']}, warn {doc['counts']['warn']}, FAIL {doc['counts']['FAIL']}"
+           f"{summary(doc['counts'])}"
            + (f"; stopped: {doc['stopped']}" if doc["stopped"] else ""), "", "## Hosts", "",
            "| rank | host | os | model, chip | python | torch | torch-thunderbolt | mps |", "|---|---|---|---|---|---|---|---|"]
     out += [f"| {h['rank']} | {h['hostname']} | {h['os']} | {' '.join(filter(None, (h['model'], h['cpu'])))} | "

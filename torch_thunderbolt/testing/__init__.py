@@ -12,6 +12,10 @@ A tool beside the library: the backend never imports it. The one place that star
 - `testing.reliability`: the fault scenarios shared by tests/reliability and scripts/reliability.
 - `testing.fake_device`: a fake accelerator standing in for `mps` on Linux.
 - `testing.apple_gpu`: that accelerator timed as an Apple-silicon GPU (presets per chip, asynchronous).
+- `testing.darwin_runtime`: macOS's runtime modelled on Linux: the GIL around a ctypes call, XNU's
+  yield on a contended core (`XnuCore`), IOKit's power assertions (`FakeIOKit`).
+- `testing.models`: the Llama-style decoder and the ViT that the examples run and `bench --workload` times.
+- `testing.darwin`: a model of macOS's socket layer (XNU's answers, option inheritance, the drop timer).
 
 This package imports nothing at import time, so that `import torch_thunderbolt.testing.X` costs only X.
 """

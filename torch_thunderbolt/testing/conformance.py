@@ -691,9 +691,11 @@ def process_rank(kind: str, names: Sequence[str], suite: "Suite | None" = None) 
     from torch_thunderbolt.rendezvous.group import connect
     from torch_thunderbolt.rendezvous.kinds import KINDS
 
+    from .darwin import install_from_env, sockets_off_the_model
     from .program import emit, rank, register_pid, world
 
     register_pid()
+    xnu = install_from_env()  # XNU_MODEL=1: the TCP links run on the darwin socket model
     suite = suite or LINKS
     r, w = rank(), world()
     store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), w, r == 0,
@@ -725,6 +727,8 @@ def process_rank(kind: str, names: Sequence[str], suite: "Suite | None" = None) 
         error = run_check(name, ctx, suite) if t.kind == kind else f"the group runs over {t.kind!r} links, not {kind!r}"
         if error is None and os.environ.get("TB_CONFORMANCE_LINK") not in (None, *links):
             error = f"the group's links are {links}, not {os.environ['TB_CONFORMANCE_LINK']}"
+        if error is None and xnu is not None and sockets_off_the_model(t):
+            error = f"streams not on the darwin model: {sockets_off_the_model(t)}"
         t.close()
         alive = ctx.alive
         emit("CHECK", {"check": name, "rank": r, "error": error})

@@ -98,14 +98,7 @@ def holdings(fabric: Any = None, plat: Platform | None = None) -> dict[str, Any]
     testing.fake_verbs.Fabric) what it holds there (`fabric`: queue pairs, memory regions, PDs ...)."""
     plat = plat or current()
     proc = psutil.Process()
-    kinds: Counter[str] = Counter()
-    fd_dir = "/proc/self/fd" if plat.has_proc else "/dev/fd"
-    for fd in os.listdir(fd_dir):
-        try:
-            target = os.readlink(f"{fd_dir}/{fd}")
-        except OSError:
-            continue  # the listing's own descriptor, closed by now
-        kinds[re.sub(r"[:\[]?\d+\]?$", "", target) if not target.startswith("/") else _path_kind(target, plat)] += 1
+    kinds = _fd_kinds(proc, plat)
     shm_dir = plat.shm_list_dir
     maps = {m.path.removesuffix(" (deleted)") for m in proc.memory_maps(grouped=True)
             if shm_dir and m.path.startswith(shm_dir + "/")} if plat.has_proc else set()
@@ -130,6 +123,33 @@ def package_objects(package: str = "torch_thunderbolt") -> int:
         if module == package or module.startswith(prefix):
             n += 1
     return n
+
+
+def _fd_kinds(proc: psutil.Process, plat: Platform) -> Counter[str]:
+    """How many descriptors this process has open, by kind. Linux names each one in /proc/self/fd (a
+    symlink to "socket:[123]", "pipe:[45]", a path). macOS's /dev/fd holds fdesc nodes, not symlinks, so
+    readlink fails for every one: there the count is psutil's (`num_fds`, from proc_pidinfo), files and
+    sockets are named by psutil, and the rest (pipes, kqueues) counted as "other"."""
+    kinds: Counter[str] = Counter()
+    if plat.has_proc:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue  # the listing's own descriptor, closed by now
+            kinds[re.sub(r"[:\[]?\d+\]?$", "", target) if not target.startswith("/") else _path_kind(target, plat)] += 1
+        return kinds
+    total = proc.num_fds()
+    for f in proc.open_files():
+        kinds[_path_kind(f.path, plat)] += 1
+    connections = getattr(proc, "net_connections", None) or proc.connections  # (psutil < 6)
+    for c in connections(kind="all"):
+        if c.fd >= 0:
+            kinds["socket:"] += 1
+    named = sum(kinds.values())
+    if total > named:
+        kinds["other"] += total - named
+    return kinds
 
 
 def _path_kind(path: str, plat: Platform) -> str:

@@ -27,9 +27,14 @@ from typing import Any, NamedTuple, Optional
 from ..errors import ProtocolError
 
 ACK_EVERY = 2 << 20
-# Errors a cut or unplugged cable produces; EOF, ECONNRESET and EPIPE mean the peer closed or died.
+# Errors a cut or unplugged cable produces; EOF, ECONNRESET and EPIPE mean the peer closed or died (an EPIPE
+# behind which the socket keeps one of these is read as that one: tcp.socket_error). EADDRNOTAVAIL: the
+# source address went away with its interface (XNU's tcp_output, tcp_output.c:3389-3394).
 LINK_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN,
-                         errno.EHOSTDOWN})
+                         errno.EHOSTDOWN, errno.EADDRNOTAVAIL})
+# Errors of a send that a later send may not meet: XNU's sosend fails with ENOBUFS while the system is short
+# of mbufs (uipc_socket.c:2455-2458).
+TRANSIENT_SEND_ERRNOS = frozenset({errno.ENOBUFS})
 
 
 def is_link_failure(exc: BaseException) -> bool:

@@ -48,6 +48,20 @@ The platforms (`fences`):
   before the lock and one after it may still both move inside and swap. No libc there exports a barrier.
 - Anything else: no fence is known, and shared memory is refused (`shm_refusal`): the group uses TCP.
 
+Each fence is a call through `ctypes.PyDLL`, which keeps the GIL, never `ctypes.CDLL`, which drops it for the
+call and takes it back after (CPython's `_ctypes/callproc.c` releases it unless the function carries
+`_FUNCFLAG_PYTHONAPI`). A `dmb` takes nanoseconds: dropping the GIL around it only hands another Python thread
+(the caller's training loop, a data loader, the worker of another group) a chance to take it, and that thread
+keeps it until the next switch interval (5 ms) asks for it back; each ring or window step would be such a
+chance. Measured on the busy two-core x86 VM (`python -m torch_thunderbolt.testing.darwin_runtime`, a libc call that does no work;
+medians of interleaved repeats, four runs as the VM's load varied): alone, a CDLL call cost 272-1155 ns and a
+PyDLL call 240-921 ns, the PyDLL call the cheaper in every run (an empty Python call: 30 ns), so keeping the
+GIL costs nothing; beside one Python thread that never blocks, the same loop made 186k-249k CDLL calls a
+second against 269k-463k PyDLL calls, and spent 81-97 % of its time in steps that waited over 1 ms for the GIL
+against 61-72 % (a PyDLL loop still yields at the interpreter's own switch points). glibc lets the thread that
+dropped the GIL usually take it straight back; how often macOS's mutexes hand it to the waiter instead is not
+measured.
+
 An atomics library would make each fence a C call of ~20-35 ns and allow real acquire loads and release
 stores. On PyPI: `atomics` and its fork `atomics2` are GPLv3 (this package is BSD-3-Clause) and go through
 cffi; `atomicx` keeps its atomics in its own storage, not in a shared buffer; `cengal-memory-barriers` has
@@ -92,7 +106,7 @@ def _lock_fence() -> Fence:
 
 def _libc_symbol(name: str) -> Fence | None:
     try:
-        fn = getattr(ctypes.CDLL(None), name)
+        fn = getattr(ctypes.PyDLL(None), name)  # keeps the GIL (see the module docstring)
     except (OSError, AttributeError):
         return None
     fn.restype, fn.argtypes = None, []

@@ -31,6 +31,7 @@ import socket
 from collections import deque
 
 from ..errors import ProtocolError, ThunderboltError, peer_shut_down
+from ..platform import Platform, spin_cores
 from ..protocol import control
 from ..protocol.framing import DISCARD, AbortInfo, Frame, Kind
 from . import ordering
@@ -49,9 +50,12 @@ BELL = b"\x00"  # a doorbell: a wake-up byte between control messages (see the m
 PROBE_AFTER = 1.5  # seconds without traffic before a waiting rank PINGs the peers it waits on
 
 
-def default_spin(local_ranks: int) -> float:
-    """Seconds to spin before blocking: worth ~2 cross-core wake-ups, but none when ranks outnumber cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+def default_spin(local_ranks: int, plat: Platform | None = None) -> float:
+    """Seconds to spin before blocking: worth ~2 cross-core wake-ups, but none when ranks outnumber cores
+    (those of the affinity mask where there is one; macOS's performance cores: `spin_cores`)."""
+    cores = spin_cores(plat)
+    if hasattr(os, "sched_getaffinity"):
+        cores = min(cores, len(os.sched_getaffinity(0)))
     return 0.0 if local_ranks > cores else 100e-6
 
 

@@ -8,19 +8,62 @@ doubles while the contention lasts. A single slow yield is common and says littl
 thread (gloo's, between our ops) or the launcher briefly taking the core. Pausing on it would turn the
 spin off for the very ops that follow: a flat half-second pause after one slow yield puts a 4 KB
 ping-pong over shared memory at 90 µs instead of 22 after each gloo op in the bench.
+
+The yield itself (`yield_for`): Linux's `sched_yield`. macOS's `sched_yield` is the Mach trap
+`swtch_pri(0)` (libpthread), which on a core with other runnable threads first *depresses* the caller to
+priority 0 for one quantum (`thread_depress_abstime(thread_depress_time)`, osfmk/kern/syscall_subr.c;
+about 10 ms): the caller then waits behind every runnable thread, background ones included, until they
+block or the quantum ends. So there the yield is `thread_switch(MACH_PORT_NULL, SWITCH_OPTION_NONE, 0)`,
+the same trap without the depression: the caller goes to the back of its own priority's queue, as a
+Linux yield does. `time.sleep(0)` is no substitute: CPython sleeps through `select` (3.11) or `nanosleep`
+(3.12+) there, neither of which XNU defines as giving the core to another thread. The call goes through
+`ctypes.CDLL`, which drops the GIL for it as `os.sched_yield` does, since a yield that kept it would keep
+this process's other Python threads from running in the time it gives them.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import time
 from typing import Callable
+
+from ..platform import Platform, current
 
 SLOW_YIELD = 200e-6  # a yield that long means other runnable tasks took the core
 CONTENDED_SPINS = 3  # spins in a row cut short by a slow yield before spinning pauses
 FIRST_PAUSE = 0.005  # seconds of that first pause
 MAX_PAUSE = 0.5      # ... doubling per further contended spin, up to this
 
-yield_cpu: Callable[[], None] = getattr(os, "sched_yield", lambda: time.sleep(0))
+MACH_PORT_NULL = 0
+SWITCH_OPTION_NONE = 0  # mach/thread_switch.h: yield, neither depressing the caller nor waiting
+
+Yield = Callable[[], None]
+Lookup = Callable[[str], "Callable[..., int] | None"]
+
+
+def _mach_trap(name: str) -> Callable[..., int] | None:
+    """libSystem's `thread_switch(mach_port_name_t, int option, mach_msg_timeout_t)`, or None."""
+    try:
+        fn = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_uint32, ctypes.c_int, ctypes.c_uint32]
+    return fn
+
+
+def yield_for(plat: Platform | None = None, lookup: Lookup = _mach_trap) -> Yield:
+    """The yield of `plat` between a spin's looks (see the module docstring): on macOS `thread_switch`
+    without depression (looked up with `lookup`, for tests), elsewhere `os.sched_yield`."""
+    plat = plat or current()
+    if plat.name == "darwin":
+        switch = lookup("thread_switch")
+        if switch is not None:
+            return functools.partial(switch, MACH_PORT_NULL, SWITCH_OPTION_NONE, 0)
+    return getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+yield_cpu: Yield = yield_for()  # chosen once; each engine and worker calls it
 
 
 class SpinGuard:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import select
 import socket
 import threading
@@ -38,7 +39,7 @@ from ..protocol.framing import (DISCARD, FRAME_HEADER_SIZE, AbortInfo, Frame, Fr
 from ..protocol.integrity import SEALED_HEADER_SIZE, Opener, SealedFrameDecoder, Sealer
 from .base import NOT_YET, REFUSED, TAKEN, Key, Link, LinkKind, Request, close_socket
 from .engine import Transport
-from .failover import Fields, RxCount, StreamLog, is_link_failure
+from .failover import TRANSIENT_SEND_ERRNOS, Fields, RxCount, StreamLog, is_link_failure
 
 log = logging.getLogger("torch_thunderbolt.tcp")
 _STAGING = 1 << 16
@@ -56,6 +57,10 @@ STRIPE_ALIGN = 4096  # striped parts start on page boundaries where the message 
 # large enough that a frame header per piece costs nothing measurable.
 STRIPE_PIECE = 4 << 20
 STREAM_DEPTH = 1  # frames queued on a stream (the one being written included) before it gets no more pieces
+# A send that fails with ENOBUFS (XNU short of mbufs: sosend, uipc_socket.c:2455-2458) is tried again, a
+# millisecond apart (the socket stays writable, so poll would not wait), for this long before it counts.
+NOBUFS_SECONDS = 2.0
+NOBUFS_PAUSE = 0.001
 
 
 def split_aligned(nbytes: int, parts: int) -> list[tuple[int, int]]:
@@ -102,7 +107,7 @@ class Stream:
 
     __slots__ = ("sock", "fd", "peer", "stream", "addr", "local", "decoder", "sendq", "inbound", "parked", "bye",
                  "staging", "dead", "log", "rx", "written", "looked", "holds", "lifted", "emptied", "sealer", "opener",
-                 "ctl")
+                 "ctl", "nobufs")
 
     def __init__(self, sock: socket.socket, peer: int, stream: int, max_message: int) -> None:
         sock.setblocking(False)
@@ -134,6 +139,7 @@ class Stream:
         # THUNDERBOLT_INTEGRITY=mac (SealedTcpLink): frames sealed as written, checked as read.
         self.sealer: Sealer | None = None
         self.opener: Opener | None = None
+        self.nobufs = 0.0  # when sends began failing with ENOBUFS (0: they do not)
 
     @property
     def where(self) -> str:
@@ -402,10 +408,16 @@ class TcpLink(Link):
             except (BlockingIOError, InterruptedError):
                 return moved
             except OSError as exc:
+                if exc.errno in TRANSIENT_SEND_ERRNOS:
+                    if self._send_again(c):
+                        return moved
+                    exc = OSError(exc.errno, f"{exc.strerror}, on every send for {NOBUFS_SECONDS:g} s")
                 if c.parked is None and not c.bye:
                     self._read(c)  # an ABORT waiting in the receive buffer names the real cause
-                self.conn_error(c, exc)  # no-op if that read already failed the transport
+                self.conn_error(c, exc)  # no-op if that read already failed the transport or the stream
                 return True
+            if c.nobufs:
+                c.nobufs = 0.0
             moved = True
             c.written += k
             if out.sent == 0 and k and c.log is not None:  # its first byte is on this stream now
@@ -564,9 +576,25 @@ class TcpLink(Link):
     def _fail(self, c: Stream, exc: BaseException) -> None:
         self.sink.failed(c.peer, exc, c.where, c.addr)
 
+    def _send_again(self, c: Stream) -> bool:
+        """Whether a send on `c` that failed with ENOBUFS is tried again (after a pause): for NOBUFS_SECONDS
+        after the first such failure in a row."""
+        now = time.monotonic()
+        if not c.nobufs:
+            c.nobufs = now
+        if now - c.nobufs >= NOBUFS_SECONDS:
+            return False
+        time.sleep(NOBUFS_PAUSE)
+        return True
+
     # -- failover -------------------------------------------------------------------------------------------
     def conn_error(self, c: Stream, exc: BaseException) -> None:
-        """A socket error on stream `c`: a cable's failure with others left fails over, anything else fails."""
+        """A socket error on stream `c` (every failed call on a stream's socket ends here): a cable's failure
+        with others left fails over, anything else fails. A stream already given up (failed over) is left
+        alone."""
+        if c.dead:
+            return
+        exc = socket_error(c.sock, exc)
         if c.log is not None and is_link_failure(exc) and self.sink.broken is None:
             self._kill_stream(c, exc)  # fails the transport itself when no other stream is left
         else:
@@ -824,6 +852,24 @@ def silent(state: SendState, link_timeout: float) -> bool:
     cable or a dead host leaves them unanswered. (A window shut over data in flight is retransmitted into,
     not probed: a cut then is found by the group timeout.)"""
     return state.probes >= 2 and state.acked_ago > link_timeout
+
+
+def socket_error(sock: socket.socket, exc: BaseException) -> BaseException:
+    """What a failed call on a stream's socket means. EPIPE from a send is looked behind: after XNU drops a
+    connection (a retransmission timeout, a soft error such as a source address gone) every send fails with
+    EPIPE while the cause waits in SO_ERROR (uipc_socket.c:2032-2047), and that cause (ETIMEDOUT,
+    EADDRNOTAVAIL, EHOSTUNREACH) decides between failover and a lost peer. Linux's send returns the cause
+    itself, and leaves SO_ERROR empty after an EPIPE from a peer that closed."""
+    if not isinstance(exc, OSError) or exc.errno != errno.EPIPE:
+        return exc
+    try:
+        cause = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    except OSError:
+        return exc
+    if not cause:
+        return exc
+    return OSError(cause, f"{os.strerror(cause)} (a send failed with EPIPE: the system dropped the connection "
+                          f"with this error)")
 
 
 def _header(f: Fields) -> bytes:

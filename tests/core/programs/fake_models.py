@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tests.examples.helpers import load_example
 from torch_thunderbolt.testing.fake_device import host_view, install, values
+from torch_thunderbolt.testing.models import vit as vit_models
 from torch_thunderbolt.testing.program import main, result
 
 D = "tbfake"
@@ -31,8 +31,7 @@ class Attention(nn.Module):
 
 
 def tiny_vit() -> nn.Module:
-    vit = load_example("models.vit")
-    return vit.ViT(vit.make_config("tiny"))
+    return vit_models.ViT(vit_models.make_config("tiny"))
 
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], type]] = {

@@ -31,6 +31,7 @@ def main() -> None:
         optimizer.step()
     params = [p.detach().flatten().tolist() for p in model.parameters()]
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "backend": dist.get_backend(),
+                                  "accelerate_backend": accelerator.state.backend,
                                   "distributed_type": str(accelerator.distributed_type),
                                   "processes": accelerator.num_processes, "wrapped": type(model).__name__,
                                   "params": params}), flush=True)

@@ -10,8 +10,9 @@ each rank's outcome (1 ok, 2 failed): the ranks stay in step, and a failure that
 group (a subgroup's, a split's) is known to all, who then forget that subgroup. When the default group
 fails, the rank recovers: it adds the ranks the error names (a PeerLostError's peer, a CollectiveTimeout's
 ranks, what a MismatchError or a shrink's notice says the others exclude) to the ranks it knows are lost,
-and shrinks the default group without them, again after each failure, up to MAX_SHRINKS times. A rank
-named lost, or excluded by a shrink, stops (OUT). Kills and stops are the runner's; a rank acts the
+and shrinks the default group without them, again after each failure, up to MAX_SHRINKS times; the
+survivors then agree on the step to go on from (an op that failed on one rank may have completed on
+another). A rank named lost, or excluded by a shrink, stops (OUT). Kills and stops are the runner's; a rank acts the
 faults of its own script (`sleep`, `late_shrink`).
 
 What a rank prints (testing.program.emit; every record has `t`, the wall clock), for the runner to judge:
@@ -24,6 +25,8 @@ What a rank prints (testing.program.emit; every record has `t`, the wall clock),
                                           the first shrink when the runner injects a fault there); NOTE {msg}
   RECOVER {why, err, lost}, SHRINK {attempt, exclude, members}, SHRINK_FAILED {attempt, err},
   SHRUNK {attempt, parent, want, got, rank, gid}           gid: the transport's group id (a diagnostic only)
+  RESUME {mine, agreed}                   after a shrink: the step this rank would run next, and the one the
+                                          survivors agreed on (the furthest any of them reached)
   EXCLUDED {i}, OUT {why}, DONE {members}, BYE
 An error record: {type, msg, named (the global ranks it blames), learned (ranks others exclude), where,
 via (the DDP's RuntimeError it came wrapped in)}.
@@ -165,6 +168,7 @@ class Rank:
     out: str = ""  # why this rank stopped
     salt: int = 1 << 16  # for the ops of recoveries and final checks (steps salt with their index)
     recoveries: int = 0
+    next_step: int = 0  # the script's step this rank runs next; the survivors of a shrink agree on it
 
     @property
     def timeout(self) -> timedelta:
@@ -176,9 +180,13 @@ class Rank:
 
     # -- the script ---------------------------------------------------------------------------------------
     def run(self) -> None:
-        for i, step in enumerate(self.spec["steps"]):
+        steps = self.spec["steps"]
+        while self.next_step < len(steps):
             if self.out:
                 return
+            i = self.next_step
+            self.next_step = i + 1
+            step = steps[i]
             kind = step["kind"]
             emit("STEP", {"i": i, "kind": kind, "members": self.members, "t": time.time()})
             if kind == "fault":
@@ -201,7 +209,7 @@ class Rank:
                 continue
             self.status(i, code, step)
         if not self.out:
-            self.finish(len(self.spec["steps"]))
+            self.finish()
 
     def hold(self, name: str) -> None:
         """Wait for the runner to let this rank go on (a key in the trial's store), so that the fault it
@@ -601,6 +609,8 @@ class Rank:
             self.salt += 1
             e2 = self.op(self.salt, "all_reduce", "world", None, self.members, 1000, salt=self.salt)
             if e2 is None:
+                e2 = self.agree_step()
+            if e2 is None:
                 return
             self.lost |= set(e2["named"]) | set(e2["learned"])
             if self.me in self.lost:
@@ -608,10 +618,30 @@ class Rank:
                 return
         self.stop(f"no shrink_group worked in {MAX_SHRINKS} calls")
 
-    def finish(self, i: int) -> None:
+    def agree_step(self) -> dict[str, Any] | None:
+        """The survivors of a shrink go on from the same step. An op that failed on one rank may have
+        completed on another (it had every piece it needed before the fault), so one survivor may be a step
+        ahead (docs/fault-tolerance.md, "Ops in flight"): every survivor goes on from the furthest step any
+        of them reached (the script's steps do not depend on each other). Returns the error if it failed."""
+        t0, mine = time.time(), self.next_step
+        v = torch.tensor([float(mine)])
+        try:
+            dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        except Exception as exc:  # noqa: BLE001 - the recovery goes on with what it names
+            err = self.error(exc, self.members, "agree_step")
+            emit("OP", {"i": self.salt, "what": "agree_step", "on": "world", "members": self.members, "ok": False,
+                        "wrong": [], "err": err, "expect_fail": False, "t0": t0, "t": time.time()})
+            return err
+        self.next_step = int(v.item())
+        emit("RESUME", {"mine": mine, "agreed": self.next_step, "t": time.time()})
+        return None
+
+    def finish(self) -> None:
         """The final status all_reduce (every member done, the same view), recovering as often as needed."""
-        for k in range(FINAL_ROUNDS):
-            if self.status(i + k, OK, None, what="final") is None:
+        for _ in range(FINAL_ROUNDS):
+            i = self.next_step
+            self.next_step = i + 1
+            if self.status(i, OK, None, what="final") is None:
                 emit("DONE", {"members": self.members, "torch_view": self.tview, "t": time.time()})
                 return
             if self.out:

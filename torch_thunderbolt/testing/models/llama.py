@@ -5,11 +5,17 @@ The model is built as *stages*: a contiguous run of decoder layers, plus the tok
 stage and the final norm + LM head on the last. The whole model is simply the one stage holding every
 layer. Every part is initialised from its own seed (derived from the model seed and the layer index), so a
 pipeline rank can build only its layers and still get exactly the weights a single process would build.
+
+A stage can also be one *shard* of a tensor-parallel split (Megatron-style, `shards` > 1): each rank holds
+1/shards of the attention heads, of the key/value heads, of the feed-forward width and of the LM head's
+vocabulary; the attention output and the feed-forward output are partial sums that the stage's `reduce`
+(an all_reduce) completes, and the logits are this shard's slice of the vocabulary. A shard's weights are
+drawn from its own seed, not sliced from the whole model's: shards serve timing, not equal outputs.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +63,9 @@ PRESETS: dict[str, LlamaConfig] = {
                         max_seq=128, rope_theta=10000.0),
     "small": LlamaConfig(vocab_size=8192, hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=2816),
     "h4096": LlamaConfig(),
+    # Llama-3-8B's whole shape (32 layers, 128256-token vocabulary): 8.03 G parameters, 16 GB in fp16. What
+    # `bench --workload llama-*` times on the timed device, which never allocates or touches the weights.
+    "llama8b": LlamaConfig(vocab_size=128256, layers=32),
 }
 
 
@@ -109,11 +118,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
-class KVCache:
-    """Preallocated keys/values of one layer for one (micro-)batch."""
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 
-    def __init__(self, batch: int, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (batch, cfg.kv_heads, cfg.max_seq, cfg.head_dim)
+
+def no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def check_shards(cfg: LlamaConfig, shards: int) -> None:
+    """A tensor-parallel split needs every split dimension to be a multiple of the shard count."""
+    sizes = {"heads": cfg.heads, "kv_heads": cfg.kv_heads, "intermediate": cfg.intermediate,
+             "vocab_size": cfg.vocab_size}
+    bad = [f"{k}={v}" for k, v in sizes.items() if v % shards]
+    if shards < 1 or bad:
+        raise ValueError(f"cannot split the model over {shards} tensor-parallel shards: "
+                         f"{', '.join(bad) or 'shards must be >= 1'} (must be multiples of the shard count)")
+
+
+class KVCache:
+    """Preallocated keys/values of one layer for one (micro-)batch (this shard's key/value heads)."""
+
+    def __init__(self, batch: int, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device,
+                 shards: int = 1) -> None:
+        shape = (batch, cfg.kv_heads // shards, cfg.max_seq, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -125,25 +152,26 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, shards: int = 1) -> None:
         super().__init__()
         self.cfg = cfg
+        self.heads, self.kv_heads = cfg.heads // shards, cfg.kv_heads // shards
         hd = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden, cfg.heads * hd, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(cfg.heads * hd, cfg.hidden, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden, self.heads * hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden, self.kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden, self.kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.heads * hd, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cache: KVCache, pos: int,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        hd, cfg = self.cfg.head_dim, self.cfg
-        q = self.q_proj(x).view(b, t, cfg.heads, hd).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, cfg.kv_heads, hd).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, cfg.kv_heads, hd).transpose(1, 2)
+        hd = self.cfg.head_dim
+        q = self.q_proj(x).view(b, t, self.heads, hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = cache.update(k, v, pos)
-        groups = cfg.heads // cfg.kv_heads
+        groups = self.heads // self.kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         # Query i sits at position pos+i and may see keys 0..pos+i.
         mask = None
@@ -151,32 +179,37 @@ class Attention(nn.Module):
             keys = torch.arange(pos + t, device=x.device)
             mask = keys[None, :] <= (pos + torch.arange(t, device=x.device))[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, cfg.heads * hd))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * hd))
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, shards: int = 1) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+        width = cfg.intermediate // shards
+        self.gate_proj = nn.Linear(cfg.hidden, width, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    """One layer; with `shards` > 1 one tensor-parallel shard of it, whose two partial sums `reduce`
+    completes (Megatron's two all_reduces per layer)."""
+
+    def __init__(self, cfg: LlamaConfig, shards: int = 1, reduce: Reduce = no_reduce) -> None:
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, shards)
         self.post_attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = SwiGLU(cfg, shards)
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor, cache: KVCache, pos: int,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cache, pos, cos, sin)
-        return x + self.mlp(self.post_attn_norm(x))
+        x = x + self.reduce(self.attn(self.input_norm(x), cache, pos, cos, sin))
+        return x + self.reduce(self.mlp(self.post_attn_norm(x)))
 
 
 def _seeded(seed: int, build):
@@ -192,11 +225,12 @@ class LlamaStage(nn.Module):
     `share_stage` (no copy)."""
 
     def __init__(self, cfg: LlamaConfig, layer_ids: Sequence[int], layers: Sequence[DecoderLayer],
-                 embed: nn.Embedding | None, norm: RMSNorm | None, lm_head: nn.Linear | None) -> None:
+                 embed: nn.Embedding | None, norm: RMSNorm | None, lm_head: nn.Linear | None,
+                 shards: int = 1) -> None:
         super().__init__()
         if len(layer_ids) != len(layers):
             raise ValueError("one layer id per layer expected")
-        self.cfg, self.layer_ids = cfg, list(layer_ids)
+        self.cfg, self.layer_ids, self.shards = cfg, list(layer_ids), shards
         self.embed, self.layers, self.norm, self.lm_head = embed, nn.ModuleList(layers), norm, lm_head
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -212,7 +246,7 @@ class LlamaStage(nn.Module):
 
     def new_caches(self, batch: int) -> list[KVCache]:
         p = next(self.parameters())
-        return [KVCache(batch, self.cfg, p.dtype, p.device) for _ in self.layers]
+        return [KVCache(batch, self.cfg, p.dtype, p.device, self.shards) for _ in self.layers]
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, caches: list[KVCache], pos: int) -> torch.Tensor:
@@ -231,16 +265,23 @@ class LlamaStage(nn.Module):
 
 def build_stage(cfg: LlamaConfig, layer_ids: Sequence[int], first: bool, last: bool, seed: int = 0,
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                checkpoint: dict[str, torch.Tensor] | None = None) -> LlamaStage:
-    """Build one stage; with `checkpoint` (a whole-model state dict), load this stage's share of it."""
-    base = seed * 1_000_003
+                checkpoint: dict[str, torch.Tensor] | None = None, shards: int = 1,
+                reduce: Reduce = no_reduce) -> LlamaStage:
+    """Build one stage; with `checkpoint` (a whole-model state dict), load this stage's share of it. With
+    `shards` > 1, one tensor-parallel shard whose partial sums `reduce` completes (see the module's
+    docstring); under `torch.device("meta")` nothing is allocated (`to_empty` then places it)."""
+    check_shards(cfg, shards)
+    if checkpoint is not None and shards > 1:
+        raise ValueError("a checkpoint loads into whole stages only (shards=1)")
+    base = seed * 1_000_003 + (shards - 1) * 7_919
     stage = LlamaStage(
         cfg, layer_ids,
-        layers=[_seeded(base + 100 + i, lambda: DecoderLayer(cfg)) for i in layer_ids],
+        layers=[_seeded(base + 100 + i, lambda: DecoderLayer(cfg, shards, reduce)) for i in layer_ids],
         embed=_seeded(base + 1, lambda: nn.Embedding(cfg.vocab_size, cfg.hidden)) if first else None,
         norm=RMSNorm(cfg.hidden, cfg.norm_eps) if last else None,
-        lm_head=(_seeded(base + 2, lambda: nn.Linear(cfg.hidden, cfg.vocab_size, bias=False))
-                 if last else None))
+        lm_head=(_seeded(base + 2, lambda: nn.Linear(cfg.hidden, cfg.vocab_size // shards, bias=False))
+                 if last else None),
+        shards=shards)
     if checkpoint is not None:
         stage.load_state_dict(stage_state_dict(checkpoint, stage.layer_ids, first, last))
     return _keep_rope_fp32(stage.to(dtype=dtype, device=device)).eval()
@@ -250,7 +291,7 @@ def share_stage(full: LlamaStage, layer_ids: Sequence[int], first: bool, last: b
     """A stage that reuses `full`'s modules (same tensors, no copy) for layers `layer_ids`."""
     pick = [full.layers[full.layer_ids.index(i)] for i in layer_ids]
     stage = LlamaStage(full.cfg, layer_ids, pick, full.embed if first else None,
-                       full.norm if last else None, full.lm_head if last else None)
+                       full.norm if last else None, full.lm_head if last else None, full.shards)
     return _keep_rope_fp32(stage.to(device=full.rope_cos.device)).eval()
 
 
@@ -298,4 +339,5 @@ def human_params(n: int) -> str:
 
 
 __all__ = ["LlamaConfig", "PRESETS", "make_config", "split_layers", "LlamaStage", "build_stage",
-           "share_stage", "stage_state_dict", "greedy_generate", "KVCache", "param_bytes", "human_params"]
+           "share_stage", "stage_state_dict", "greedy_generate", "KVCache", "param_bytes", "human_params",
+           "check_shards", "no_reduce"]
