@@ -47,6 +47,7 @@ def test_host_reads_and_blocking_copies_wait_for_the_timeline_and_nothing_else_d
     assert out["copy_values_exact"] is True
     assert out["h2d_blocking_s"] >= modelled * 0.999, out
     assert out["h2d_non_blocking_s"] < modelled / 4, out
+    assert out["d2h_non_blocking_s"] < modelled / 4, out
     assert out["event_synchronize_s"] >= modelled * 0.999, out
     assert out["item_s"] >= modelled * 0.999, out
 
@@ -55,6 +56,7 @@ def test_exact_mode_computes_as_the_cpu_and_timing_only_mode_computes_nothing(tm
     out = run("exact_matches_cpu", tmp_path)
     assert out["identical"] is True
     assert out["kernels"] > 10
+    assert out["flops"] == out["expected_flops"]  # matmuls and the convolution, forward and backward
     assert out["timing_shape"] == [8, 4] and out["timing_zeros"] is True and out["timing_kernels"] > 0
     assert out["computed"] == []
 

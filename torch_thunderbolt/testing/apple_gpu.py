@@ -10,15 +10,17 @@ with FLOPs from `torch.utils.flop_counter`'s formulas (ops it has none for count
 products, convolutions and fused attention), bytes the sizes of the op's input and output tensors (of a
 gather, `embedding`/`index_select`/`gather`/`index`, only the rows read), peak FLOP/s the chip's fp32 rate
 (fp16 and bf16 run at the same rate on these GPUs), and `launch` a fixed cost per kernel (`LAUNCH_S`). View
-and metadata ops (`view`, `transpose`, `as_strided`, `set_`, ...) launch no kernel and take no time.
+and metadata ops (`view`, `transpose`, `as_strided`, `set_`, ...) and allocations (`empty`, ...) launch no
+kernel and take no time.
 
 The host thread returns at once, without spending the modelled time. What waits for the timeline, as on a
-Mac: a copy from the device to the host (`.cpu()`, `.to("cpu")`, `copy_` into a CPU tensor), every op whose
-result the host reads (`.item()`, `torch.equal`, ...; their time on the timeline included), a copy from the
-host to the device unless `non_blocking=True` (MPS commits and waits on both: `copy_and_sync` in
-aten/src/ATen/native/mps/operations/Copy.mm), `synchronize()` and `Event.synchronize()`. Each such wait
-sleeps until the timeline reaches the point it waits for. A copy within the device goes on the timeline and
-does not block.
+Mac: a copy between the host and the device, either way (`.cpu()`, `.to("cpu")`, `.to(device)`, `copy_`
+with one side on the CPU), unless `non_blocking=True` (MPS commits and waits for a blocking one:
+`copy_and_sync` in aten/src/ATen/native/mps/operations/Copy.mm); every op whose result the host reads
+(`.item()`, `torch.equal`, ...; their time on the timeline included); `synchronize()` and
+`Event.synchronize()`. Each such wait sleeps until the timeline reaches the point it waits for. A copy
+within the device goes on the timeline and does not block. A non-blocking copy to the host must be waited
+for (an event, `synchronize()`) before its bytes are read, as on MPS; here they are there early.
 
 Two modes:
 
@@ -31,12 +33,13 @@ Two modes:
     metadata ops, and ops with no meta kernel (data-dependent shapes: `nonzero`, `masked_select`, ...;
     listed in `TimedDevice.computed`);
   - not computed: everything else, copies within the device included (timed, bytes left as they were).
-    Outputs get their shape, dtype and strides from the op run on
-    `meta` tensors, and zeroed memory: untouched anonymous pages from 64 KiB up (mmap; torch.zeros
-    would write every byte), so a model's weights cost no memory until something writes them. In-place
-    ops other than `copy_` (the initialisers `uniform_`, `normal_`, `fill_`, `zero_`; optimiser updates)
-    leave their tensor's bytes as they were. Random ops draw nothing. Values are therefore zeros or stale,
-    never wrong in shape: a model runs with the data flow of the real one, not its numbers.
+    Outputs get their shape, dtype and strides from the op run on `meta` tensors (once per op and
+    argument shapes: the plan is kept), and zeroed memory: untouched anonymous pages from 64 KiB up
+    (mmap; torch.zeros would write every byte), so a model's weights cost no memory until something
+    writes them. In-place ops (the initialisers `uniform_`, `normal_`, `fill_`, `zero_`; optimiser
+    updates; a gradient copied into a DDP bucket) leave their tensor's bytes as they were. Random ops draw
+    nothing. Values are therefore zeros or stale, never wrong in shape: a model runs with the data flow of
+    the real one, not its numbers.
 
 The device's op log and its rule stay: every op is logged with its thread, and none may run on a thread of
 the backend's (`DeviceLog.on_backend_threads`). Not emulated: overlap of kernels on the GPU (one in-order
@@ -72,6 +75,9 @@ _METADATA = {"aten::set_", "aten::resize_", "aten::resize_as_", "aten::as_stride
              "aten::t_", "aten::squeeze_", "aten::unsqueeze_", "aten::swapdims_", "aten::swapaxes_",
              "aten::detach_", "aten::requires_grad_", "aten::_coalesced_"}
 _COPIES = {"aten::_copy_from", "aten::copy_"}
+# Allocations: memory, no kernel.
+_ALLOCATIONS = {"aten::empty", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
+                "aten::empty_like"}
 
 
 @dataclass(frozen=True)
@@ -174,6 +180,7 @@ class _Kind:
     """How the timed device treats one aten op (worked out once per op)."""
 
     view: bool  # a view or a metadata change: no kernel
+    allocation: bool  # new memory, no kernel
     copy: bool
     reads_host: bool  # its result is a Python value (a scalar, a bool): the host waits for it
     written: list[tuple[int, str]]  # (position, name) of the arguments it writes
@@ -187,7 +194,7 @@ def _kind(op: Any) -> _Kind:
     aliasing = any(r.alias_info is not None for r in schema.returns)
     view = (aliasing and not written) or schema.name in _METADATA
     returns_tensors = all(isinstance(r.type, (torch.TensorType, torch.ListType, torch.OptionalType)) for r in schema.returns)
-    return _Kind(view=view, copy=schema.name in _COPIES, reads_host=bool(schema.returns) and not returns_tensors,
+    return _Kind(view=view, allocation=schema.name in _ALLOCATIONS, copy=schema.name in _COPIES, reads_host=bool(schema.returns) and not returns_tensors,
                  written=written, out_args=out_args)
 
 
@@ -258,6 +265,9 @@ class TimedDevice:
         """(modelled seconds, FLOPs, bytes) of one kernel: `args`, `kwargs`, `out` as the op saw them (CPU
         or meta tensors, only their metadata is read)."""
         kind = self._kind(op)
+        as_aten = getattr(op, "aten_args", None)  # a stand-in for an aten op (fake_device's conv backward)
+        if as_aten is not None:
+            op, args = as_aten(*args, **kwargs)
         formula = flop_registry.get(op._overloadpacket)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
         gather = _GATHERS.get(op._schema.name)
@@ -303,7 +313,8 @@ class TimedDevice:
             return out
         if self.exact:
             out = fn(*args, **kwargs)
-            self._enqueue(*self.kernel_seconds(op, args, kwargs, out))
+            if not kind.allocation:
+                self._enqueue(*self.kernel_seconds(op, args, kwargs, out))
             return out
         return self._skip(op, fn, args, kwargs, kind, on_device)
 
@@ -318,8 +329,8 @@ class TimedDevice:
         src_device, dst_device = id(src) in on_device, id(dst) in on_device
         seconds, flops, moved = self.kernel_seconds(op, (src,), {}, dst)
         end = self._enqueue(seconds, flops, moved)
-        if not dst_device or (src_device != dst_device and not non_blocking):
-            # To the host, or from it and blocking: MPS commits the command buffer and waits for it.
+        if src_device != dst_device and not non_blocking:
+            # Between the host and the device, blocking: MPS commits the command buffer and waits for it.
             _sleep_until(end)
         if src_device and dst_device and not self.exact:
             return dst  # within the device: timed, not done (nothing on the host reads device bytes unseen)
@@ -344,7 +355,8 @@ class TimedDevice:
                 return out
             if key is not None:
                 self._plans[key] = plan
-        self._enqueue(plan.seconds, plan.flops, plan.moved)
+        if not kind.allocation:
+            self._enqueue(plan.seconds, plan.flops, plan.moved)
         raws = _tensors((args, kwargs))
         for k, shape, stride in plan.restride:
             _restride(raws[k], shape, stride)

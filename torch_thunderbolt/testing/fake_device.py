@@ -180,13 +180,18 @@ class _ConvolutionBackward:
     def name() -> str:
         return "aten::convolution_backward_overrideable"
 
-    def __call__(self, grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride: Any,
-                 padding: Any, dilation: Any, transposed: bool, output_padding: Any, groups: int,
-                 output_mask: Any) -> Any:
+    def aten_args(self, grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride: Any,
+                  padding: Any, dilation: Any, transposed: bool, output_padding: Any, groups: int,
+                  output_mask: Any) -> tuple[Any, tuple[Any, ...]]:
+        """The aten op this stands for, and its arguments (what torch's flop counter knows)."""
         bias_sizes = [weight.shape[1] * groups if transposed else weight.shape[0]]
-        return torch.ops.aten.convolution_backward.default(grad_output, x, weight, bias_sizes, stride, padding,
-                                                           dilation, transposed, output_padding, groups,
-                                                           output_mask)
+        return torch.ops.aten.convolution_backward.default, (grad_output, x, weight, bias_sizes, stride, padding,
+                                                             dilation, transposed, output_padding, groups,
+                                                             output_mask)
+
+    def __call__(self, *args: Any) -> Any:
+        op, aten_args = self.aten_args(*args)
+        return op(*aten_args)
 
 
 _convolution_backward = _ConvolutionBackward()

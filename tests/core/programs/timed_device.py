@@ -93,6 +93,13 @@ def async_semantics() -> None:
     out["event_synchronize_s"] = time.monotonic() - t0
     t0 = time.monotonic()
     a @ a
+    host = torch.empty(10)
+    host.copy_(small, non_blocking=True)  # to the host, non-blocking: returns at once
+    out["d2h_non_blocking_s"] = time.monotonic() - t0
+    gpu.synchronize()
+
+    t0 = time.monotonic()
+    a @ a
     (small + 1).sum().item()  # the host reads a value: waits
     out["item_s"] = time.monotonic() - t0
     result(out)
@@ -113,10 +120,12 @@ def exact_matches_cpu() -> None:
     the timeline advanced for each kernel. Timing-only mode: same shapes, no arithmetic (zeros)."""
     gpu = apple_gpu.install("m2-ultra", exact=True)
     torch.manual_seed(0)
-    cpu_model = _Mlp()
-    dev_model = _Mlp().to(gpu.device)
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 16))
+    cpu_model = torch.nn.Sequential(conv, _Mlp())
+    dev_model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(),
+                                                        torch.nn.Linear(4 * 6 * 6, 16)), _Mlp()).to(gpu.device)
     dev_model.load_state_dict(cpu_model.state_dict())
-    x = torch.randn(8, 16)
+    x = torch.randn(8, 3, 8, 8)
     out = {}
     for model, dev in ((cpu_model, "cpu"), (dev_model, gpu.device)):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -126,11 +135,18 @@ def exact_matches_cpu() -> None:
         out[str(dev)] = [p.detach().cpu() for p in model.parameters()] + [loss.detach().cpu()]
     got, want = out[str(gpu.device)], out["cpu"]
     kernels = gpu.stats()["kernels"]
+    # torch's formulas: 2 per multiply-add; the backward pass takes the input and weight gradients of the
+    # linear layers and the weight gradient of the convolution (its input needs none)
+    flops = gpu.stats()["flops"]
+    linear = 2 * 8 * (144 * 16 + 16 * 32 + 32 * 4)
+    conv = 2 * 8 * 4 * 6 * 6 * 3 * 3 * 3
+    expected_flops = 3 * linear + 2 * conv
     # Timing-only: the same model gives outputs of the right shape, made of zeros (nothing computed).
     timing = apple_gpu.install("m2-ultra", exact=False)
     y = dev_model(x.to(gpu.device))
     ys = y.cpu()
     result({"identical": all(torch.equal(g, w) for g, w in zip(got, want)), "kernels": kernels,
+            "flops": flops, "expected_flops": expected_flops,
             "timing_shape": list(ys.shape), "timing_zeros": bool((ys == 0).all()), "timing_kernels": timing.stats()["kernels"],
             "computed": sorted(timing.computed)})
 
