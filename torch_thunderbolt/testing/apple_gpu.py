@@ -189,13 +189,14 @@ class _Kind:
 
 def _kind(op: Any) -> _Kind:
     schema = op._schema
-    written = [(i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    written = fake_device._written_arguments(schema)
     out_args = {a.name for a in schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write}
     aliasing = any(r.alias_info is not None for r in schema.returns)
     view = (aliasing and not written) or schema.name in _METADATA
-    returns_tensors = all(isinstance(r.type, (torch.TensorType, torch.ListType, torch.OptionalType)) for r in schema.returns)
-    return _Kind(view=view, allocation=schema.name in _ALLOCATIONS, copy=schema.name in _COPIES, reads_host=bool(schema.returns) and not returns_tensors,
-                 written=written, out_args=out_args)
+    returns_tensors = all(isinstance(r.type, (torch.TensorType, torch.ListType, torch.OptionalType))
+                          for r in schema.returns)
+    return _Kind(view=view, allocation=schema.name in _ALLOCATIONS, copy=schema.name in _COPIES,
+                 reads_host=bool(schema.returns) and not returns_tensors, written=written, out_args=out_args)
 
 
 class TimedDevice:
@@ -457,7 +458,8 @@ def _restride(raw: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]
     """Give CPU view `raw` these sizes and strides, on new zeroed memory if its own is too small (memory
     of skipped ops may be an mmap, which cannot grow)."""
     shape, stride = list(shape), list(stride)
-    need = 0 if any(s == 0 for s in shape) else (raw.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(shape, stride)))
+    need = 0 if any(s == 0 for s in shape) else (raw.storage_offset() + 1
+                                                 + sum((n - 1) * st for n, st in zip(shape, stride)))
     if need * raw.element_size() <= raw.untyped_storage().nbytes():
         raw.as_strided_(shape, stride, raw.storage_offset())
     else:

@@ -3,6 +3,7 @@
 reports its measurements; the test judges them."""
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import time
@@ -120,11 +121,9 @@ def exact_matches_cpu() -> None:
     the timeline advanced for each kernel. Timing-only mode: same shapes, no arithmetic (zeros)."""
     gpu = apple_gpu.install("m2-ultra", exact=True)
     torch.manual_seed(0)
-    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 16))
-    cpu_model = torch.nn.Sequential(conv, _Mlp())
-    dev_model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(),
-                                                        torch.nn.Linear(4 * 6 * 6, 16)), _Mlp()).to(gpu.device)
-    dev_model.load_state_dict(cpu_model.state_dict())
+    cpu_model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 16),
+                                    _Mlp())
+    dev_model = copy.deepcopy(cpu_model).to(gpu.device)
     x = torch.randn(8, 3, 8, 8)
     out = {}
     for model, dev in ((cpu_model, "cpu"), (dev_model, gpu.device)):
@@ -147,7 +146,8 @@ def exact_matches_cpu() -> None:
     ys = y.cpu()
     result({"identical": all(torch.equal(g, w) for g, w in zip(got, want)), "kernels": kernels,
             "flops": flops, "expected_flops": expected_flops,
-            "timing_shape": list(ys.shape), "timing_zeros": bool((ys == 0).all()), "timing_kernels": timing.stats()["kernels"],
+            "timing_shape": list(ys.shape), "timing_zeros": bool((ys == 0).all()),
+            "timing_kernels": timing.stats()["kernels"],
             "computed": sorted(timing.computed)})
 
 
@@ -159,8 +159,8 @@ def large_model() -> None:
     before = _rss_bytes()
     layers = int(os.environ.get("LAYERS", "24"))
     with torch.device(gpu.device):
-        model = torch.nn.Sequential(*[torch.nn.Linear(4096, 14336 if i % 2 == 0 else 4096, bias=False, dtype=torch.float16)
-                                      for i in range(layers)])
+        model = torch.nn.Sequential(*[torch.nn.Linear(4096, 14336 if i % 2 == 0 else 4096, bias=False,
+                                                      dtype=torch.float16) for i in range(layers)])
     built = _rss_bytes()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     x = torch.zeros(1, 4096, dtype=torch.float16).to(gpu.device)
@@ -195,7 +195,8 @@ def collectives() -> None:
         out[f"all_reduce_{n}"] = bool(torch.equal(x.cpu(), want))
         y = (torch.arange(n, dtype=torch.float32) + r).to(gpu.device)
         dist.all_reduce(y, async_op=True).wait()
-        out[f"all_reduce_async_{n}"] = bool(torch.equal(y.cpu(), sum(torch.arange(n, dtype=torch.float32) + q for q in range(w))))
+        want = sum(torch.arange(n, dtype=torch.float32) + q for q in range(w))
+        out[f"all_reduce_async_{n}"] = bool(torch.equal(y.cpu(), want))
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(_Mlp().to(gpu.device), bucket_cap_mb=0.001)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
