@@ -16,7 +16,7 @@ def _block() -> nn.Module:
 def _step(gpu: apple_gpu.TimedDevice, model: nn.Module, x: torch.Tensor) -> dict:
     """One forward and backward: modelled seconds and kernels of each, and the ops the host ran for them."""
     log = fake_device.module(gpu.device.type).log
-    for p in model.parameters():
+    for p in [x, *model.parameters()]:
         p.grad = None  # AccumulateGrad takes the gradient as it is: no add kernels in the backward
     grad_out = torch.empty(64, 128, 256, device=gpu.device)
     gpu.synchronize()
