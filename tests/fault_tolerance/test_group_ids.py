@@ -59,3 +59,41 @@ def test_a_frame_of_another_group_of_the_same_id_is_a_mismatch_not_data() -> Non
     except MismatchError:
         got = ["MismatchError"]
     assert set(got) == {"MismatchError"}, got
+
+
+def test_a_retry_waits_for_a_stopped_member_and_names_it_instead_of_a_mismatch() -> None:
+    """Rank 0 proposes a group of ranks [0, 1, 2] and stops (it pumps nothing more: SIGSTOP). Rank 1's first
+    call, for [0, 1], meets that proposal during the call: a MismatchError after the grace, as for a live
+    rank that calls with other ranks. Its retry holds the same proposal from before it began: it waits until
+    its deadline and names rank 0 as a member that did not join (which a caller then excludes), never a
+    mismatch again and again, which names nobody to exclude."""
+    with tcp_world(3) as ts:
+        def body(r: int) -> list[str]:
+            t = ts[r]
+            if r == 0:
+                with t.engine._lock:
+                    t.engine._say(t.engine.agreement.begin([0, 1, 2]))
+                time.sleep(6.0)
+                with t.engine._lock:
+                    t.engine.agreement.abandon()
+                return []
+            if r == 2:
+                time.sleep(6.0)
+                return []
+            time.sleep(0.3)
+            seen = []
+            for budget in (2.0, 2.0):
+                t0 = time.monotonic()
+                try:
+                    t.split([0, 1], t0 + budget)
+                    seen.append("made")
+                except (MismatchError, CollectiveTimeout) as exc:
+                    ranks = getattr(exc, "ranks", None)
+                    seen.append(f"{type(exc).__name__} {ranks} {time.monotonic() - t0:.1f} {exc}")
+            return seen
+        run = on_threads(3, body, 60.0)
+        assert not run.hung and run.first_error_by_rank() is None
+        first, retry = run.results[1]
+        assert first.startswith("MismatchError"), first
+        assert retry.startswith("CollectiveTimeout [0]"), retry
+        assert "proposed nothing during this call" in retry and "[0, 1, 2]" in retry, retry

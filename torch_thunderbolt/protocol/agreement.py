@@ -108,6 +108,7 @@ class _Call:
     commits: list[tuple[tuple[int, ...], int]] = field(default_factory=list)  # (view, gid) committed to, in order
     confirmed: dict[int, set[tuple[tuple[int, ...], int]]] = field(default_factory=dict)  # by peer
     outcome: "Outcome | None" = None
+    before: dict[int, int] = field(default_factory=dict)  # each peer's latest proposal's nonce when it began
 
 
 @dataclass
@@ -232,7 +233,7 @@ class Agreement:
             raise ValueError(f"rank {self.rank}: a group of ranks {list(members)} does not hold this rank")
         self.nonce += 1
         own = Propose(self.nonce, members, self.used())
-        self.call = _Call(self.nonce, members, own)
+        self.call = _Call(self.nonce, members, own, before={p: m.nonce for p, m in self.heard.items()})
         gone = [p for p in members if p in self.lost]
         if gone:
             self.call.outcome = Lost(gone[0])
@@ -336,6 +337,15 @@ class Agreement:
                 continue  # it confirmed this call's group and has gone on to its next call
             return Disagree(p, got.ranks)
         return None
+
+    def held_before(self, peer: int) -> bool:
+        """Whether `peer`'s latest proposal is one this rank already held when its call began: the peer has
+        proposed nothing since. A peer that is alive and calls with other members answers a new call within
+        its own disagreement grace (its call ends: DONE; or it calls again); one that was stopped in a call
+        keeps its old proposal, so the caller waits for it as for a member that did not join."""
+        call = self.call
+        got = self.heard.get(peer)
+        return call is not None and got is not None and call.before.get(peer) == got.nonce
 
     def waiting_for(self) -> tuple[list[int], list[int]]:
         """The members this call has no proposal from, and those whose commit it still lacks."""

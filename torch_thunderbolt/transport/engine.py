@@ -1031,6 +1031,7 @@ class Transport:
             raise CollectiveTimeout(f"rank {self.rank}: Timed out in {what}: another group was being made over "
                                     f"these links by another thread", ranks=[])
         against: tuple[object, float] = (None, 0.0)  # a disagreement, and since when it lasts
+        proposed: tuple[int, tuple[int, ...]] | None = None  # a silent member's old proposal of other members
         try:
             with self._lock:
                 engine._say(engine.agreement.begin(members))
@@ -1045,11 +1046,16 @@ class Transport:
                     disagree = engine.agreement.disagreement()
                     if disagree != against[0]:
                         against = (disagree, now)
-                    if disagree is not None and now - against[1] >= MISMATCH_GRACE:
+                    # A proposal held from before this call (a retry's) may be a stopped rank's: it gets until
+                    # the deadline, and is then named as a member that did not join, not as one that disagrees.
+                    stale = disagree is not None and engine.agreement.held_before(disagree.peer)
+                    if disagree is not None and not stale and now - against[1] >= MISMATCH_GRACE:
                         out = disagree
                     if out is not None or now >= deadline:
-                        out = out or disagree
+                        out = out or (None if stale else disagree)
                         silent, unconfirmed = engine.agreement.waiting_for()
+                        if stale and disagree.peer in silent:
+                            proposed = (disagree.peer, disagree.ranks)
                         engine._say(engine.agreement.abandon())
                         engine._reoffer()
                         break
@@ -1071,7 +1077,12 @@ class Transport:
                                f"groups you no longer use")
         late = sorted(name(p) for p in silent) or sorted(name(p) for p in unconfirmed)
         how = "did not join the new group" if silent else "joined but did not confirm the new group"
-        raise CollectiveTimeout(f"rank {self.rank}: Timed out in {what}: ranks that {how}: {late}", ranks=late)
+        note = ""
+        if proposed is not None:
+            note = (f" (rank {name(proposed[0])} proposed nothing during this call; the last it proposed, before "
+                    f"it, makes a group of ranks {sorted(name(e) for e in proposed[1])}: it may be stopped, or "
+                    f"calling with other ranks)")
+        raise CollectiveTimeout(f"rank {self.rank}: Timed out in {what}: ranks that {how}: {late}{note}", ranks=late)
 
     # -- checks and errors ----------------------------------------------------------------------------------
     def held(self, peer: int) -> Frame | None:
