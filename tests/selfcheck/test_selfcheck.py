@@ -301,3 +301,17 @@ def test_the_cables_come_from_every_hosts_discovery():
     twins = {f"studio (rank {r})": {"topology": {**h.to_json(), "name": "studio"}} for r, h in enumerate(hosts[:2])}
     assert report.cables(twins).startswith("Cluster: 2 hosts, 1 cable")
     assert report.cables({}) == "no host could be discovered"
+
+
+def test_the_report_points_to_the_guidance_row_for_its_cables():
+    from torch_thunderbolt.selfcheck.report import guidance
+
+    tb = {"port_speeds": {"en2": 40.0}, "rdma": None}
+    slow = {"port_speeds": {}, "rdma": None}
+    rdma = {"port_speeds": {"en2": 80.0}, "rdma": {"devices": ["rdma_en2"], "error": ""}}
+    assert guidance({}, 1)["row"].endswith("#one-mac")
+    assert guidance({"a": tb, "b": tb}, 2)["row"].endswith("#thunderbolt-over-tcp")
+    assert guidance({"a": tb, "b": slow}, 2)["row"].endswith("#ethernet-speeds")
+    assert guidance({"a": {"port_speeds": {"en2": 10.0}}, "b": tb}, 2)["row"].endswith("#ethernet-speeds")
+    assert guidance({"a": rdma, "b": rdma}, 2)["row"].endswith("#thunderbolt-5-with-rdma")
+    assert guidance({"a": rdma, "b": tb}, 2)["row"].endswith("#thunderbolt-over-tcp")

@@ -274,7 +274,9 @@ class Selfcheck:
         return 1 if failed else 0
 
     def _write_report(self, stuck: str | None) -> None:
-        paths = report.write(self.opts.out_dir, report.document(self, stuck), self.rank)
+        doc = report.document(self, stuck)
+        paths = report.write(self.opts.out_dir, doc, self.rank)
+        self.say(f"# which parallelism over these cables: {doc['guidance']['row']} ({doc['guidance']['why']})")
         self.say(f"# wrote {paths[0]} and {paths[1]} (attach both to a report)")
 
     def _facts(self) -> dict:

@@ -94,6 +94,28 @@ def doctor_record(facts: "Facts", findings: "list[Finding]") -> dict[str, Any]:
             "rdma": dataclasses.asdict(facts.rdma) if facts.rdma else None, "topology": facts.topology}
 
 
+GUIDANCE = "docs/parallelism.md"  # which parallelism over which cable: the row a report points to
+TB_TCP_MIN_GBPS = 20.0  # a Thunderbolt link below this is no faster than Ethernet for the guidance
+
+
+def guidance(doctor: dict[str, dict], hosts: int) -> dict[str, str]:
+    """The row of the guidance page that matches these hosts and cables, and why."""
+    if hosts <= 1:
+        return {"row": f"{GUIDANCE}#one-mac", "why": "every rank on one Mac: shared memory between them"}
+    records = list(doctor.values())
+    rdma = bool(records) and all((d.get("rdma") or {}).get("devices") and not (d.get("rdma") or {}).get("error")
+                                 for d in records)
+    if rdma:
+        return {"row": f"{GUIDANCE}#thunderbolt-5-with-rdma", "why": "RDMA devices on every host"}
+    slowest = [min(d["port_speeds"].values()) for d in records if d.get("port_speeds")]
+    if records and len(slowest) == len(records) and min(slowest) >= TB_TCP_MIN_GBPS:
+        return {"row": f"{GUIDANCE}#thunderbolt-over-tcp",
+                "why": f"Thunderbolt cables at {min(slowest):g} Gb/s or more on every host, over TCP"}
+    return {"row": f"{GUIDANCE}#ethernet-speeds",
+            "why": "a host without a Thunderbolt cable, or one slower than "
+                   f"{TB_TCP_MIN_GBPS:g} Gb/s: Ethernet speeds (1-10 Gbit/s)"}
+
+
 def cables(doctor: dict[str, dict]) -> str:
     """Which cable joins which hosts' ports, at what speed, as `topo` sees them from every host's discovery."""
     from ..errors import ThunderboltError
@@ -162,6 +184,7 @@ def document(sc: Findings, stuck: str | None) -> dict[str, Any]:
                                      "torch_thunderbolt", "mps")} for h in sc.hosts],
         "doctor": sc.doctor,
         "cables": cables(sc.doctor) if sc.doctor else "",
+        "guidance": guidance(sc.doctor, len({h["host"] for h in sc.hosts})),
         "checks": [line.to_json() for line in sc.lines],
         "ddp": sc.ddp_figures,
         "bench": {"records": sc.figures, "meta": sc.bench_meta, "text": sc.bench_text,
@@ -196,6 +219,8 @@ def markdown(doc: dict[str, Any]) -> str:
                        f"{', the probe hung' if rdma['hung'] else ''}")
     if doc["cables"]:
         out += ["", "```", doc["cables"], "```"]
+    if doc.get("guidance"):
+        out += ["", f"Which parallelism over these cables: `{doc['guidance']['row']}` ({doc['guidance']['why']})."]
     out += ["", "## Checks", "", "| status | check | detail | fix |", "|---|---|---|---|"]
     out += ["| " + " | ".join(_cell(c[k]) for k in ("status", "check", "detail", "fix")) + " |" for c in doc["checks"]]
     errors = [(c["check"], e) for c in doc["checks"] for e in c["errors"]]
