@@ -60,6 +60,7 @@ class BenchConfig:
     ddp_hooks: tuple[str, ...] = ("none",)
     bucket_caps: tuple[float, ...] = (25.0,)
     microbatches: int = 1
+    timeline: bool = False           # vit-ddp: one traced step per case and backend (buckets and device spans)
     tokens: int = 8                  # decoded tokens per timed iteration (llama-*)
 
 
@@ -154,6 +155,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                  "32; llama-*: sequences, default 1,4)")
     w.add_argument("--ddp-hook", default=None, help=f"vit-ddp: comma list of {', '.join(ws.DDP_HOOKS)} (default none)")
     w.add_argument("--bucket-cap-mb", default=None, help="vit-ddp: comma list of DDP bucket_cap_mb (default 25)")
+    w.add_argument("--timeline", action="store_true", default=None,
+                   help="vit-ddp: after the timed iterations, one traced step per case and backend: when each bucket's "
+                        "all_reduce was issued and done, and when the device was busy (the timed device)")
     w.add_argument("--microbatches", type=int, default=None, help="llama-pp: pieces each batch is cut into (default 1)")
     w.add_argument("--tokens", type=int, default=None, help="llama-*: decoded tokens per timed iteration (default 8)")
 
@@ -171,7 +175,7 @@ def _float_list(text: str, what: str) -> tuple[float, ...]:
     return tuple(values)
 
 
-_WORKLOAD_ONLY = ("device", "model", "batch", "ddp_hook", "bucket_cap_mb", "microbatches", "tokens")
+_WORKLOAD_ONLY = ("device", "model", "batch", "ddp_hook", "bucket_cap_mb", "microbatches", "tokens", "timeline")
 
 
 def _workload_fields(ns: argparse.Namespace) -> dict:
@@ -189,8 +193,8 @@ def _workload_fields(ns: argparse.Namespace) -> dict:
     if collective_only:
         raise ConfigError(f"{', '.join(collective_only)} do not apply with --workload {ns.workload}")
     name = ns.workload
-    wrong = [flag for flag, on in (("--ddp-hook", ns.ddp_hook is not None), ("--bucket-cap-mb", ns.bucket_cap_mb is not None))
-             if on and name != "vit-ddp"]
+    wrong = [flag for flag, on in (("--ddp-hook", ns.ddp_hook is not None), ("--bucket-cap-mb", ns.bucket_cap_mb is not None),
+                                   ("--timeline", ns.timeline is not None)) if on and name != "vit-ddp"]
     wrong += [flag for flag, on in (("--microbatches", ns.microbatches is not None),) if on and name != "llama-pp"]
     wrong += [flag for flag, on in (("--tokens", ns.tokens is not None),) if on and name == "vit-ddp"]
     if wrong:
@@ -202,6 +206,8 @@ def _workload_fields(ns: argparse.Namespace) -> dict:
         out["ddp_hooks"] = tuple(sz.choose(sz.split_list(ns.ddp_hook, "ddp-hook"), ws.DDP_HOOKS, "--ddp-hook"))
     if ns.bucket_cap_mb is not None:
         out["bucket_caps"] = _float_list(ns.bucket_cap_mb, "bucket-cap-mb")
+    if ns.timeline:
+        out["timeline"] = True
     for flag, value in (("--microbatches", ns.microbatches), ("--tokens", ns.tokens)):
         if value is not None and value < 1:
             raise ConfigError(f"bad {flag} {value}: expected at least 1")
@@ -280,6 +286,7 @@ def to_argv(cfg: BenchConfig) -> list[str]:
                  "--batch", ",".join(map(str, cfg.batches))]
         if cfg.workload == "vit-ddp":
             argv += ["--ddp-hook", ",".join(cfg.ddp_hooks), "--bucket-cap-mb", ",".join(map(repr, cfg.bucket_caps))]
+            argv += ["--timeline"] if cfg.timeline else []
         else:
             argv += ["--tokens", str(cfg.tokens)]
         if cfg.workload == "llama-pp":

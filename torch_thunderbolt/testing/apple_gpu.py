@@ -217,6 +217,7 @@ class TimedDevice:
         self._kernels = 0
         self._flops = 0.0
         self._bytes = 0
+        self._spans: list[tuple[float, float]] | None = None  # (start, end) of each entry, while recorded
 
     # -- what a program sees ------------------------------------------------------------------------------
 
@@ -250,6 +251,13 @@ class TimedDevice:
         """How far the timeline runs ahead of now: the work issued and not yet done."""
         with self._lock:
             return max(0.0, self._end - time.monotonic())
+
+    def record_spans(self, on: bool = True) -> list[tuple[float, float]]:
+        """Start (or stop) keeping the (start, end) of every timeline entry, time.monotonic() seconds; returns
+        what was kept since the last start."""
+        with self._lock:
+            kept, self._spans = self._spans or [], ([] if on else None)
+            return kept
 
     def charge(self, seconds: float, kernels: int = 1, flops: float = 0.0, moved: int = 0) -> float:
         """Put `kernels` kernels lasting `seconds` in all on the timeline as one entry (a block-level kernel
@@ -286,7 +294,10 @@ class TimedDevice:
     def _enqueue(self, seconds: float, flops: float, moved: int) -> float:
         """Put a kernel on the timeline; returns when it ends."""
         with self._lock:
-            self._end = max(time.monotonic(), self._end) + seconds
+            start = max(time.monotonic(), self._end)
+            self._end = start + seconds
+            if self._spans is not None:
+                self._spans.append((start, self._end))
             self._busy += seconds
             self._kernels += 1
             self._flops += flops

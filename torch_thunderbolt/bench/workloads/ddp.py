@@ -18,6 +18,7 @@ gloo cannot do: on a device every row (thunderbolt's too, so that both exchange 
 buckets DDP first made, in reverse parameter order (`_KeepBuckets`).
 """
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -38,6 +39,25 @@ def host_allreduce_hook(group, bucket):  # noqa: ANN001, ANN201 - DDP checks the
     """torch's allreduce_hook through host memory: what gloo needs for a bucket on a device."""
     flat = bucket.buffer().detach().to("cpu").div_(dist.get_world_size(group))
     return dist.all_reduce(flat, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def traced_allreduce_hook(state, bucket):  # noqa: ANN001, ANN201 - DDP checks the annotations it finds
+    """`host_allreduce_hook` that notes, in `state`'s list, when the bucket was handed over (its copy to the
+    host waits for the device to reach it, as the backend's staging does), issued and done (a watcher thread
+    waits on the host tensor's work: nothing on the device)."""
+    group, marks = state
+    handed = time.monotonic()
+    flat = bucket.buffer().detach().to("cpu").div_(dist.get_world_size(group))
+    issued = time.monotonic()
+    work = dist.all_reduce(flat, group=group, async_op=True)
+
+    def watch() -> None:
+        work.wait()
+        marks.append({"bucket": bucket.index(), "bytes": flat.numel() * flat.element_size(), "handed": handed,
+                      "issued": issued, "done": time.monotonic()})
+
+    threading.Thread(target=watch, name="bench-timeline", daemon=True).start()
+    return work.get_future().then(lambda f: f.value()[0])
 
 
 class _KeepBuckets:
@@ -79,7 +99,8 @@ class Phases:
 class _Trainer:
     """One backend's DDP model of one case, and its phases."""
 
-    def __init__(self, cfg: vit.ViTConfig, case: Case, group: Any, kind: str, device: Device) -> None:
+    def __init__(self, cfg: vit.ViTConfig, case: Case, group: Any, kind: str, device: Device,
+                 traced: bool = False) -> None:
         torch.manual_seed(0)  # the same weights on every rank: DDP's initial broadcast is not needed
         module = place(lambda d: vit.ViT(cfg).to(d), device)
         # One block-level kernel per transformer block, patch embedding and head (device.fuse): DDP's hooks
@@ -93,7 +114,10 @@ class _Trainer:
                          init_sync=False)
         self.hook: Optional[Callable] = None
         self.state: Any = None
-        if case.hook != "none":
+        self.marks: list[dict] = []
+        if traced:
+            self.hook, self.state = traced_allreduce_hook, (group, self.marks)
+        elif case.hook != "none":
             self.hook, self.state = HOOKS[case.hook], hooks.CompressionState(process_group=group)
         elif self.staged:
             self.hook, self.state = host_allreduce_hook, group
@@ -125,13 +149,46 @@ class _Trainer:
         return time.perf_counter() - t0
 
 
+def traced_step(cfg: vit.ViTConfig, case: Case, group: Any, kind: str, device: Device, images: torch.Tensor,
+                labels: torch.Tensor) -> dict:
+    """One step with the exchange, traced, on a model of its own (after one untraced step): when the device
+    was busy, and when each bucket was handed over, issued and done, in ms from the step's start. The buckets
+    go through `traced_allreduce_hook` (staged through host memory in the hook, as the backend stages a
+    device bucket), so the trace shows the same path for every backend."""
+    trainer = _Trainer(cfg, case, group, kind, device, traced=True)
+    trainer.fwd_bwd(images, labels)
+    deadline = time.monotonic() + 60.0
+    while len(trainer.marks) < len(trainer.model.reducer._get_zeros_like_grad_buckets()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    trainer.marks.clear()
+    if device.record_spans is not None:
+        device.record_spans(True)
+    trainer.model.zero_grad(set_to_none=True)
+    t0 = time.monotonic()
+    loss = F.cross_entropy(trainer.model(images), labels)
+    backward_at = time.monotonic()
+    loss.backward()
+    device.synchronize()
+    end = time.monotonic()
+    spans = device.record_spans(False) if device.record_spans is not None else []
+    n = len(trainer.model.reducer._get_zeros_like_grad_buckets())
+    while len(trainer.marks) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ms = lambda t: round((t - t0) * 1e3, 2)  # noqa: E731
+    return {"step_ms": ms(end), "backward_issued_ms": ms(backward_at),
+            "spans_ms": [(ms(a), ms(b)) for a, b in spans],
+            "buckets": sorted(({**m, "handed": ms(m["handed"]), "issued": ms(m["issued"]), "done": ms(m["done"])}
+                               for m in trainer.marks), key=lambda m: m["issued"])}
+
+
 def run(model: str, cases: list[Case], groups: list[Any], kinds: list[str], device: Device, rank: int,
-        iters: int, warmup: int, control: Any = None) -> tuple[dict[str, list[Phases]], dict]:
+        iters: int, warmup: int, control: Any = None, timeline: bool = False) -> tuple[dict[str, list[Phases]], dict]:
     """This rank's phases per case key and backend (in the order of `groups`), and what the model is."""
     cfg = vit.make_config(model)
     data = vit.SyntheticImages(cfg, seed=0, max_classes=4)
     out: dict[str, list[Phases]] = {}
     how: dict[str, list[str]] = {}
+    traces: dict[str, list[dict]] = {}  # per case key, per backend: this rank's traced step
     for case in cases:
         images, labels = data.batch(case.batch, rank, 0)
         images, labels = images.to(device.torch_device), labels.to(device.torch_device)
@@ -157,8 +214,41 @@ def run(model: str, cases: list[Case], groups: list[Any], kinds: list[str], devi
         out[case.key] = phases
         how[case.key] = [t.how for t in trainers]
         del trainers
+        if timeline and case.hook == "none":
+            for i, (g, k) in enumerate(zip(groups, kinds)):
+                dist.barrier(group=control)
+                traces.setdefault(case.key, []).append(traced_step(cfg, case, g, k, device, images, labels))
     params = vit.param_count(cfg)
-    return out, {"config": cfg.__dict__, "params": params, "grad_bytes": params * 4, "how": how}
+    return out, {"config": cfg.__dict__, "params": params, "grad_bytes": params * 4, "how": how, "traces": traces}
+
+
+def describe_trace(trace: dict) -> list[str]:
+    """A traced step in a few lines: the device's forward and backward, the buckets' exchange, and how much of
+    it the backward covered."""
+    spans, buckets = trace["spans_ms"], trace["buckets"]
+    if not buckets:
+        return ["  no bucket was traced"]
+    lines = []
+    if spans:
+        fwd_end = max((b for a, b in spans if a <= trace["backward_issued_ms"]), default=spans[0][1])
+        bwd_end = spans[-1][1]
+        busy = sum(b - max(a, fwd_end) for a, b in spans if b > fwd_end)
+        lines.append(f"  device: forward ends at {fwd_end:.0f} ms, backward at {bwd_end:.0f} ms (busy {busy:.0f} of "
+                     f"its {bwd_end - fwd_end:.0f} ms: the rest it waited for the host)")
+    else:
+        bwd_end = trace["step_ms"]
+    total = sum(m["bytes"] for m in buckets)
+    covered = sum(m["bytes"] for m in buckets if m["done"] <= bwd_end)
+    first, last = buckets[0], max(buckets, key=lambda m: m["done"])
+    waits = sum(m["issued"] - m["handed"] for m in buckets)
+    lines.append(f"  exchange: {len(buckets)} buckets, {total / 1e6:.0f} MB; first issued at {first['issued']:.0f} ms, last "
+                 f"done at {last['done']:.0f} ms; {covered / 1e6:.0f} MB ({covered / total:.2f}) done before the "
+                 f"backward ended; handing buckets over (copy to the host, waiting for the device) took {waits:.0f} ms "
+                 "of the backward's host thread")
+    span = max(last["done"] - first["issued"], 1e-9)
+    lines.append(f"  the exchange moved {total / 1e6 / span * 1e3:.0f} MB/s from its first issue to its end; the step "
+                 f"ended at {trace['step_ms']:.0f} ms")
+    return lines
 
 
 def summarize(per_rank: list[Phases], batch: int, world: int) -> dict[str, float]:

@@ -26,6 +26,7 @@ class Device:
     busy_seconds: Callable[[], float] | None = None  # the timeline's modelled busy time so far
     chip: Any = None         # the timed device's preset (its published figures)
     fuser: Callable[[nn.Module], nn.Module] | None = None  # apple_gpu.fuse where the device has it
+    record_spans: Callable[[bool], list[tuple[float, float]]] | None = None  # the timed device's busy spans
 
     def fuse(self, module: nn.Module) -> nn.Module:
         """`module` as one block-level kernel on the timed device in timing-only mode (its forward one
@@ -65,7 +66,8 @@ def open_device(name: str) -> Device:
 
     gpu = apple_gpu.install(preset=name, exact=False)
     return Device(name, torch.device(gpu.device), gpu.synchronize, timed=True, timing_only=not gpu.exact,
-                  busy_seconds=gpu.busy_seconds, chip=gpu.chip, fuser=apple_gpu_blocks.fuse)
+                  busy_seconds=gpu.busy_seconds, chip=gpu.chip, fuser=apple_gpu_blocks.fuse,
+                  record_spans=gpu.record_spans)
 
 
 def place(build: Callable[[torch.device], nn.Module], device: Device) -> nn.Module:

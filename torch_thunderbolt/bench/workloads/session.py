@@ -49,6 +49,13 @@ def run_rank(cfg: BenchConfig, env: RankEnv, backend: Config, out: TextIO = sys.
             records, model = _vit(cfg, env, groups, kinds, device)
             say(_vit_header(model, env.world_size))
             say(table.vit_table(records))
+            from . import ddp
+
+            for key, traces in model.get("traces", {}).items():
+                for b, trace in zip(cfg.backends, traces):
+                    say(f"# timeline of one step, {b.label}, {key} (rank {env.rank}; buckets staged through host "
+                        "memory in a hook, as the backend stages device buckets):")
+                    say("\n".join("#" + line for line in ddp.describe_trace(trace)))
         else:
             records, model = _llama(cfg, env, groups, kinds, device)
             say(_llama_header(cfg, model, env.world_size))
@@ -82,7 +89,8 @@ def _vit(cfg: BenchConfig, env: RankEnv, groups: list[Any], kinds: list[str], de
     from . import ddp
 
     cases = [ddp.Case(h, c, b) for h in cfg.ddp_hooks for c in cfg.bucket_caps for b in cfg.batches]
-    local, model = ddp.run(cfg.model or "base", cases, groups, kinds, device, env.rank, cfg.iters, cfg.warmup)
+    local, model = ddp.run(cfg.model or "base", cases, groups, kinds, device, env.rank, cfg.iters, cfg.warmup,
+                           timeline=cfg.timeline)
     every = _gather(local)
     records = []
     for case in cases:
