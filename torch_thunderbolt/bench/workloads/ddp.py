@@ -110,8 +110,11 @@ class _Trainer:
             module.blocks[i] = device.fuse(block)
         self.device, self.group = device, group
         self.staged = case.hook == "none" and kind == "gloo" and not device.is_cpu
+        # Buckets of bucket_cap_mb from the first step (bucket_cap_mb_list): DDP's default puts every
+        # parameter in one bucket for the first step and rebuilds the buckets after it, which the rows on a
+        # device cannot do (_KeepBuckets): one bucket of every gradient would leave nothing to overlap.
         self.model = DDP(module, process_group=group, bucket_cap_mb=case.bucket_cap_mb,
-                         init_sync=False)
+                         bucket_cap_mb_list=[case.bucket_cap_mb], init_sync=False)
         self.hook: Optional[Callable] = None
         self.state: Any = None
         self.marks: list[dict] = []
