@@ -101,6 +101,10 @@ def _rank_main(args: argparse.Namespace) -> int:
         med = statistics.median(times)
         bus = 2 * (world - 1) / world * count * 4 / med / 1e9 if world > 1 else 0.0
         say(f"  all_reduce {label:>6}: median {med * 1e6:10.1f} us   busbw {bus:6.2f} GB/s")
+    kind = getattr(getattr(dist.group.WORLD, "transport", None), "kind", None)
+    if kind:
+        say(f"  (these ranks moved their bytes over {kind}; gloo always uses TCP: `bench --transport tcp` compares "
+            "the same path)")
     del big
     dist.destroy_process_group()
     say(f"done. Compare with gloo: {self_command()} bench --ops all_reduce --sizes 4K,64M")
