@@ -42,12 +42,17 @@ def host_allreduce_hook(group, bucket):  # noqa: ANN001, ANN201 - DDP checks the
 
 
 def traced_allreduce_hook(state, bucket):  # noqa: ANN001, ANN201 - DDP checks the annotations it finds
-    """`host_allreduce_hook` that notes, in `state`'s list, when the bucket was handed over (its copy to the
-    host waits for the device to reach it, as the backend's staging does), issued and done (a watcher thread
-    waits on the host tensor's work: nothing on the device)."""
-    group, marks = state
+    """An all_reduce of the bucket through host memory that notes, in `state`'s list, when the bucket was
+    handed over (its copy to a host buffer kept per bucket waits for the device to reach it, as the backend's
+    staging does), issued and done (a watcher thread waits on the host tensor's work: nothing on the device).
+    A diagnostic: it sums without averaging."""
+    group, marks, buffers = state
     handed = time.monotonic()
-    flat = bucket.buffer().detach().to("cpu").div_(dist.get_world_size(group))
+    src = bucket.buffer().detach()
+    flat = buffers.get(bucket.index())
+    if flat is None or flat.numel() != src.numel():
+        flat = buffers[bucket.index()] = torch.empty(src.numel(), dtype=src.dtype)
+    flat.copy_(src)
     issued = time.monotonic()
     work = dist.all_reduce(flat, group=group, async_op=True)
 
@@ -119,7 +124,7 @@ class _Trainer:
         self.state: Any = None
         self.marks: list[dict] = []
         if traced:
-            self.hook, self.state = traced_allreduce_hook, (group, self.marks)
+            self.hook, self.state = traced_allreduce_hook, (group, self.marks, {})
         elif case.hook != "none":
             self.hook, self.state = HOOKS[case.hook], hooks.CompressionState(process_group=group)
         elif self.staged:

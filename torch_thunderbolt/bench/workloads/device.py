@@ -44,7 +44,8 @@ class Device:
             return "this host's CPU (computes)"
         if self.name == "fake":
             return "the untimed fake accelerator (device tensors computed on this host's CPU)"
-        return f"timed emulated {self.name} GPU, timing only (model: docs/devices.md)"
+        return (f"timed emulated {self.name} GPU, timing only, copies to and from the host timed and not done "
+                "(model: docs/devices.md)")
 
 
 def open_device(name: str) -> Device:
@@ -65,6 +66,7 @@ def open_device(name: str) -> Device:
     from ...testing import apple_gpu_blocks
 
     gpu = apple_gpu.install(preset=name, exact=False)
+    gpu.host_copies = False  # staging copies at the modelled bandwidth, as a Mac's GPU makes them
     return Device(name, torch.device(gpu.device), gpu.synchronize, timed=True, timing_only=not gpu.exact,
                   busy_seconds=gpu.busy_seconds, chip=gpu.chip, fuser=apple_gpu_blocks.fuse,
                   record_spans=gpu.record_spans)
