@@ -1,6 +1,7 @@
 """Block-level kernels on the timed Apple-silicon GPU (torch_thunderbolt.testing.apple_gpu_blocks): a fused
 block costs the timeline what the block op by op costs, as one entry each way, while the host runs a few
 allocations for it instead of every op; every parameter gets its gradient; exact mode computes as the block.
+And the workloads' other setting: with host copies off, a large copy to the host is timed and not done.
 
 Emulated: the GPU (testing.apple_gpu). Only modelled times and op counts are compared, never host time."""
 from __future__ import annotations
@@ -40,3 +41,10 @@ def test_a_fused_block_costs_the_timeline_what_its_ops_cost_and_the_host_little(
 
 def test_a_fused_block_in_exact_mode_computes_as_the_block(tmp_path):
     assert run("exact", tmp_path)["equal"] is True
+
+
+def test_with_host_copies_off_a_large_copy_is_timed_and_not_done(tmp_path):
+    out = run("host_copies_off", tmp_path)
+    assert out["big_untouched"] is True and out["big_kernels"] == 1
+    assert out["big_busy_s"] >= 2 * (4 << 20) / out["bandwidth"]  # read and written, at the modelled bandwidth
+    assert out["small_copied"] is True and out["on_again_copied"] is True

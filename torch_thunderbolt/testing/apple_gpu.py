@@ -39,7 +39,8 @@ Two modes:
     writes them. In-place ops (the initialisers `uniform_`, `normal_`, `fill_`, `zero_`; optimiser
     updates; a gradient copied into a DDP bucket) leave their tensor's bytes as they were. Random ops draw
     nothing. Values are therefore zeros or stale, never wrong in shape: a model runs with the data flow of
-    the real one, not its numbers.
+    the real one, not its numbers. `host_copies = False` (what `bench --workload` sets) leaves copies
+    between the host and the device of ZERO_PAGES_FROM bytes or more undone too (timed, and waited for).
 
 The device's op log and its rule stay: every op is logged with its thread, and none may run on a thread of
 the backend's (`DeviceLog.on_backend_threads`). Not emulated: overlap of kernels on the GPU (one in-order

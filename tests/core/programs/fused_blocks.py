@@ -67,5 +67,26 @@ def exact() -> None:
     result({"equal": bool(torch.equal(want, got))})
 
 
+def host_copies_off() -> None:
+    """Timing-only with host copies off (what the workloads run): a large copy to the host is timed and not
+    done, a small one is done; both wait for the timeline as before."""
+    gpu = apple_gpu.install("m2-ultra", exact=False)
+    gpu.host_copies = False
+    big = torch.ones(1 << 20).to(gpu.device)  # 4 MB: not done either (the device keeps zero pages)
+    small = torch.arange(8.0).to(gpu.device)
+    gpu.synchronize()
+    gpu.reset()
+    into = torch.full((1 << 20,), 7.0)
+    into.copy_(big)
+    timed = gpu.stats()
+    out = {"big_untouched": bool((into == 7.0).all()), "big_kernels": timed["kernels"],
+           "big_busy_s": timed["busy_s"], "bandwidth": gpu.chip.bandwidth,
+           "small_copied": small.cpu().tolist() == [float(i) for i in range(8)]}
+    gpu.host_copies = True
+    into.copy_(torch.full((1 << 20,), 3.0).to(gpu.device))
+    out["on_again_copied"] = bool((into == 3.0).all())
+    result(out)
+
+
 if __name__ == "__main__":
-    main({"timing_only": timing_only, "exact": exact})
+    main({"timing_only": timing_only, "exact": exact, "host_copies_off": host_copies_off})

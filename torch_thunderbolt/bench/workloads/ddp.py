@@ -174,17 +174,17 @@ def traced_step(cfg: vit.ViTConfig, case: Case, group: Any, kind: str, device: D
     trainer.model.zero_grad(set_to_none=True)
     t0 = time.monotonic()
     loss = F.cross_entropy(trainer.model(images), labels)
-    backward_at = time.monotonic()
+    forward = device.record_spans(True) if device.record_spans is not None else []
     loss.backward()
     device.synchronize()
     end = time.monotonic()
-    spans = device.record_spans(False) if device.record_spans is not None else []
+    backward = device.record_spans(False) if device.record_spans is not None else []
     n = len(trainer.model.reducer._get_zeros_like_grad_buckets())
     while len(trainer.marks) < n and time.monotonic() < deadline:
         time.sleep(0.01)
     ms = lambda t: round((t - t0) * 1e3, 2)  # noqa: E731
-    return {"step_ms": ms(end), "backward_issued_ms": ms(backward_at),
-            "spans_ms": [(ms(a), ms(b)) for a, b in spans],
+    return {"step_ms": ms(end), "forward_spans_ms": [(ms(a), ms(b)) for a, b in forward],
+            "backward_spans_ms": [(ms(a), ms(b)) for a, b in backward],
             "buckets": sorted(({**m, "handed": ms(m["handed"]), "issued": ms(m["issued"]), "done": ms(m["done"])}
                                for m in trainer.marks), key=lambda m: m["issued"])}
 
@@ -233,14 +233,14 @@ def run(model: str, cases: list[Case], groups: list[Any], kinds: list[str], devi
 def describe_trace(trace: dict) -> list[str]:
     """A traced step in a few lines: the device's forward and backward, the buckets' exchange, and how much of
     it the backward covered."""
-    spans, buckets = trace["spans_ms"], trace["buckets"]
+    forward, backward, buckets = trace["forward_spans_ms"], trace["backward_spans_ms"], trace["buckets"]
     if not buckets:
         return ["  no bucket was traced"]
     lines = []
-    if spans:
-        fwd_end = max((b for a, b in spans if a <= trace["backward_issued_ms"]), default=spans[0][1])
-        bwd_end = spans[-1][1]
-        busy = sum(b - max(a, fwd_end) for a, b in spans if b > fwd_end)
+    if forward and backward:
+        fwd_end = forward[-1][1]
+        bwd_end = backward[-1][1]
+        busy = sum(b - a for a, b in backward)
         lines.append(f"  device: forward ends at {fwd_end:.0f} ms, backward at {bwd_end:.0f} ms (busy {busy:.0f} of "
                      f"its {bwd_end - fwd_end:.0f} ms: the rest it waited for the host)")
     else:
