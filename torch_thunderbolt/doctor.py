@@ -101,6 +101,8 @@ def run_checks(f: Facts) -> list[Finding]:
         out.append(_check_store(f))
     out.extend(_check_links(f))
     out.append(_check_buffers(f, cfg))
+    if cfg.shm_dir and f.system == "Darwin":
+        out.append(_check_shm_dir_on_a_mac(cfg.shm_dir))
     if f.local_network_privacy:
         out.append(_check_local_network(f))
     if f.pmset is not None:
@@ -118,6 +120,14 @@ def run_checks(f: Facts) -> list[Finding]:
                            "" if status == OK else "bbr caps one stream well below the link on fast links; "
                            "try THUNDERBOLT_CC=cubic, and compare backends under the same setting"))
     return out
+
+
+def _check_shm_dir_on_a_mac(shm_dir: str) -> Finding:
+    """On macOS CPython's mmap asks for F_FULLFSYNC on every file it maps (mmapmodule.c): each shared-memory
+    segment set up in THUNDERBOLT_SHM_DIR flushes the whole disk's cache first."""
+    return Finding(WARN, "THUNDERBOLT_SHM_DIR", f"{shm_dir}: on macOS every segment mapped there flushes the disk's "
+                   "cache first (Python's mmap asks for F_FULLFSYNC), at each group's set-up",
+                   "unset THUNDERBOLT_SHM_DIR: POSIX shared memory is the default on a Mac")
 
 
 def _check_torch(f: Facts) -> Finding:

@@ -260,3 +260,12 @@ def test_a_congestion_control_this_kernel_lacks_is_refused_on_every_rank_and_by_
     assert machine_problems(Config(congestion_control="reno"), interfaces={}) == []
     found = by_check(run_checks(facts(cc_error=str(problems[0]))))["THUNDERBOLT_CC"]
     assert found.status == FAIL and "tbnope" in found.detail
+
+
+def test_doctor_warns_that_a_shm_dir_on_a_mac_flushes_the_disk_at_each_segment(tmp_path) -> None:
+    mac = by_check(run_checks(facts(env={"THUNDERBOLT_SHM_DIR": str(tmp_path)})))
+    assert mac["THUNDERBOLT_SHM_DIR"].status == WARN and "F_FULLFSYNC" in mac["THUNDERBOLT_SHM_DIR"].detail
+    assert "unset THUNDERBOLT_SHM_DIR" in mac["THUNDERBOLT_SHM_DIR"].fix
+    linux = by_check(run_checks(facts(system="Linux", env={"THUNDERBOLT_SHM_DIR": str(tmp_path)})))
+    assert "THUNDERBOLT_SHM_DIR" not in linux
+    assert "THUNDERBOLT_SHM_DIR" not in by_check(run_checks(facts()))
