@@ -3,7 +3,6 @@ that a hung run is killed with everything it started, that failures name the ran
 runtime never imports the testing package (a tool beside it)."""
 from __future__ import annotations
 
-import ast
 import time
 from pathlib import Path
 
@@ -61,17 +60,3 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def test_the_runtime_never_imports_the_testing_package() -> None:
-    root = REPO / "torch_thunderbolt"
-    found = []
-    for path in sorted(root.rglob("*.py")):
-        if "testing" in path.relative_to(root).parts:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [f"{'.' * node.level}{node.module or ''}"] if isinstance(node, ast.ImportFrom) else [])
-            if any(n.startswith("torch_thunderbolt.testing") or n.lstrip(".").startswith("testing") for n in names):
-                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
-    assert not found, found

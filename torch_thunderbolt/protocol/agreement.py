@@ -108,7 +108,8 @@ class _Call:
     commits: list[tuple[tuple[int, ...], int]] = field(default_factory=list)  # (view, gid) committed to, in order
     confirmed: dict[int, set[tuple[tuple[int, ...], int]]] = field(default_factory=dict)  # by peer
     outcome: "Outcome | None" = None
-    before: dict[int, int] = field(default_factory=dict)  # each peer's latest proposal's nonce when it began
+    # Each peer's proposal this call began with that was already there when the call before it failed.
+    before: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -141,6 +142,8 @@ class Agreement:
         # gid -> {peer: (its nonce, view)}: members that may still send frames of a group of that id
         self.awaiting: dict[int, dict[int, tuple["int | None", tuple[int, ...]]]] = {}
         self.lost: set[int] = set()  # peers whose link failed or who said BYE
+        # The proposals held when this rank's last call ended without a group, by peer: their nonces.
+        self.held_at_failure: dict[int, int] = {}
 
     # -- ids ------------------------------------------------------------------------------------------------
     def used(self) -> int:
@@ -233,7 +236,9 @@ class Agreement:
             raise ValueError(f"rank {self.rank}: a group of ranks {list(members)} does not hold this rank")
         self.nonce += 1
         own = Propose(self.nonce, members, self.used())
-        self.call = _Call(self.nonce, members, own, before={p: m.nonce for p, m in self.heard.items()})
+        self.call = _Call(self.nonce, members, own, before={p: m.nonce for p, m in self.heard.items()
+                                                            if self.held_at_failure.get(p) == m.nonce})
+        self.held_at_failure = {}
         gone = [p for p in members if p in self.lost]
         if gone:
             self.call.outcome = Lost(gone[0])
@@ -339,10 +344,11 @@ class Agreement:
         return None
 
     def held_before(self, peer: int) -> bool:
-        """Whether `peer`'s latest proposal is one this rank already held when its call began: the peer has
-        proposed nothing since. A peer that is alive and calls with other members answers a new call within
-        its own disagreement grace (its call ends: DONE; or it calls again); one that was stopped in a call
-        keeps its old proposal, so the caller waits for it as for a member that did not join."""
+        """Whether `peer`'s latest proposal is one this rank already held when its previous call failed: a
+        retry meets it again, and the peer has proposed nothing since. A peer that is alive and calls with
+        other members answers a new call within its own disagreement grace (its call ends: DONE; or it calls
+        again); one that was stopped in a call keeps its old proposal, so a retry waits for it as for a member
+        that did not join instead of failing on it again and again."""
         call = self.call
         got = self.heard.get(peer)
         return call is not None and got is not None and call.before.get(peer) == got.nonce
@@ -386,6 +392,7 @@ class Agreement:
         if call is None:
             return []
         self.call = None
+        self.held_at_failure = {p: m.nonce for p, m in self.heard.items()}
         for view, gid in call.commits:
             self._await(Record(gid, call.members, view), set())
             for i, p in enumerate(call.members):

@@ -117,10 +117,11 @@ def package_objects(package: str = "torch_thunderbolt") -> int:
     prefix = package + "."
     n = 0
     for o in gc.get_objects():
-        module = type(o).__module__ or ""
+        module = getattr(type(o), "__module__", "")
         if isinstance(o, functools.partial):
-            module = getattr(o.func, "__module__", "") or ""
-        if module == package or module.startswith(prefix):
+            module = getattr(o.func, "__module__", "")
+        # (some extension types answer __module__ with a descriptor, not a string)
+        if isinstance(module, str) and (module == package or module.startswith(prefix)):
             n += 1
     return n
 
