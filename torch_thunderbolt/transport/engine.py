@@ -1046,8 +1046,9 @@ class Transport:
                     disagree = engine.agreement.disagreement()
                     if disagree != against[0]:
                         against = (disagree, now)
-                    # A proposal held from before this call (a retry's) may be a stopped rank's: it gets until
-                    # the deadline, and is then named as a member that did not join, not as one that disagrees.
+                    # A proposal this rank already held when its previous call failed, met again by a retry, may
+                    # be a stopped rank's: it gets until the deadline, and is then named as a member that did not
+                    # join, not as one that disagrees (a MismatchError names nobody a caller could exclude).
                     stale = disagree is not None and engine.agreement.held_before(disagree.peer)
                     if disagree is not None and not stale and now - against[1] >= MISMATCH_GRACE:
                         out = disagree
