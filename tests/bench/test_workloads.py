@@ -43,6 +43,9 @@ def test_workload_options_parse_and_round_trip():
     assert parse(*c.to_argv(cfg)) == cfg
     pp = parse("--workload", "llama-pp", "--batch", "4", "--microbatches", "2", "--tokens", "3", "--model", "tiny")
     assert parse(*c.to_argv(pp)) == pp
+    assert parse("--workload", "llama-tp").tp_impl == "dtensor"
+    tp = parse("--workload", "llama-tp", "--tp-impl", "manual", "--batch", "1")
+    assert tp.tp_impl == "manual" and parse(*c.to_argv(tp)) == tp
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -51,6 +54,7 @@ def test_workload_options_parse_and_round_trip():
     (["--workload", "llama-pp", "--ops", "all_reduce"], "--ops do not apply"),
     (["--workload", "llama-tp", "--ddp-hook", "int8"], "--ddp-hook do not apply to --workload llama-tp"),
     (["--workload", "llama-tp", "--microbatches", "2"], "--microbatches do not apply"),
+    (["--workload", "llama-pp", "--tp-impl", "manual"], "--tp-impl do not apply to --workload llama-pp"),
     (["--workload", "vit-ddp", "--tokens", "2"], "--tokens do not apply"),
     (["--workload", "vit-ddp", "--ddp-hook", "zip"], "unknown --ddp-hook 'zip'"),
     (["--workload", "vit-ddp", "--bucket-cap-mb", "25,0"], "bad --bucket-cap-mb entry '0'"),
@@ -156,6 +160,7 @@ def bench(*argv, timeout=150):
 @pytest.mark.parametrize("workload, device, extra", [
     ("vit-ddp", "fake", ["--ddp-hook", "none,bf16", "--batch", "2"]),
     ("llama-tp", "fake", ["--batch", "1", "--tokens", "2"]),
+    ("llama-tp", "fake", ["--batch", "1", "--tokens", "2", "--tp-impl", "manual"]),
     ("llama-pp", "cpu", ["--batch", "2", "--microbatches", "2", "--tokens", "2"]),
 ])
 def test_tiny_workload_on_two_ranks(tmp_path, workload, device, extra):
@@ -166,6 +171,9 @@ def test_tiny_workload_on_two_ranks(tmp_path, workload, device, extra):
     doc = json.loads(out.read_text())
     rows = doc["results"]
     assert doc["meta"]["workload"] == workload and doc["meta"]["world_size"] == 2
+    if workload == "llama-tp":
+        impl = "manual" if "manual" in extra else "dtensor"
+        assert doc["meta"]["model"]["tp_impl"] == impl and {r["tp_impl"] for r in doc["results"]} == {impl}
     measured = [r for r in rows if not r.get("projection")]
     assert {r["backend"] for r in measured} == {"thunderbolt", "gloo"}
     if workload == "vit-ddp":

@@ -62,6 +62,7 @@ class BenchConfig:
     microbatches: int = 1
     timeline: bool = False           # vit-ddp: one traced step per case and backend (buckets and device spans)
     tokens: int = 8                  # decoded tokens per timed iteration (llama-*)
+    tp_impl: str = ws.DEFAULT_TP_IMPL  # llama-tp: how the decoder is split (workloads.spec.TP_IMPLS)
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "all_reduce was issued and done, and when the device was busy (the timed device)")
     w.add_argument("--microbatches", type=int, default=None, help="llama-pp: pieces each batch is cut into (default 1)")
     w.add_argument("--tokens", type=int, default=None, help="llama-*: decoded tokens per timed iteration (default 8)")
+    w.add_argument("--tp-impl", choices=ws.TP_IMPLS, default=None,
+                   help=f"llama-tp: dtensor, PyTorch's parallelize_module (ColwiseParallel / RowwiseParallel over a "
+                        f"DeviceMesh of each measured group); manual, hand-written Megatron shards with explicit "
+                        f"all_reduces (default {ws.DEFAULT_TP_IMPL})")
 
 
 def _float_list(text: str, what: str) -> tuple[float, ...]:
@@ -175,7 +180,8 @@ def _float_list(text: str, what: str) -> tuple[float, ...]:
     return tuple(values)
 
 
-_WORKLOAD_ONLY = ("device", "model", "batch", "ddp_hook", "bucket_cap_mb", "microbatches", "tokens", "timeline")
+_WORKLOAD_ONLY = ("device", "model", "batch", "ddp_hook", "bucket_cap_mb", "microbatches", "tokens", "timeline",
+                  "tp_impl")
 
 
 def _workload_fields(ns: argparse.Namespace) -> dict:
@@ -197,6 +203,7 @@ def _workload_fields(ns: argparse.Namespace) -> dict:
                                    ("--timeline", ns.timeline is not None)) if on and name != "vit-ddp"]
     wrong += [flag for flag, on in (("--microbatches", ns.microbatches is not None),) if on and name != "llama-pp"]
     wrong += [flag for flag, on in (("--tokens", ns.tokens is not None),) if on and name == "vit-ddp"]
+    wrong += [flag for flag, on in (("--tp-impl", ns.tp_impl is not None),) if on and name != "llama-tp"]
     if wrong:
         raise ConfigError(f"{', '.join(wrong)} do not apply to --workload {name}")
     out: dict = {"workload": name, "device": ns.device or ws.DEFAULT_DEVICE,
@@ -218,6 +225,8 @@ def _workload_fields(ns: argparse.Namespace) -> dict:
             raise ConfigError(f"--microbatches {ns.microbatches} does not divide --batch {too_small[0]}")
     if ns.tokens is not None:
         out["tokens"] = ns.tokens
+    if ns.tp_impl is not None:
+        out["tp_impl"] = ns.tp_impl
     return out
 
 
@@ -291,6 +300,8 @@ def to_argv(cfg: BenchConfig) -> list[str]:
             argv += ["--tokens", str(cfg.tokens)]
         if cfg.workload == "llama-pp":
             argv += ["--microbatches", str(cfg.microbatches)]
+        if cfg.workload == "llama-tp":
+            argv += ["--tp-impl", cfg.tp_impl]
     return argv
 
 

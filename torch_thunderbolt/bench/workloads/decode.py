@@ -5,7 +5,10 @@ norm and LM head); each decoded token's hidden state goes rank to rank, and the 
 goes back to the first. A batch cut into microbatches keeps several stages busy at once.
 Tensor parallel (tp): every rank holds 1/world of every layer (Megatron-style: heads, key/value heads,
 feed-forward width, vocabulary); two all_reduces of the batch's hidden states per layer complete the
-partial sums, and one small all_gather picks the token from every shard's best logit.
+partial sums, and one small all_gather picks the token from every shard's best logit. Two ways to split
+(`--tp-impl`): `dtensor`, PyTorch's own `parallelize_module` over a 1-D DeviceMesh of each measured group
+(`llama.parallelize`: DTensor issues the all_reduces, as functional collectives on that group), one copy of
+the model per group; `manual`, the decoder's hand-written shards with the all_reduces called directly.
 
 Per iteration and backend (interleaved, order alternating), each timed from a common start with the device
 synchronised at the end, `tokens` decoded tokens:
@@ -17,7 +20,14 @@ ms/token = decode / tokens. For pp, a whole model on one device would take the s
 (the `1 device` column); for tp, compute is one shard's.
 
 Device tensors and gloo: gloo has no kernels for a device, so on one the gloo rows copy each message to
-host memory and back (as a Mac user of gloo must); thunderbolt takes device tensors itself.
+host memory and back (as a Mac user of gloo must); thunderbolt takes device tensors itself. DTensor hands
+its collectives to the mesh's group, so its gloo rows use a group that stages through the gloo group
+(bench/staged.py).
+
+Fusion on the timed device (`device.fuse`): pipeline stages fuse whole layers; manual shards fuse each
+layer's norms and attention and feed-forward halves (their all_reduces are outside); DTensor's fuse each
+half's part before its row-parallel projection, whose DTensor matmul and all_reduce run as themselves, so a
+fused block never hides one of DTensor's collectives.
 """
 from __future__ import annotations
 
@@ -28,6 +38,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from ...testing.models import llama
 from .device import Device, place
@@ -186,8 +198,20 @@ class _Pipeline:
         return [self.stage.new_caches(case.batch // case.microbatches) for _ in range(case.microbatches)]
 
 
+def _pick(wire: Wire | None, logits: torch.Tensor, rank: int) -> torch.Tensor:
+    """The next token of each sequence from this shard's slice of the vocabulary's logits [batch, vocab/world]."""
+    best, index = logits.max(-1)
+    if wire is None:
+        return index[:, None]
+    # Each shard's best logit and its index in the whole vocabulary; the best of those is the token.
+    pair = torch.stack((best.float(), (index + rank * logits.shape[-1]).float()), dim=-1)
+    every = wire.all_gather(pair)  # [world, batch, 2]
+    choice = every[..., 0].argmax(0)  # [batch]
+    return every[..., 1].gather(0, choice[None]).long().view(-1, 1)
+
+
 class _TensorParallel:
-    """This rank's shard of every layer and a tensor-parallel decode."""
+    """This rank's shard of every layer (hand-written) and a tensor-parallel decode."""
 
     def __init__(self, cfg: llama.LlamaConfig, rank: int, world: int, device: Device) -> None:
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
@@ -196,15 +220,7 @@ class _TensorParallel:
         _fuse(self.stage, device, whole_layers=False)
 
     def _step(self, wire: Wire | None, x: torch.Tensor, caches: list[llama.KVCache], pos: int) -> torch.Tensor:
-        logits = self.stage(x, caches, pos)[:, -1]
-        best, index = logits.max(-1)
-        if wire is None:
-            return index[:, None]
-        # Each shard's best logit and its index in the whole vocabulary; the best of those is the token.
-        pair = torch.stack((best.float(), (index + self.rank * logits.shape[-1]).float()), dim=-1)
-        every = wire.all_gather(pair)  # [world, batch, 2]
-        choice = every[..., 0].argmax(0)  # [batch]
-        return every[..., 1].gather(0, choice[None]).long().view(-1, 1)
+        return _pick(wire, self.stage(x, caches, pos)[:, -1], self.rank)
 
     def decode(self, wire: Wire, case: Case, tokens: int, caches: list[llama.KVCache]) -> None:
         _set_reduce(self.stage, wire.all_reduce_)
@@ -230,6 +246,114 @@ class _TensorParallel:
         return self.stage.new_caches(case.batch)
 
 
+class _Core(nn.Module):
+    """The part of an attention or feed-forward module before its output projection (`module.core`)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        return self.module.core(*args)
+
+
+class _Halves(nn.Module):
+    """An attention or feed-forward module as its (fusable) core and its row-parallel output projection.
+    With `communicate` off, the projection's DTensor matmul still runs and its partial sum is left as it is:
+    the same work on this rank with no all_reduce."""
+
+    def __init__(self, core: nn.Module, out: nn.Module) -> None:
+        super().__init__()
+        self.core, self.out = core, out
+        self.communicate = True
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        h = self.core(*args)
+        if self.communicate:
+            return self.out(h)
+        from torch.distributed.tensor import DTensor, Shard
+
+        weight = self.out.weight
+        local = DTensor.from_local(h, weight.device_mesh, [Shard(-1)], run_check=False)
+        return F.linear(local, weight).to_local()
+
+
+def _split_halves(stage: llama.LlamaStage, device: Device) -> list[_Halves]:
+    """Each layer's attention and feed-forward as `_Halves`, their cores, norms, embedding and head fused."""
+    for name in ("embed", "norm", "lm_head"):
+        if getattr(stage, name) is not None:
+            setattr(stage, name, device.fuse(getattr(stage, name)))
+    halves = []
+    for layer in stage.layers:
+        layer.input_norm, layer.post_attn_norm = device.fuse(layer.input_norm), device.fuse(layer.post_attn_norm)
+        layer.attn = _Halves(device.fuse(_Core(layer.attn)), layer.attn.o_proj)
+        layer.mlp = _Halves(device.fuse(_Core(layer.mlp)), layer.mlp.down_proj)
+        halves += [layer.attn, layer.mlp]
+    return halves
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result, waited for (DTensor hands back one that waits when first used)."""
+    wait = getattr(t, "wait", None)
+    return wait() if callable(wait) else t
+
+
+class _DTensorParallel:
+    """One copy of the model per measured group, each split by DTensor over a DeviceMesh of that group
+    (`llama.parallelize`), and a tensor-parallel decode through it."""
+
+    def __init__(self, cfg: llama.LlamaConfig, rank: int, world: int, device: Device, wires: list[Wire]) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from ..staged import new_staged_group
+
+        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.meshes: dict[int, Any] = {}
+        self.stages: dict[int, llama.LlamaStage] = {}
+        self.halves: dict[int, list[_Halves]] = {}
+        for wire in wires:
+            group = new_staged_group(wire.group) if wire.staged else wire.group
+            mesh = DeviceMesh.from_group(group, device.torch_device.type)
+            stage = place(lambda d: llama.build_stage(cfg, range(cfg.layers), True, True, dtype=DTYPE, device=d),
+                          device, prepare=lambda m, mesh=mesh: llama.parallelize(m, mesh))
+            self.meshes[id(wire)], self.stages[id(wire)] = mesh, stage
+            self.halves[id(wire)] = _split_halves(stage, device)
+        self.first = id(wires[0])
+
+    def _communicate(self, key: int, on: bool) -> None:
+        for half in self.halves[key]:
+            half.communicate = on
+
+    def decode(self, wire: Wire, case: Case, tokens: int, caches: list[llama.KVCache]) -> None:
+        key = id(wire)
+        self._communicate(key, True)
+        x = torch.zeros((case.batch, 1), dtype=torch.long, device=self.device.torch_device)
+        for t in range(tokens):
+            x = _pick(wire, self.stages[key](x, caches, PROMPT_TOKENS + t)[:, -1], self.rank)
+
+    def compute(self, case: Case, tokens: int, caches: list[llama.KVCache]) -> None:
+        self._communicate(self.first, False)
+        x = torch.zeros((case.batch, 1), dtype=torch.long, device=self.device.torch_device)
+        for t in range(tokens):
+            x = _pick(None, self.stages[self.first](x, caches, PROMPT_TOKENS + t)[:, -1], self.rank)
+
+    def transfers(self, wire: Wire, case: Case, tokens: int) -> None:
+        """The decode's collectives as DTensor issues them (a partial sum made whole), and the token's gather."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        mesh = self.meshes[id(wire)]
+        hidden = torch.zeros((case.batch, 1, self.cfg.hidden), dtype=DTYPE, device=self.device.torch_device)
+        pair = torch.zeros((case.batch, 2), dtype=torch.float32, device=self.device.torch_device)
+        for _ in range(tokens):
+            for _ in range(2 * self.cfg.layers):
+                partial = DTensor.from_local(hidden, mesh, [Partial()], run_check=False)
+                hidden = _waited(partial.redistribute(mesh, [Replicate()]).to_local())
+            wire.all_gather(pair)
+
+    def caches(self, case: Case) -> list[llama.KVCache]:
+        return self.stages[self.first].new_caches(case.batch)
+
+
 def model_config(preset: str, tokens: int) -> llama.LlamaConfig:
     """The preset with a KV cache just long enough for the prompt and the decoded tokens."""
     return llama.make_config(preset, max_seq=PROMPT_TOKENS + tokens + 1)
@@ -237,14 +361,17 @@ def model_config(preset: str, tokens: int) -> llama.LlamaConfig:
 
 def run(kind_of_parallel: str, preset: str, cases: list[Case], groups: list[Any], kinds: list[str], device: Device,
         rank: int, world: int, tokens: int, iters: int, warmup: int,
-        control: Any = None) -> tuple[dict[str, list[Phases]], dict]:
+        control: Any = None, tp_impl: str = "manual") -> tuple[dict[str, list[Phases]], dict]:
     """This rank's phases per case key and backend (in the order of `groups`), and what the model is."""
     cfg = model_config(preset, tokens)
+    wires = [Wire(g, k, device) for g, k in zip(groups, kinds)]
+    runner: _Pipeline | _TensorParallel | _DTensorParallel
     if kind_of_parallel == "tp":
         llama.check_shards(cfg, world)
-    runner: _Pipeline | _TensorParallel = (_TensorParallel if kind_of_parallel == "tp" else _Pipeline)(
-        cfg, rank, world, device)
-    wires = [Wire(g, k, device) for g, k in zip(groups, kinds)]
+        runner = (_DTensorParallel(cfg, rank, world, device, wires) if tp_impl == "dtensor"
+                  else _TensorParallel(cfg, rank, world, device))
+    else:
+        runner = _Pipeline(cfg, rank, world, device)
     out: dict[str, list[Phases]] = {}
 
     def timed(fn: Callable[[], None]) -> float:
@@ -275,7 +402,7 @@ def run(kind_of_parallel: str, preset: str, cases: list[Case], groups: list[Any]
             del caches
     how = ["host copy + gloo" if w.staged else ("device tensors" if not device.is_cpu else "cpu tensors") for w in wires]
     return out, {"config": cfg.__dict__, "params": cfg.param_count(), "weight_bytes": cfg.param_count() * 2,
-                 "how": how}
+                 "how": how, "tp_impl": tp_impl if kind_of_parallel == "tp" else None}
 
 
 def summarize(per_rank: list[Phases], parallel: str, case: Case, tokens: int) -> dict[str, float]:

@@ -72,12 +72,15 @@ def open_device(name: str) -> Device:
                   record_spans=gpu.record_spans)
 
 
-def place(build: Callable[[torch.device], nn.Module], device: Device) -> nn.Module:
-    """The module `build(device)` makes, on `device`. Timing-only: built on the meta device and given
-    storage on the device that is never written (no host memory is touched, no initialisation is run)."""
+def place(build: Callable[[torch.device], nn.Module], device: Device,
+          prepare: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
+    """The module `build(device)` makes, then `prepare` (a parallelization) applied, on `device`.
+    Timing-only: built and prepared on the meta device and given storage on the device that is never
+    written (no host memory is touched, no initialisation is run)."""
+    prepare = prepare or (lambda m: m)
     if device.timing_only:
         meta = torch.device("meta")
         with meta:
             module = build(meta)
-        return module.to_empty(device=device.torch_device)
-    return build(device.torch_device)
+        return prepare(module).to_empty(device=device.torch_device)
+    return prepare(build(device.torch_device))

@@ -111,7 +111,7 @@ def _llama(cfg: BenchConfig, env: RankEnv, groups: list[Any], kinds: list[str],
     micro = cfg.microbatches if parallel == "pp" else 1
     cases = [decode.Case(b, micro if b % micro == 0 else 1) for b in cfg.batches]
     local, model = decode.run(parallel, cfg.model or "llama8b", cases, groups, kinds, device, env.rank,
-                              env.world_size, cfg.tokens, cfg.iters, cfg.warmup)
+                              env.world_size, cfg.tokens, cfg.iters, cfg.warmup, tp_impl=cfg.tp_impl)
     every = _gather(local)
     records = []
     for case in cases:
@@ -120,7 +120,8 @@ def _llama(cfg: BenchConfig, env: RankEnv, groups: list[Any], kinds: list[str],
             figures = decode.summarize([r[case.key][i] for r in every], parallel, case, cfg.tokens)
             rows.append({"workload": cfg.workload, "backend": b.label, "backend_kind": b.kind,
                          "how": model["how"][i], "batch": case.batch, "microbatches": case.microbatches,
-                         "world_size": env.world_size, "device": cfg.device, "tokens": cfg.tokens, **figures})
+                         "world_size": env.world_size, "device": cfg.device, "tokens": cfg.tokens,
+                         **({"tp_impl": cfg.tp_impl} if parallel == "tp" else {}), **figures})
         records += rows
         if parallel == "tp" and env.world_size > 1:
             records.append(_projection(rows, model, case.batch, env.world_size))
@@ -151,5 +152,8 @@ def _llama_header(cfg: BenchConfig, model: dict, world: int) -> str:
     return (f"# Llama-shaped decoder: hidden {conf['hidden']}, {conf['layers']} layers, {conf['heads']}/"
             f"{conf['kv_heads']} heads, intermediate {conf['intermediate']}, vocab {conf['vocab_size']}: "
             f"{model['params'] / 1e9:.2f} G params, {model['weight_bytes'] / 1e9:.1f} GB fp16; "
-            f"{'pipeline' if cfg.workload == 'llama-pp' else 'tensor'} parallel over {world}; {cfg.tokens} tokens "
-            "per iteration; ms per token of each sequence")
+            f"{'pipeline' if cfg.workload == 'llama-pp' else _TP_SPLIT[cfg.tp_impl] + ' tensor'} parallel over "
+            f"{world}; {cfg.tokens} tokens per iteration; ms per token of each sequence")
+
+
+_TP_SPLIT = {"dtensor": "DTensor (parallelize_module)", "manual": "hand-written Megatron"}

@@ -22,6 +22,10 @@ WORKLOADS = ("vit-ddp", "llama-pp", "llama-tp")
 DEVICES = ("cpu", "fake", "m2-ultra", "m3-ultra", "m4-max", "m4-pro")
 DEFAULT_DEVICE = "m2-ultra"
 DDP_HOOKS = ("none", "int8", "bf16", "fp16")
+# llama-tp's split: "dtensor", PyTorch's own tensor parallelism (parallelize_module over a DeviceMesh of the
+# group); "manual", the decoder's hand-written Megatron shards with explicit all_reduces.
+TP_IMPLS = ("dtensor", "manual")
+DEFAULT_TP_IMPL = "dtensor"
 DEFAULT_MODEL = {"vit-ddp": "base", "llama-pp": "llama8b", "llama-tp": "llama8b"}
 DEFAULT_BATCHES = {"vit-ddp": (32,), "llama-pp": (1, 4), "llama-tp": (1, 4)}
 DEFAULT_ITERS, DEFAULT_WARMUP = 5, 2

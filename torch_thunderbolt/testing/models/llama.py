@@ -11,11 +11,17 @@ A stage can also be one *shard* of a tensor-parallel split (Megatron-style, `sha
 vocabulary; the attention output and the feed-forward output are partial sums that the stage's `reduce`
 (an all_reduce) completes, and the logits are this shard's slice of the vocabulary. A shard's weights are
 drawn from its own seed, not sliced from the whole model's: shards serve timing, not equal outputs.
+
+`parallelize` splits a whole stage the same way through PyTorch's own tensor parallelism instead
+(`torch.distributed.tensor.parallel`): column-parallel query, key, value, gate, up projections and LM head,
+row-parallel output and down projections, over a 1-D DeviceMesh. Each rank keeps its slice of the whole
+model's weights, DTensor's redistribution does the two all_reduces per layer, and the logits are this rank's
+slice of the whole model's vocabulary.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +141,37 @@ def check_shards(cfg: LlamaConfig, shards: int) -> None:
                          f"{', '.join(bad) or 'shards must be >= 1'} (must be multiples of the shard count)")
 
 
+def tp_plan(stage: "LlamaStage") -> dict[str, Any]:
+    """The Megatron split as a `parallelize_module` plan: column-parallel projections into the heads and the
+    feed-forward width (and the LM head, whose logits stay this rank's vocabulary slice), row-parallel
+    projections out of them (their partial sums all_reduced by DTensor)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    for i in range(len(stage.layers)):
+        for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("attn.o_proj", "mlp.down_proj"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+    if stage.lm_head is not None:
+        plan["lm_head"] = ColwiseParallel()
+    return plan
+
+
+def parallelize(stage: "LlamaStage", mesh: Any) -> "LlamaStage":
+    """Split a whole stage (built with shards=1) over the 1-D DeviceMesh `mesh` with `parallelize_module`
+    (`tp_plan`); in place. Every rank holds the same whole weights, so each takes its own slice with no
+    communication (`src_data_rank=None`); a stage on the meta device stays unallocated until `to_empty`."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if stage.shards != 1:
+        raise ValueError(f"parallelize splits a whole stage; this one is already 1/{stage.shards} of one")
+    check_shards(stage.cfg, mesh.size())
+    parallelize_module(stage, mesh, tp_plan(stage), src_data_rank=None)
+    stage.shards = mesh.size()  # this rank's KV caches hold its share of the key/value heads
+    return stage
+
+
 class KVCache:
     """Preallocated keys/values of one layer for one (micro-)batch (this shard's key/value heads)."""
 
@@ -164,14 +201,20 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache, pos: int,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.core(x, cache, pos, cos, sin))
+
+    def core(self, x: torch.Tensor, cache: KVCache, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Everything before the output projection: the attention of the heads this module's projections
+        yield. Head counts are read off the projections' outputs, so the same code runs a whole layer, a
+        Megatron shard, or a layer whose projections DTensor split (`parallelize`)."""
         b, t, _ = x.shape
         hd = self.cfg.head_dim
-        q = self.q_proj(x).view(b, t, self.heads, hd).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, hd).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, hd).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, -1, hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = cache.update(k, v, pos)
-        groups = self.heads // self.kv_heads
+        groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         # Query i sits at position pos+i and may see keys 0..pos+i.
         mask = None
@@ -179,7 +222,7 @@ class Attention(nn.Module):
             keys = torch.arange(pos + t, device=x.device)
             mask = keys[None, :] <= (pos + torch.arange(t, device=x.device))[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * hd))
+        return out.transpose(1, 2).reshape(b, t, -1)
 
 
 class SwiGLU(nn.Module):
@@ -191,7 +234,11 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(width, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.core(x))
+
+    def core(self, x: torch.Tensor) -> torch.Tensor:
+        """Everything before the down projection."""
+        return F.silu(self.gate_proj(x)) * self.up_proj(x)
 
 
 class DecoderLayer(nn.Module):
@@ -340,4 +387,4 @@ def human_params(n: int) -> str:
 
 __all__ = ["LlamaConfig", "PRESETS", "make_config", "split_layers", "LlamaStage", "build_stage",
            "share_stage", "stage_state_dict", "greedy_generate", "KVCache", "param_bytes", "human_params",
-           "check_shards", "no_reduce"]
+           "check_shards", "no_reduce", "tp_plan", "parallelize"]
