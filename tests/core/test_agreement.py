@@ -93,6 +93,25 @@ def test_a_disagreement_ends_when_the_peer_retries() -> None:
     assert a.call is not None and a.call.commits  # it committed to rank 1's new proposal
 
 
+def test_a_member_that_joined_and_gave_up_first_is_not_named_as_one_that_did_not_join() -> None:
+    """Two survivors wait for a third that never comes; the one whose deadline comes first ends its call (DONE)
+    a moment before the other's deadline. The other must name only the third: naming both made each survivor
+    exclude the other on its retry, and each shrank to a group of itself."""
+    a = Agreement(1)
+    a.add(0, (0, 1, 2, 3))
+    a.begin((1, 2, 3))
+    a.receive(2, Propose(1, (1, 2, 3)))
+    assert a.waiting_for() == ([3], [2], [])
+    a.receive(2, Done(1))  # rank 2 timed out first
+    assert a.waiting_for() == ([3], [], [2])
+    b = Agreement(2)  # a proposal that came before the call began counts as joined too
+    b.add(0, (0, 1, 2, 3))
+    b.receive(1, Propose(1, (1, 2, 3)))
+    b.begin((1, 2, 3))
+    b.receive(1, Done(1))
+    assert b.waiting_for() == ([3], [], [1])
+
+
 def test_ids_are_reused_once_every_member_left() -> None:
     a = Agreement(0)
     a.add(0, (0, 1))
