@@ -49,6 +49,23 @@ def test_a_machine_without_call_identity_fails_the_exploration() -> None:
         explore(SCENARIOS[0], NoIdentity)
 
 
+class ForgetsWhoJoined(Agreement):
+    """A mutant that takes a member whose call ended for one that never joined (what the agreement did before
+    calls remembered who joined them)."""
+
+    def waiting_for(self) -> tuple[list[int], list[int], list[int]]:
+        silent, unconfirmed, ended = super().waiting_for()
+        return sorted(silent + ended), unconfirmed, []
+
+
+def test_a_machine_that_forgets_who_joined_fails_the_exploration() -> None:
+    """Both ranks time out, one a moment before the other (two faults): the second must not name the first."""
+    scenario = dataclasses.replace(SCENARIOS[0], faults=2, calls=1)
+    explore(scenario)
+    with pytest.raises(Violation, match="as a member that did not join"):
+        explore(scenario, ForgetsWhoJoined)
+
+
 def test_the_same_proposals_give_the_same_id_and_identity() -> None:
     assert decide([0b1, 0b100]) == 1 and decide([0b11, 0b1]) == 2
     assert decide([(1 << (MAX_GID + 1)) - 1]) is None
