@@ -129,6 +129,30 @@ def test_a_member_that_joined_and_gave_up_first_is_not_named_as_one_that_did_not
     assert b.waiting_for() == ([3], [], [1])
 
 
+def test_a_member_that_made_the_group_vouches_for_a_commit_that_has_not_come() -> None:
+    """Rank 2 is stopped just after its COMMIT reached rank 0 but before it reached rank 1. Rank 0 makes the
+    group and says so (DONE with the view): rank 1 makes it too instead of timing out, which broke rank 0's
+    group and left the survivors in different groups."""
+    a = Agreement(1)
+    a.add(0, (0, 1, 2, 3))
+    a.begin((0, 1, 2))
+    a.receive(0, Propose(1, (0, 1, 2)))
+    sends, _ = a.receive(2, Propose(1, (0, 1, 2)))
+    commit = next(m for _, m in sends if isinstance(m, Commit))
+    a.receive(0, Commit(1, (0, 1, 2), commit.view, commit.gid))
+    assert a.outcome() is None  # rank 2's commit missing
+    a.receive(0, Done(1, (1, 1, 9)))  # a DONE of another view vouches for nothing
+    assert a.outcome() is None
+    b = Agreement(1)
+    b.add(0, (0, 1, 2, 3))
+    b.begin((0, 1, 2))
+    b.receive(0, Propose(1, (0, 1, 2)))
+    b.receive(2, Propose(1, (0, 1, 2)))
+    b.receive(0, Commit(1, (0, 1, 2), commit.view, commit.gid))
+    b.receive(0, Done(1, commit.view))
+    assert b.outcome() == Joined(commit.gid, (0, 1, 2), commit.view)
+
+
 def test_ids_are_reused_once_every_member_left() -> None:
     a = Agreement(0)
     a.add(0, (0, 1))

@@ -16,7 +16,8 @@ group they returned is broken, never used as if it were whole.
    tells every other member (view, id). A call has one live commit: it commits again only once its last
    view can no longer be made (a member's call in it is over without making it).
 3. The call returns once every other member committed to its last (view, id) under the nonces the view
-   names. A commit counts only while no call it names is over without making it.
+   names. A commit counts only while no call it names is over without making it. A member's DONE saying
+   it made that view counts as every member's commit: it made it only once all had committed.
 4. DONE: a call that is over says so, with the view it made (none after an error). A peer drops that call's
    proposal; a group it returned from a view holding that call, other than the one it made, is broken: the
    rank that ended it will never have it.
@@ -282,6 +283,16 @@ class Agreement:
                     self._release(gid, peer)
             broken = [g for g, rec in self.groups.items()
                       if rec.view and self._unmade(peer, rec.nonce_of(peer), rec.view)]
+            if call is not None and msg.view and call.commits and peer in call.members:
+                view, gid = call.commits[-1]
+                if (msg.view == view and view[call.members.index(peer)] == msg.nonce
+                        and not self._dead(view, call.members)):
+                    # `peer` made the group of this call's live commit, which it does only once every member
+                    # has committed to it: their commits count here too (one may be slow to arrive, or its
+                    # sender stopped just after it reached `peer`).
+                    for p in call.members:
+                        if p != self.rank:
+                            call.confirmed.setdefault(p, set()).add((view, gid))
         return self._step(), broken
 
     def _current(self, peer: int, msg: Commit) -> bool:
