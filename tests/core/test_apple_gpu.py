@@ -82,6 +82,21 @@ def test_collectives_on_the_timed_device_move_real_bytes_from_the_issuing_thread
         assert out["on_backend_threads"] == [], f"rank {res.rank}: device ops on backend threads: {out}"
 
 
+def test_a_collective_on_tensors_the_device_has_not_reached_neither_blocks_nor_idles_it(tmp_path):
+    # The host op waits for the device (done no earlier than the lead), the issuing thread does not (it
+    # returns well before, and the kernels it issues next keep the timeline busy), and the values are exact.
+    for res in run_ranks(timed_device, 2, tmp_path, args=["staging_overlaps"], timeout=150):
+        out = res.json()
+        lead = out["lead_s"]
+        for name in ("all_reduce_1MB", "all_reduce_small", "all_gather_1MB"):
+            op = out[name]
+            assert op["exact"] is True, f"rank {res.rank} {name}: {op}"
+            assert op["issue_s"] < lead / 3, f"rank {res.rank} {name}: issuing waited for the device: {op}"
+            assert op["complete_at_issue"] is False and op["done_s"] >= lead * 0.99, f"rank {res.rank} {name}: {op}"
+            assert op["idle_s"] < 0.02, f"rank {res.rank} {name}: the device idled between kernels: {op}"
+        assert out["on_backend_threads"] == [], f"rank {res.rank}: device ops on backend threads: {out}"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_the_calibration_table_holds_within_25_percent(tmp_path):

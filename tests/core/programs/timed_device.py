@@ -213,6 +213,58 @@ def collectives() -> None:
     result(out)
 
 
+def staging_overlaps() -> None:
+    """Two ranks, exact mode: collectives issued on device tensors whose kernels the timeline has not reached
+    (a `charge` of LEAD_S stands for the backward kernels ahead of a DDP bucket). Per op: how long issuing
+    took the host, whether it was complete at once, when it was done, the device's idle time between the
+    kernels before and after it (the host spends HOST_S issuing the next ones, as autograd does), and the
+    values."""
+    import torch.distributed as dist
+
+    import torch_thunderbolt  # noqa: F401 - registers the backend
+
+    gpu = apple_gpu.install("m4-pro", exact=True)
+    log = fake_device.install()
+    dist.init_process_group("thunderbolt", device_id=gpu.device, timeout=datetime.timedelta(seconds=60))
+    r, w = dist.get_rank(), dist.get_world_size()
+    lead, host = 0.3, 0.05
+    out: dict[str, object] = {"lead_s": lead}
+    for name, n in (("all_reduce_1MB", 300_000), ("all_reduce_small", 5), ("all_gather_1MB", 300_000)):
+        base = torch.arange(n, dtype=torch.float32) % 7 + r
+        x = base.to(gpu.device)
+        gathered = torch.empty(w * n, device=gpu.device)
+        dist.barrier()
+        gpu.synchronize()
+        gpu.record_spans(True)
+        gpu.charge(lead)
+        x.mul_(2)  # queued after the lead: the op must see it
+        t0 = time.monotonic()
+        if name.startswith("all_gather"):
+            work = dist.all_gather_into_tensor(gathered, x, async_op=True)
+        else:
+            work = dist.all_reduce(x, async_op=True)
+        issued = time.monotonic() - t0
+        complete_at_issue = work.is_completed()
+        time.sleep(host)  # the host issuing the next kernels
+        gpu.charge(lead)
+        work.wait()
+        done = time.monotonic() - t0
+        gpu.synchronize()
+        spans = gpu.record_spans(False)
+        idle = sum(max(0.0, b[0] - a[1]) for a, b in zip(spans, spans[1:]))
+        if name.startswith("all_gather"):
+            want = torch.cat([(torch.arange(n, dtype=torch.float32) % 7 + q) * 2 for q in range(w)])
+            exact = bool(torch.equal(gathered.cpu(), want))
+        else:
+            want = sum((torch.arange(n, dtype=torch.float32) % 7 + q) * 2 for q in range(w))
+            exact = bool(torch.equal(x.cpu(), want))
+        out[name] = {"issue_s": issued, "complete_at_issue": complete_at_issue, "done_s": done, "idle_s": idle,
+                     "exact": exact}
+    out["on_backend_threads"] = log.on_backend_threads()
+    dist.destroy_process_group()
+    result(out)
+
+
 def calibration() -> None:
     """The calibration table (docs/devices.md): every published row against the model."""
     result(apple_gpu.calibration_table())
@@ -220,4 +272,5 @@ def calibration() -> None:
 
 if __name__ == "__main__":
     main({"matmul_timing": matmul_timing, "async_semantics": async_semantics, "exact_matches_cpu": exact_matches_cpu,
-          "large_model": large_model, "collectives": collectives, "calibration": calibration})
+          "large_model": large_model, "collectives": collectives, "staging_overlaps": staging_overlaps,
+          "calibration": calibration})
