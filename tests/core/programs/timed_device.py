@@ -215,10 +215,10 @@ def collectives() -> None:
 
 def staging_overlaps() -> None:
     """Two ranks, exact mode: collectives issued on device tensors whose kernels the timeline has not reached
-    (a `charge` of LEAD_S stands for the backward kernels ahead of a DDP bucket). Per op: how long issuing
-    took the host, whether it was complete at once, when it was done, the device's idle time between the
-    kernels before and after it (the host spends HOST_S issuing the next ones, as autograd does), and the
-    values."""
+    (a `charge` of `lead` seconds stands for the backward kernels ahead of a DDP bucket). Per op: how long
+    issuing took the host, whether it was complete at once, when it was done (from the lead's start), the
+    device's idle time between the kernels before and after it (the host spends `host` seconds issuing the
+    next ones, as autograd does), and the values."""
     import torch.distributed as dist
 
     import torch_thunderbolt  # noqa: F401 - registers the backend
@@ -236,6 +236,7 @@ def staging_overlaps() -> None:
         dist.barrier()
         gpu.synchronize()
         gpu.record_spans(True)
+        charged = time.monotonic()  # the timeline is idle: the lead ends no earlier than charged + lead
         gpu.charge(lead)
         x.mul_(2)  # queued after the lead: the op must see it
         t0 = time.monotonic()
@@ -248,7 +249,7 @@ def staging_overlaps() -> None:
         time.sleep(host)  # the host issuing the next kernels
         gpu.charge(lead)
         work.wait()
-        done = time.monotonic() - t0
+        done = time.monotonic() - charged
         gpu.synchronize()
         spans = gpu.record_spans(False)
         idle = sum(max(0.0, b[0] - a[1]) for a, b in zip(spans, spans[1:]))
@@ -265,6 +266,34 @@ def staging_overlaps() -> None:
     result(out)
 
 
+def staging_timeout() -> None:
+    """Two ranks, exact mode, a group with a 1 s timeout: an all_reduce of a tensor the device reaches only
+    after 3 s. What waiting on it raises, and after how long."""
+    import torch.distributed as dist
+
+    import torch_thunderbolt  # noqa: F401 - registers the backend
+
+    gpu = apple_gpu.install("m4-pro", exact=True)
+    dist.init_process_group("thunderbolt", device_id=gpu.device, timeout=datetime.timedelta(seconds=60))
+    group = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    x = torch.ones(300_000).to(gpu.device)
+    dist.barrier(group=group)
+    gpu.synchronize()
+    t0 = time.monotonic()
+    gpu.charge(3.0)
+    work = dist.all_reduce(x, group=group, async_op=True)
+    issued = time.monotonic() - t0
+    error = ""
+    try:
+        work.wait()
+    except Exception as exc:  # noqa: BLE001 - reported
+        error = f"{type(exc).__name__}: {exc}"
+    raised = time.monotonic() - t0
+    gpu.synchronize()
+    dist.destroy_process_group()
+    result({"issue_s": issued, "raised_s": raised, "error": error})
+
+
 def calibration() -> None:
     """The calibration table (docs/devices.md): every published row against the model."""
     result(apple_gpu.calibration_table())
@@ -273,4 +302,5 @@ def calibration() -> None:
 if __name__ == "__main__":
     main({"matmul_timing": matmul_timing, "async_semantics": async_semantics, "exact_matches_cpu": exact_matches_cpu,
           "large_model": large_model, "collectives": collectives, "staging_overlaps": staging_overlaps,
+          "staging_timeout": staging_timeout,
           "calibration": calibration})
