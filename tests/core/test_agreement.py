@@ -49,6 +49,23 @@ def test_a_machine_without_call_identity_fails_the_exploration() -> None:
         explore(SCENARIOS[0], NoIdentity)
 
 
+class ForgetsWhoJoined(Agreement):
+    """A mutant that takes a member whose call ended for one that never joined (what the agreement did before
+    calls remembered who joined them)."""
+
+    def waiting_for(self) -> tuple[list[int], list[int], list[int]]:
+        silent, unconfirmed, ended = super().waiting_for()
+        return sorted(silent + ended), unconfirmed, []
+
+
+def test_a_machine_that_forgets_who_joined_fails_the_exploration() -> None:
+    """Both ranks time out, one a moment before the other (two faults): the second must not name the first."""
+    scenario = dataclasses.replace(SCENARIOS[0], faults=2, calls=1)
+    explore(scenario)
+    with pytest.raises(Violation, match="as a member that did not join"):
+        explore(scenario, ForgetsWhoJoined)
+
+
 def test_the_same_proposals_give_the_same_id_and_identity() -> None:
     assert decide([0b1, 0b100]) == 1 and decide([0b11, 0b1]) == 2
     assert decide([(1 << (MAX_GID + 1)) - 1]) is None
@@ -91,6 +108,25 @@ def test_a_disagreement_ends_when_the_peer_retries() -> None:
     assert a.disagreement() is None
     a.receive(1, Propose(2, (0, 1)))
     assert a.call is not None and a.call.commits  # it committed to rank 1's new proposal
+
+
+def test_a_member_that_joined_and_gave_up_first_is_not_named_as_one_that_did_not_join() -> None:
+    """Two survivors wait for a third that never comes; the one whose deadline comes first ends its call (DONE)
+    a moment before the other's deadline. The other must name only the third: naming both made each survivor
+    exclude the other on its retry, and each shrank to a group of itself."""
+    a = Agreement(1)
+    a.add(0, (0, 1, 2, 3))
+    a.begin((1, 2, 3))
+    a.receive(2, Propose(1, (1, 2, 3)))
+    assert a.waiting_for() == ([3], [2], [])
+    a.receive(2, Done(1))  # rank 2 timed out first
+    assert a.waiting_for() == ([3], [], [2])
+    b = Agreement(2)  # a proposal that came before the call began counts as joined too
+    b.add(0, (0, 1, 2, 3))
+    b.receive(1, Propose(1, (1, 2, 3)))
+    b.begin((1, 2, 3))
+    b.receive(1, Done(1))
+    assert b.waiting_for() == ([3], [], [1])
 
 
 def test_ids_are_reused_once_every_member_left() -> None:
