@@ -97,6 +97,17 @@ def test_a_collective_on_tensors_the_device_has_not_reached_neither_blocks_nor_i
         assert out["on_backend_threads"] == [], f"rank {res.rank}: device ops on backend threads: {out}"
 
 
+def test_ddp_hands_every_bucket_over_without_waiting_for_the_device(tmp_path):
+    # Each hook returns as soon as it is called (autograd's thread goes on issuing the backward pass) rather
+    # than when the device reaches its bucket, near the backward's end; the gradients are still exact.
+    for res in run_ranks(timed_device, 2, tmp_path, args=["ddp_hand_over"], timeout=150):
+        out = res.json()
+        assert out["exact"] is True, f"rank {res.rank}: {out}"
+        assert out["hooks"] >= 3 and out["backward_s"] > 0.5, f"rank {res.rank}: {out}"
+        assert out["last_return_s"] < 0.3 * out["backward_s"], f"rank {res.rank}: hooks waited: {out}"
+        assert out["on_backend_threads"] == [], f"rank {res.rank}: device ops on backend threads: {out}"
+
+
 def test_a_device_that_does_not_reach_an_ops_inputs_in_time_times_the_op_out(tmp_path):
     for res in run_ranks(timed_device, 2, tmp_path, args=["staging_timeout"], timeout=150):
         out = res.json()

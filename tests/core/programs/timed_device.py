@@ -266,6 +266,55 @@ def staging_overlaps() -> None:
     result(out)
 
 
+def ddp_hand_over() -> None:
+    """Two ranks, exact mode, every kernel 20 ms long (`launch_s`): DDP on a 6-layer MLP, one bucket per
+    layer or so, each bucket's all_reduce issued on the device bucket from a comm hook that notes when the
+    call returned. Per rank: when the last hook returned after backward() began, the backward's modelled
+    time, the hooks' count, whether the gradients equal the CPU's sum over ranks, and the ops on backend
+    threads."""
+    import copy as copy_
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import torch_thunderbolt  # noqa: F401 - registers the backend
+
+    gpu = apple_gpu.install("m4-pro", exact=True, launch_s=0.02)
+    log = fake_device.install()
+    dist.init_process_group("thunderbolt", device_id=gpu.device, timeout=datetime.timedelta(seconds=60))
+    r, w = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    cpu = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
+    model = DDP(copy_.deepcopy(cpu).to(gpu.device), bucket_cap_mb=32 * 33 * 4 / 2**20)
+    returned: list[float] = []
+
+    def hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks the annotations it finds
+        work = dist.all_reduce(bucket.buffer(), async_op=True)  # sums: the reference sums too
+        returned.append(time.monotonic())
+        return work.get_future().then(lambda f: f.value()[0])
+
+    model.register_comm_hook(None, hook)
+    xs = [torch.randn(8, 32, generator=torch.Generator().manual_seed(q)) for q in range(w)]
+    out: dict[str, object] = {}
+    for step in range(2):  # the second step, after DDP's first-iteration bucket rebuild, is measured
+        model.zero_grad(set_to_none=True)
+        loss = model(xs[r].to(gpu.device)).sum()
+        gpu.synchronize()
+        returned.clear()
+        busy0 = gpu.busy_seconds()
+        t0 = time.monotonic()
+        loss.backward()
+        gpu.synchronize()
+        out = {"last_return_s": max(returned) - t0, "backward_s": gpu.busy_seconds() - busy0,
+               "hooks": len(returned)}
+    for x in xs:
+        cpu(x).sum().backward()  # accumulates: the sum over ranks
+    out["exact"] = all(torch.equal(p.grad.cpu(), q.grad) for p, q in zip(model.module.parameters(), cpu.parameters()))
+    out["on_backend_threads"] = log.on_backend_threads()
+    dist.destroy_process_group()
+    result(out)
+
+
 def staging_timeout() -> None:
     """Two ranks, exact mode, a group with a 1 s timeout: an all_reduce of a tensor the device reaches only
     after 3 s. What waiting on it raises, and after how long."""
@@ -302,5 +351,5 @@ def calibration() -> None:
 if __name__ == "__main__":
     main({"matmul_timing": matmul_timing, "async_semantics": async_semantics, "exact_matches_cpu": exact_matches_cpu,
           "large_model": large_model, "collectives": collectives, "staging_overlaps": staging_overlaps,
-          "staging_timeout": staging_timeout,
+          "staging_timeout": staging_timeout, "ddp_hand_over": ddp_hand_over,
           "calibration": calibration})
