@@ -88,7 +88,7 @@ def test_a_collective_on_tensors_the_device_has_not_reached_neither_blocks_nor_i
     for res in run_ranks(timed_device, 2, tmp_path, args=["staging_overlaps"], timeout=150):
         out = res.json()
         lead = out["lead_s"]
-        for name in ("all_reduce_1MB", "all_reduce_small", "all_gather_1MB"):
+        for name in ("all_reduce_1MB", "all_reduce_small", "all_gather_1MB", "all_reduce_transposed"):
             op = out[name]
             assert op["exact"] is True, f"rank {res.rank} {name}: {op}"
             assert op["issue_s"] < lead / 3, f"rank {res.rank} {name}: issuing waited for the device: {op}"

@@ -155,6 +155,7 @@ class DeviceStaging:
         self._queued: dict[torch.device, None] = {}  # devices with input copies queued and not yet gated
         self._after: list[Any] = []  # events after the write-back's queued copies
         self._gate: DeviceGate | None = None
+        self._keep: list[torch.Tensor] = []  # device tensors the queued input copies read
 
     def _map(self, tensors: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         if isinstance(tensors, torch.Tensor):
@@ -180,7 +181,14 @@ class DeviceStaging:
                 # Queued behind the kernels that make `t`, without waiting for them: a blocking copy would
                 # hold this thread (autograd's, under DDP) until the device got here, and the device would
                 # then idle while this thread issues the next kernels.
-                host.copy_(t.detach(), non_blocking=True)
+                src = t.detach().resolve_conj().resolve_neg()
+                if src.stride() != host.stride():
+                    # MPS copies to the host asynchronously only between equal strides (otherwise it copies
+                    # into a temporary and from there on the host at once, before the device has written
+                    # it): a contiguous copy on the device first, kept until the op is complete.
+                    src = src.clone(memory_format=torch.contiguous_format)
+                    self._keep.append(src)
+                host.copy_(src, non_blocking=True)
                 self._queued[t.device] = None
             else:
                 host.copy_(t.detach())
@@ -238,6 +246,7 @@ class DeviceStaging:
     def release(self) -> None:
         """The op is complete: its host buffers may serve another once the device has read them."""
         held, self._held = self._held, []
+        self._keep.clear()
         # (a host op that failed before its gate: the device may still be copying into its buffers)
         unpassed = self._gate.unpassed() if self._gate is not None else []
         self._completions.buffers.give(held, self._after + unpassed)

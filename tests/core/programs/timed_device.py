@@ -229,9 +229,11 @@ def staging_overlaps() -> None:
     r, w = dist.get_rank(), dist.get_world_size()
     lead, host = 0.3, 0.05
     out: dict[str, object] = {"lead_s": lead}
-    for name, n in (("all_reduce_1MB", 300_000), ("all_reduce_small", 5), ("all_gather_1MB", 300_000)):
+    for name, n in (("all_reduce_1MB", 300_000), ("all_reduce_small", 5), ("all_gather_1MB", 300_000),
+                    ("all_reduce_transposed", 300_000)):
         base = torch.arange(n, dtype=torch.float32) % 7 + r
-        x = base.to(gpu.device)
+        # (transposed: a strided view, which is copied to the host through a contiguous device copy)
+        x = base.to(gpu.device).view(600, 500).t() if name.endswith("transposed") else base.to(gpu.device)
         gathered = torch.empty(w * n, device=gpu.device)
         dist.barrier()
         gpu.synchronize()
@@ -258,6 +260,8 @@ def staging_overlaps() -> None:
             exact = bool(torch.equal(gathered.cpu(), want))
         else:
             want = sum((torch.arange(n, dtype=torch.float32) % 7 + q) * 2 for q in range(w))
+            if name.endswith("transposed"):
+                want = want.view(600, 500).t()
             exact = bool(torch.equal(x.cpu(), want))
         out[name] = {"issue_s": issued, "complete_at_issue": complete_at_issue, "done_s": done, "idle_s": idle,
                      "exact": exact}
