@@ -26,6 +26,7 @@ def test_every_interleaving_keeps_the_promises(scenario: Scenario) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # (up to 100 s each on a quiet machine, several times that beside other work)
 @pytest.mark.parametrize("scenario", SLOW, ids=[s.name for s in SLOW])
 def test_every_interleaving_of_larger_worlds_keeps_the_promises(scenario: Scenario) -> None:
     report = explore(scenario)
