@@ -26,6 +26,7 @@ def test_every_interleaving_keeps_the_promises(scenario: Scenario) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # (up to 100 s each on a quiet machine, several times that beside other work)
 @pytest.mark.parametrize("scenario", SLOW, ids=[s.name for s in SLOW])
 def test_every_interleaving_of_larger_worlds_keeps_the_promises(scenario: Scenario) -> None:
     report = explore(scenario)
@@ -47,6 +48,23 @@ class NoIdentity(Agreement):
 def test_a_machine_without_call_identity_fails_the_exploration() -> None:
     with pytest.raises(Violation):
         explore(SCENARIOS[0], NoIdentity)
+
+
+class ForgetsWhoJoined(Agreement):
+    """A mutant that takes a member whose call ended for one that never joined (what the agreement did before
+    calls remembered who joined them)."""
+
+    def waiting_for(self) -> tuple[list[int], list[int], list[int]]:
+        silent, unconfirmed, ended = super().waiting_for()
+        return sorted(silent + ended), unconfirmed, []
+
+
+def test_a_machine_that_forgets_who_joined_fails_the_exploration() -> None:
+    """Both ranks time out, one a moment before the other (two faults): the second must not name the first."""
+    scenario = dataclasses.replace(SCENARIOS[0], faults=2, calls=1)
+    explore(scenario)
+    with pytest.raises(Violation, match="as a member that did not join"):
+        explore(scenario, ForgetsWhoJoined)
 
 
 def test_the_same_proposals_give_the_same_id_and_identity() -> None:
@@ -91,6 +109,49 @@ def test_a_disagreement_ends_when_the_peer_retries() -> None:
     assert a.disagreement() is None
     a.receive(1, Propose(2, (0, 1)))
     assert a.call is not None and a.call.commits  # it committed to rank 1's new proposal
+
+
+def test_a_member_that_joined_and_gave_up_first_is_not_named_as_one_that_did_not_join() -> None:
+    """Two survivors wait for a third that never comes; the one whose deadline comes first ends its call (DONE)
+    a moment before the other's deadline. The other must name only the third: naming both made each survivor
+    exclude the other on its retry, and each shrank to a group of itself."""
+    a = Agreement(1)
+    a.add(0, (0, 1, 2, 3))
+    a.begin((1, 2, 3))
+    a.receive(2, Propose(1, (1, 2, 3)))
+    assert a.waiting_for() == ([3], [2], [])
+    a.receive(2, Done(1))  # rank 2 timed out first
+    assert a.waiting_for() == ([3], [], [2])
+    b = Agreement(2)  # a proposal that came before the call began counts as joined too
+    b.add(0, (0, 1, 2, 3))
+    b.receive(1, Propose(1, (1, 2, 3)))
+    b.begin((1, 2, 3))
+    b.receive(1, Done(1))
+    assert b.waiting_for() == ([3], [], [1])
+
+
+def test_a_member_that_made_the_group_vouches_for_a_commit_that_has_not_come() -> None:
+    """Rank 2 is stopped just after its COMMIT reached rank 0 but before it reached rank 1. Rank 0 makes the
+    group and says so (DONE with the view): rank 1 makes it too instead of timing out, which broke rank 0's
+    group and left the survivors in different groups."""
+    a = Agreement(1)
+    a.add(0, (0, 1, 2, 3))
+    a.begin((0, 1, 2))
+    a.receive(0, Propose(1, (0, 1, 2)))
+    sends, _ = a.receive(2, Propose(1, (0, 1, 2)))
+    commit = next(m for _, m in sends if isinstance(m, Commit))
+    a.receive(0, Commit(1, (0, 1, 2), commit.view, commit.gid))
+    assert a.outcome() is None  # rank 2's commit missing
+    a.receive(0, Done(1, (1, 1, 9)))  # a DONE of another view vouches for nothing
+    assert a.outcome() is None
+    b = Agreement(1)
+    b.add(0, (0, 1, 2, 3))
+    b.begin((0, 1, 2))
+    b.receive(0, Propose(1, (0, 1, 2)))
+    b.receive(2, Propose(1, (0, 1, 2)))
+    b.receive(0, Commit(1, (0, 1, 2), commit.view, commit.gid))
+    b.receive(0, Done(1, commit.view))
+    assert b.outcome() == Joined(commit.gid, (0, 1, 2), commit.view)
 
 
 def test_ids_are_reused_once_every_member_left() -> None:

@@ -82,6 +82,41 @@ def test_collectives_on_the_timed_device_move_real_bytes_from_the_issuing_thread
         assert out["on_backend_threads"] == [], f"rank {res.rank}: device ops on backend threads: {out}"
 
 
+def test_a_collective_on_tensors_the_device_has_not_reached_neither_blocks_nor_idles_it(tmp_path):
+    # The host op waits for the device (done no earlier than the lead), the issuing thread does not (it
+    # returns well before, and the kernels it issues next keep the timeline busy), and the values are exact.
+    for res in run_ranks(timed_device, 2, tmp_path, args=["staging_overlaps"], timeout=150):
+        out = res.json()
+        lead = out["lead_s"]
+        for name in ("all_reduce_1MB", "all_reduce_small", "all_gather_1MB", "all_reduce_transposed"):
+            op = out[name]
+            assert op["exact"] is True, f"rank {res.rank} {name}: {op}"
+            assert op["issue_s"] < lead / 3, f"rank {res.rank} {name}: issuing waited for the device: {op}"
+            assert op["complete_at_issue"] is False and op["done_s"] >= lead, f"rank {res.rank} {name}: {op}"
+            assert op["idle_s"] < 0.02, f"rank {res.rank} {name}: the device idled between kernels: {op}"
+        assert out["on_backend_threads"] == [], f"rank {res.rank}: device ops on backend threads: {out}"
+
+
+def test_ddp_hands_every_bucket_over_without_waiting_for_the_device(tmp_path):
+    # Each hook returns as soon as it is called (autograd's thread goes on issuing the backward pass) rather
+    # than when the device reaches its bucket, near the backward's end; the gradients are still exact.
+    for res in run_ranks(timed_device, 2, tmp_path, args=["ddp_hand_over"], timeout=150):
+        out = res.json()
+        assert out["exact"] is True, f"rank {res.rank}: {out}"
+        assert out["hooks"] >= 3 and out["backward_s"] > 0.5, f"rank {res.rank}: {out}"
+        assert out["last_return_s"] < 0.3 * out["backward_s"], f"rank {res.rank}: hooks waited: {out}"
+        assert out["on_backend_threads"] == [], f"rank {res.rank}: device ops on backend threads: {out}"
+
+
+def test_a_device_that_does_not_reach_an_ops_inputs_in_time_times_the_op_out(tmp_path):
+    for res in run_ranks(timed_device, 2, tmp_path, args=["staging_timeout"], timeout=150):
+        out = res.json()
+        assert out["issue_s"] < 0.5, f"rank {res.rank}: {out}"
+        assert "CollectiveTimeout" in out["error"] and "waiting for the device" in out["error"], out
+        assert f"rank {res.rank}" in out["error"], out
+        assert 1.0 <= out["raised_s"] < 3.0, f"rank {res.rank}: {out}"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_the_calibration_table_holds_within_25_percent(tmp_path):

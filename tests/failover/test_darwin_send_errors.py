@@ -12,24 +12,16 @@ import pytest
 
 from torch_thunderbolt.errors import PeerLostError
 from torch_thunderbolt.protocol.framing import Space
-from torch_thunderbolt.testing.darwin import DARWIN, Xnu
+from torch_thunderbolt.testing.darwin import Xnu
+from torch_thunderbolt.testing.worlds import tcp_pair
 from torch_thunderbolt.transport import tcp as tcp_module
 from torch_thunderbolt.transport.engine import Transport
-from torch_thunderbolt.transport.tcp import TcpLinks, tcp_transport
+from torch_thunderbolt.transport.tcp import TcpLinks
 
 
 def _pair(sources: "tuple[str, ...]" = ("127.0.0.1", "127.0.0.2")) -> "tuple[Transport, Transport, Xnu]":
     xnu = Xnu()
-    lst = socket.create_server(("127.0.0.1", 0))
-    port = lst.getsockname()[1]
-    client, server = [], []
-    for src in sources:
-        c = socket.create_connection(("127.0.0.1", port), source_address=(src, 0))
-        s, _ = lst.accept()
-        client.append(xnu.wrap(c))
-        server.append(xnu.wrap(s))
-    lst.close()
-    return (tcp_transport(0, 2, {1: server}, plat=DARWIN), tcp_transport(1, 2, {0: client}, plat=DARWIN), xnu)
+    return (*tcp_pair(sources, darwin=xnu), xnu)
 
 
 def _tcp(t: Transport) -> TcpLinks:

@@ -7,7 +7,6 @@ the ETIMEDOUT on a receive."""
 from __future__ import annotations
 
 import errno
-import os
 import random
 import socket
 import threading
@@ -18,10 +17,10 @@ import torch
 
 from torch_thunderbolt.errors import PeerLostError
 from torch_thunderbolt.protocol.framing import Space
-from torch_thunderbolt.protocol.integrity import stream_keys
-from torch_thunderbolt.testing.darwin import DARWIN, Xnu, XnuSocket
+from torch_thunderbolt.testing.darwin import Xnu, XnuSocket
 from torch_thunderbolt.transport.engine import Transport
-from torch_thunderbolt.transport.tcp import TcpLinks, tcp_transport
+from torch_thunderbolt.testing.worlds import tcp_pair
+from torch_thunderbolt.transport.tcp import TcpLinks
 
 
 def _pair(sources=("127.0.0.1", "127.0.0.2"), stripe=64 << 10, sealed: bool = False,
@@ -29,26 +28,7 @@ def _pair(sources=("127.0.0.1", "127.0.0.2"), stripe=64 << 10, sealed: bool = Fa
     """`sealed`: every frame carries a MAC (THUNDERBOLT_INTEGRITY=mac), so a resend must be sealed anew on
     the surviving stream and a payload cut short never counts. `darwin`: every socket one of the darwin
     model's."""
-    lst = socket.create_server(("127.0.0.1", 0))
-    port = lst.getsockname()[1]
-    client, server = [], []
-    for src in sources:
-        c = socket.create_connection(("127.0.0.1", port), source_address=(src, 0))
-        s, _ = lst.accept()
-        for x in (c, s):
-            x.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client.append(c)
-        server.append(s)
-    lst.close()
-    options: dict = {}
-    if darwin:
-        xnu = Xnu()
-        client, server = [xnu.wrap(x) for x in client], [xnu.wrap(x) for x in server]
-        options["plat"] = DARWIN
-    sessions = [os.urandom(32) for _ in sources]
-    seal = [(r, {1 - r: [stream_keys(s, r, 1 - r) for s in sessions]}) if sealed else None for r in (0, 1)]
-    return (tcp_transport(0, 2, {1: server}, stripe_bytes=stripe, seal=seal[0], **options),
-            tcp_transport(1, 2, {0: client}, stripe_bytes=stripe, seal=seal[1], **options))
+    return tcp_pair(sources, stripe_bytes=stripe, sealed=sealed, darwin=Xnu() if darwin else None)
 
 
 def _tcp(t: Transport) -> TcpLinks:

@@ -5,13 +5,21 @@ The rule: no op on a device tensor, and no future callback (which may run one), 
 backend's. Metal command encoding from two threads at once crashes the process, and autograd encodes its
 kernels while the backend works. An op on device tensors therefore runs in three parts:
 
-1. Issue, in the caller's thread: the device inputs are copied to host memory (a copy is needed anyway),
+1. Issue, in the caller's thread: the copies of the device inputs to host memory are queued on the device
+   behind the kernels already issued (`non_blocking`), and an event recorded after them (`DeviceGate`);
    the outputs get host buffers (`DeviceStaging`), and the op itself is the CPU op on those host tensors
-   (inline or on the worker, by the CPU path's rules: a large async op returns at once).
-2. The bytes move on the worker, between host buffers only.
+   (inline or on the worker, by the CPU path's rules: a large async op returns at once). The caller does
+   not wait for the device: a blocking copy would hold it until the device reached the op's inputs, and
+   under DDP that thread is autograd's, which meanwhile issues no kernels, so the device would idle at
+   every bucket. A device without events (torch.<type>.Event) gets blocking copies instead.
+2. The bytes move on the worker, between host buffers only, once the device has passed the event: the
+   host op waits for it first, by querying it (which reads a counter the device signals and encodes
+   nothing) between short sleeps. An op the caller waits for at once, or a small one whose event is
+   already done, runs inline as on the CPU path.
 3. Completion, on a thread allowed to touch the device: the host results are copied into the device
-   outputs, the work is marked complete and its future's callbacks run. Works complete in issue order, at
-   the first of:
+   outputs (queued, where the device has events; the host buffers are reused only once the device has
+   passed those copies), the work is marked complete and its future's callbacks run. Works complete in
+   issue order, at the first of:
    - a thread waiting on it: `work.wait()`, the future's `wait()`/`value()`, or `is_completed()`/`done()`
      once its bytes are in;
    - the issuing thread's next op on the group, for works whose bytes are in;
@@ -61,33 +69,93 @@ class HostBuffers:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        # Buffers the device may still read (a queued copy to the device): held, whatever KEEP says, until
+        # their events are done, since the device copies from the buffer's memory itself.
+        self._busy: list[tuple[list[Any], list[torch.Tensor]]] = []
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """A contiguous host tensor of `t`'s shape and dtype (contents undefined)."""
         with self._lock:
+            if self._busy:
+                self._reclaim()
             free = self._free.get((t.numel(), t.dtype))
             flat = free.pop() if free else None
         if flat is None:
             flat = torch.empty(t.numel(), dtype=t.dtype)
         return flat.view(t.shape)
 
-    def give(self, buffers: list[torch.Tensor]) -> None:
+    def give(self, buffers: list[torch.Tensor], after: list[Any] | None = None) -> None:
+        """Buffers free once the device has passed `after` (events; None: free now)."""
         with self._lock:
-            for b in buffers:
-                free = self._free.setdefault((b.numel(), b.dtype), [])
-                if len(free) < self.KEEP:
-                    free.append(b.view(-1))
+            if after:
+                self._busy.append((after, buffers))
+            else:
+                self._put(buffers)
+
+    def _reclaim(self) -> None:
+        busy, self._busy = self._busy, []
+        for events, buffers in busy:
+            if all(e.query() for e in events):
+                self._put(buffers)
+            else:
+                self._busy.append((events, buffers))
+
+    def _put(self, buffers: list[torch.Tensor]) -> None:
+        for b in buffers:
+            free = self._free.setdefault((b.numel(), b.dtype), [])
+            if len(free) < self.KEEP:
+                free.append(b.view(-1))
+
+
+class DeviceGate:
+    """Where the device's queue stood once an op's input copies to host memory were queued: the host op
+    reads those buffers only after the device has passed it. Waited for by whichever thread runs the host
+    op, the group's worker included: querying an event reads a counter the GPU signals
+    (MTLSharedEvent.signaledValue under torch.mps.Event.query) and encodes nothing, so it is no device op.
+    The wait sleeps between queries: torch's Event.synchronize holds the GIL while it waits."""
+
+    FIRST_PAUSE_S = 20e-6
+    LONGEST_PAUSE_S = 0.5e-3  # at most this late after the device gets there
+
+    def __init__(self, events: list[Any]) -> None:
+        self._events = events
+
+    def ready(self) -> bool:
+        if self._events and all(e.query() for e in self._events):
+            self._events = []
+        return not self._events
+
+    def unpassed(self) -> list[Any]:
+        return [] if self.ready() else list(self._events)
+
+    def wait(self, seconds: float, what: str) -> None:
+        if self.ready():
+            return
+        deadline = time.monotonic() + seconds
+        pause = self.FIRST_PAUSE_S
+        while not self.ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CollectiveTimeout(f"{what}: Timed out after {seconds:.1f}s waiting for the device to reach "
+                                        f"the op's inputs (their copies to host memory)")
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, self.LONGEST_PAUSE_S)
 
 
 class DeviceStaging:
-    """Host stand-ins for an op's device tensors: inputs copied now, outputs written back at completion.
-    CPU tensors pass through unchanged (the CPU op reads and writes them itself)."""
+    """Host stand-ins for an op's device tensors: inputs copied now (queued on the device where it has
+    events, `gate`), outputs written back at completion. CPU tensors pass through unchanged (the CPU op reads
+    and writes them itself)."""
 
     def __init__(self, completions: "DeviceCompletions") -> None:
         self._completions = completions
         self._back: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._held: list[torch.Tensor] = []  # pooled buffers, returned once the op is complete
         self.written: set[int] = set()  # storages of the device tensors written at completion
+        self._queued: dict[torch.device, None] = {}  # devices with input copies queued and not yet gated
+        self._after: list[Any] = []  # events after the write-back's queued copies
+        self._gate: DeviceGate | None = None
+        self._keep: list[torch.Tensor] = []  # device tensors the queued input copies read
 
     def _map(self, tensors: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         if isinstance(tensors, torch.Tensor):
@@ -109,7 +177,21 @@ class DeviceStaging:
         self._completions.settle(t)
         host = self._host(t)
         if not t.is_sparse:
-            host.copy_(t.detach())
+            if self._completions.has_events(t.device):
+                # Queued behind the kernels that make `t`, without waiting for them: a blocking copy would
+                # hold this thread (autograd's, under DDP) until the device got here, and the device would
+                # then idle while this thread issues the next kernels.
+                src = t.detach().resolve_conj().resolve_neg()
+                if src.stride() != host.stride():
+                    # MPS copies to the host asynchronously only between equal strides (otherwise it copies
+                    # into a temporary and from there on the host at once, before the device has written
+                    # it): a contiguous copy on the device first, kept until the op is complete.
+                    src = src.clone(memory_format=torch.contiguous_format)
+                    self._keep.append(src)
+                host.copy_(src, non_blocking=True)
+                self._queued[t.device] = None
+            else:
+                host.copy_(t.detach())
         return host
 
     def _buffer_for(self, t: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
@@ -129,20 +211,45 @@ class DeviceStaging:
         """In-out tensors (all_reduce, broadcast's root, reduce): host copies now, copied back at completion."""
         return self._map(tensors, lambda t: self._buffer_for(t, self._copy_in(t)))
 
+    def gate(self) -> DeviceGate | None:
+        """The point the device must pass before the host op reads its inputs (None: they are in), once the
+        inputs are mapped: taken by the group as it hands the host op over (`DeviceCompletions.gate`)."""
+        if not self._queued:
+            return None
+        events = [self._completions.record(d) for d in self._queued]
+        self._queued = {}
+        self._gate = DeviceGate(events)
+        return self._gate
+
+    @property
+    def ungated(self) -> bool:
+        """Input copies were queued and no host op took their gate."""
+        return bool(self._queued)
+
     def write_back(self) -> None:
-        """Copy the host results into the device tensors: a device op, on a thread allowed to run one."""
+        """Copy the host results into the device tensors: a device op, on a thread allowed to run one.
+        Queued without waiting where the device has events (later kernels come after them on the device's
+        queue); the host buffers stay held until the device has passed them (`release`)."""
+        queued: dict[torch.device, None] = {}
         for t, host in self._back:
             if t.is_sparse:
                 with torch.no_grad():  # a sparse tensor's detached alias would take the new indices, not `t`
                     t.copy_(host)
+            elif self._completions.has_events(t.device):
+                t.detach().copy_(host, non_blocking=True)
+                queued[t.device] = None
             else:
                 t.detach().copy_(host)
         self._back.clear()
+        self._after = [self._completions.record(d) for d in queued]
 
     def release(self) -> None:
-        """The op is complete: its host buffers may serve another."""
+        """The op is complete: its host buffers may serve another once the device has read them."""
         held, self._held = self._held, []
-        self._completions.buffers.give(held)
+        self._keep.clear()
+        # (a host op that failed before its gate: the device may still be copying into its buffers)
+        unpassed = self._gate.unpassed() if self._gate is not None else []
+        self._completions.buffers.give(held, self._after + unpassed)
 
 
 class DeviceFuture(torch.futures.Future):
@@ -245,6 +352,9 @@ class DeviceCompletions:
 
     def __init__(self) -> None:
         self.buffers = HostBuffers()
+        self._event_types: dict[str, Any] = {}  # device type -> its Event class, None where it has none
+        self._issue = threading.local()  # .staging: the device op this thread is issuing (run)
+        self.issuing = 0  # device ops being issued, by any thread (the group looks before its fast path)
         self._lock = threading.Lock()
         self._turn = threading.RLock()  # held while completing: one thread at a time, in issue order
         self._pending: collections.deque[DeviceWork] = collections.deque()
@@ -266,7 +376,24 @@ class DeviceCompletions:
         if self._pending:
             self.complete_ready()
         staging = DeviceStaging(self)
-        work = DeviceWork(op(staging), staging, result, self)
+        self._issue.staging = staging
+        with self._lock:
+            self.issuing += 1
+        try:
+            host = op(staging)
+        except BaseException:
+            gate = staging.gate()  # queued copies into buffers about to be dropped: let them land first
+            if gate is not None:
+                gate.wait(float("inf"), "an op on device tensors")
+            raise
+        finally:
+            self._issue.staging = None
+            with self._lock:
+                self.issuing -= 1
+        if staging.ungated:  # the host op was handed over without waiting for its inputs: it read garbage
+            raise RuntimeError(f"{host.what}: torch_thunderbolt bug: the host op of an op on device tensors did "
+                               "not take its inputs' gate (DeviceCompletions.gate)")
+        work = DeviceWork(host, staging, result, self)
         task = torch._C._current_graph_task_id()
         with self._lock:
             self._pending.append(work)
@@ -285,6 +412,32 @@ class DeviceCompletions:
         if work.host.is_completed():  # ran inline (small, or the caller waits anyway)
             self.complete_ready()
         return work
+
+    def gate(self) -> DeviceGate | None:
+        """For the group, as it hands a host op over (to its worker, or inline): complete this thread's works
+        whose bytes are in; and, when the host op is the CPU part of a device op this thread is issuing, the
+        gate it must pass before reading its inputs (None: nothing to wait for). Taken once per device op."""
+        if self._pending:
+            self.complete_ready()
+        staging = getattr(self._issue, "staging", None)
+        if staging is None:
+            return None
+        self._issue.staging = None
+        return staging.gate()
+
+    def has_events(self, device: torch.device) -> bool:
+        """Whether `device` has events (torch.<type>.Event, as torch.mps.Event), so copies to and from it can
+        be queued and waited for later; without them a copy blocks."""
+        kind = self._event_types.get(device.type, self)
+        if kind is self:
+            kind = self._event_types[device.type] = getattr(getattr(torch, device.type, None), "Event", None)
+        return kind is not None
+
+    def record(self, device: torch.device) -> Any:
+        """An event at the end of what this thread has queued on `device` so far (has_events first)."""
+        event = self._event_types[device.type]()
+        event.record()
+        return event
 
     def settle(self, t: torch.Tensor) -> None:
         """Complete every pending op that writes `t` (and those before it) before `t` is read."""

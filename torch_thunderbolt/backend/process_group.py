@@ -29,7 +29,7 @@ from ..errors import CollectiveTimeout
 from ..transport.base import ANY_SOURCE
 from ..transport.engine import Transport
 from ..transport.names import RankNames
-from .device import DeviceCompletions
+from .device import DeviceCompletions, DeviceGate
 from .keep_awake import Hold
 from .tensors import (Staged, byte_view, check_same_dtype, flat_cat, flat_view, on_device, reduce_op,
                       rows_to_elems, split_into, total_bytes)
@@ -236,14 +236,33 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
 
     # -- plumbing ------------------------------------------------------------------------------------------
     def _submit(self, what: str, fn: Callable[[], None], result: Any, nbytes: int | None = None,
-                inputs: Any = None, opts: Any = None) -> Work:
+                inputs: Any = None, opts: Any = None, gate: DeviceGate | None = None) -> Work:
         """Run `fn` (the op on flat CPU buffers; `result` holds its outputs, `inputs` its inputs) in issue order.
-        `nbytes`: the op's size, for `_inline_ok` (None: the bytes of `result` and `inputs`)."""
-        if not self._devices.idle:
-            self._devices.complete_ready()  # this thread's device ops whose bytes are in (device.py)
+        `nbytes`: the op's size, for `_inline_ok` (None: the bytes of `result` and `inputs`). `gate`: the
+        device point `fn` waits for (the caller took it already; else it is taken here)."""
+        if gate is None and (not self._devices.idle or self._devices.issuing):
+            # this thread's device ops whose bytes are in, and the gate of the one it issues (device.py)
+            gate = self._devices.gate()
         work = Work(self._whats.get(what) or f"{what} on rank {self._rank}", result)
-        return self._worker.submit(work, fn, inline_ok=self._inline_ok(
-            total_bytes(result) + total_bytes(inputs) if nbytes is None else nbytes, opts))
+        inline_ok = self._inline_ok(total_bytes(result) + total_bytes(inputs) if nbytes is None else nbytes, opts)
+        if gate is not None:
+            fn = self._gated(gate, fn, work.what, opts)
+            # Inline only where the issuing thread would not wait for the device, or waits anyway.
+            inline_ok = inline_ok and (_blocking(opts) or gate.ready())
+        return self._worker.submit(work, fn, inline_ok=inline_ok)
+
+    def _gated(self, gate: DeviceGate, fn: Callable[[], None], what: str, opts: Any) -> Callable[[], None]:
+        """`fn`, run once the device has copied the op's inputs to host memory (device.py)."""
+        def run() -> None:
+            try:
+                gate.wait(_timeout_s(opts, self._timeout), what)
+            except CollectiveTimeout as exc:
+                # The peers are in this op already: the group cannot go on in step without it.
+                self._transport.abort(exc)
+                raise
+            fn()
+
+        return run
 
     def _inline_ok(self, nbytes: int, opts: Any) -> bool:
         """Whether an op may run in the caller's thread when the worker is idle: a small one (two thread
@@ -305,8 +324,12 @@ class ThunderboltProcessGroup(dist.ProcessGroup):
         """The all_reduce of one flat CPU tensor, in the caller's thread when it may run inline (the group's
         turn taken once, and the finished Work made after the op), else on the worker. Written out, as the
         one path every small all_reduce takes: each call and attribute here costs it measurably."""
-        if self._devices.pending:
-            self._devices.complete_ready()  # this thread's device ops whose bytes are in (device.py)
+        if self._devices.pending or self._devices.issuing:
+            # this thread's device ops whose bytes are in, and the gate of the one it issues (device.py)
+            gate = self._devices.gate()
+            if gate is not None:
+                return self._submit("all_reduce", functools.partial(self._all_reduce_flat, opts, flat, op, factor),
+                                    tensors, flat.numel() * flat.element_size(), opts=opts, gate=gate)
         what = self._what_all_reduce
         worker = self._worker
         blocking = _blocking(opts)

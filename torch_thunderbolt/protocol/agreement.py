@@ -16,7 +16,8 @@ group they returned is broken, never used as if it were whole.
    tells every other member (view, id). A call has one live commit: it commits again only once its last
    view can no longer be made (a member's call in it is over without making it).
 3. The call returns once every other member committed to its last (view, id) under the nonces the view
-   names. A commit counts only while no call it names is over without making it.
+   names. A commit counts only while no call it names is over without making it. A member's DONE saying
+   it made that view counts as every member's commit: it made it only once all had committed.
 4. DONE: a call that is over says so, with the view it made (none after an error). A peer drops that call's
    proposal; a group it returned from a view holding that call, other than the one it made, is broken: the
    rank that ended it will never have it.
@@ -110,6 +111,10 @@ class _Call:
     outcome: "Outcome | None" = None
     # Each peer's proposal this call began with that was already there when the call before it failed.
     before: dict[int, int] = field(default_factory=dict)
+    # Peers that proposed this call's members while it ran (or before, in a call then not over). One whose call
+    # then ends without the group (its DONE drops the proposal) joined and gave up, as a peer whose deadline
+    # came a moment before this rank's does: it is no member that did not join.
+    joined: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -237,7 +242,8 @@ class Agreement:
         self.nonce += 1
         own = Propose(self.nonce, members, self.used())
         self.call = _Call(self.nonce, members, own, before={p: m.nonce for p, m in self.heard.items()
-                                                            if self.held_at_failure.get(p) == m.nonce})
+                                                            if self.held_at_failure.get(p) == m.nonce},
+                          joined={p for p, m in self.heard.items() if m.ranks == members})
         self.held_at_failure = {}
         gone = [p for p in members if p in self.lost]
         if gone:
@@ -255,6 +261,8 @@ class Agreement:
             ends = self.over.get(peer)
             if msg.nonce > max(latest, max(ends) if ends else 0):
                 self.heard[peer] = msg
+                if self.call is not None and msg.ranks == self.call.members:
+                    self.call.joined.add(peer)
         elif isinstance(msg, Commit):
             call = self.call
             if call is not None and msg.ranks == call.members and self._current(peer, msg):
@@ -275,6 +283,16 @@ class Agreement:
                     self._release(gid, peer)
             broken = [g for g, rec in self.groups.items()
                       if rec.view and self._unmade(peer, rec.nonce_of(peer), rec.view)]
+            if call is not None and msg.view and call.commits and peer in call.members:
+                view, gid = call.commits[-1]
+                if (msg.view == view and view[call.members.index(peer)] == msg.nonce
+                        and not self._dead(view, call.members)):
+                    # `peer` made the group of this call's live commit, which it does only once every member
+                    # has committed to it: their commits count here too (one may be slow to arrive, or its
+                    # sender stopped just after it reached `peer`).
+                    for p in call.members:
+                        if p != self.rank:
+                            call.confirmed.setdefault(p, set()).add((view, gid))
         return self._step(), broken
 
     def _current(self, peer: int, msg: Commit) -> bool:
@@ -353,16 +371,20 @@ class Agreement:
         got = self.heard.get(peer)
         return call is not None and got is not None and call.before.get(peer) == got.nonce
 
-    def waiting_for(self) -> tuple[list[int], list[int]]:
-        """The members this call has no proposal from, and those whose commit it still lacks."""
+    def waiting_for(self) -> tuple[list[int], list[int], list[int]]:
+        """The members this call has no proposal from, those whose commit it still lacks, and those that
+        joined it and then ended their own call without the group (and have not proposed since)."""
         call = self.call
         if call is None:
-            return [], []
+            return [], [], []
         others = [p for p in call.members if p != self.rank]
-        silent = [p for p in others if p not in self.heard or self.heard[p].ranks != call.members]
+        ended = [p for p in others if p not in self.heard and p in call.joined]
+        silent = [p for p in others
+                  if p not in ended and (p not in self.heard or self.heard[p].ranks != call.members)]
         last = call.commits[-1] if call.commits else None
-        unconfirmed = [p for p in others if p not in silent and last not in call.confirmed.get(p, ())]
-        return silent, unconfirmed
+        unconfirmed = [p for p in others
+                       if p not in silent and p not in ended and last not in call.confirmed.get(p, ())]
+        return silent, unconfirmed, ended
 
     def finish(self) -> tuple[Record, list[Send]]:
         """The call's group (outcome Joined), now live here, and what to tell the other members: the call is

@@ -17,7 +17,9 @@ plus what is in flight on every channel. Events, any enabled one at any time:
 A rank that makes a group sends each member one data frame of it at once (to check where it lands).
 
 Checked in every state: no two ranks hold unbroken groups of one id with different identities; a data frame
-is never taken by a group of another identity. In every quiet state (nothing but a fault can happen): every
+is never taken by a group of another identity; a call that times out names as members that did not join none
+whose proposal of its members reached it during the call (the explorer keeps what reached each rank apart
+from its machine), even if that member's call has ended since. In every quiet state (nothing but a fault can happen): every
 unbroken group
 is held, unbroken, by every member, all alive; no frame is left held back (a held frame stops its stream);
 and where no fault happened and every rank asked for the same members, every call made its group.
@@ -51,6 +53,13 @@ class Rank:
     broken: set[int] = field(default_factory=set)  # live gids broken here
     held: list[tuple[int, Data]] = field(default_factory=list)  # frames held back: (from, frame)
     left: dict[int, set[int]] = field(default_factory=dict)  # live gid -> members that said LEAVE
+    # What reached this rank, kept by the explorer apart from the machine, to judge whom a timeout blames: each
+    # peer's last PROPOSE (nonce, members), the last call of each peer that said DONE, and the peers that joined
+    # the call running here (their PROPOSE of its members reached it while it ran, or before it of a call then
+    # not over).
+    proposals: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    ended: dict[int, int] = field(default_factory=dict)  # (and the calls whose group this rank made)
+    joined: frozenset[int] = frozenset()
     key: object = None  # (the explorer's) this rank's part of the state key, once computed; ranks are shared
     # between states until an event changes them (then copied, key unset)
 
@@ -61,6 +70,7 @@ class World:
     chans: dict[tuple[int, int], tuple[object, ...]]
     faults: int  # faults still allowed
     faulted: bool = False
+    misblame: str = ""  # set by the event that made this state: a timeout that blamed a member wrongly
 
 
 @dataclass(frozen=True)
@@ -97,14 +107,15 @@ def _rank_key(r: Rank) -> object:
         c = m.call
         call = None if c is None else (c.nonce, c.members, c.own.used, tuple(c.commits),
                                        tuple(sorted((p, tuple(sorted(s))) for p, s in c.confirmed.items())),
-                                       repr(c.outcome))
+                                       repr(c.outcome), tuple(sorted(c.joined)))
         machine = (m.nonce, tuple(sorted((p, x.nonce, x.ranks, x.used) for p, x in m.heard.items())),
                    tuple(sorted((p, tuple(sorted(o.items()))) for p, o in m.over.items())),
                    tuple(sorted(m.spent.items())), call,
                    tuple(sorted((g, rec.members, rec.view) for g, rec in m.groups.items())),
                    tuple(sorted((g, tuple(sorted(a.items()))) for g, a in m.awaiting.items())), tuple(sorted(m.lost)))
         r.key = (machine, r.calls, r.wants, r.alive, r.calling, r.made, tuple(sorted(r.broken)), tuple(r.held),
-                 tuple(sorted((g, tuple(sorted(s))) for g, s in r.left.items())))
+                 tuple(sorted((g, tuple(sorted(s))) for g, s in r.left.items())), tuple(sorted(r.proposals.items())),
+                 tuple(sorted(r.ended.items())), tuple(sorted(r.joined)))
     return r.key
 
 
@@ -123,12 +134,14 @@ def _clone_machine(m: Agreement) -> Agreement:
         call = c.call = copy.copy(m.call)
         call.commits = list(call.commits)
         call.confirmed = {p: set(v) for p, v in call.confirmed.items()}
+        call.joined = set(call.joined)
     return c
 
 
 def _clone_rank(r: Rank) -> Rank:
     return Rank(_clone_machine(r.machine), r.calls, r.wants, r.alive, r.calling, r.made, set(r.broken), list(r.held),
-                {g: set(x) for g, x in r.left.items()})
+                {g: set(x) for g, x in r.left.items()}, proposals=dict(r.proposals), ended=dict(r.ended),
+                joined=r.joined)
 
 
 def _ident(m: Agreement, gid: int) -> int:
@@ -226,12 +239,21 @@ class Explorer:
         rank.calls -= 1
         rank.calling = True
         wants = tuple(m for m in rank.wants if m not in rank.machine.lost)
+        members = tuple(sorted(set(wants)))
+        rank.joined = frozenset(p for p, (nonce, ranks) in rank.proposals.items()
+                                if ranks == members and nonce > rank.ended.get(p, 0))
         self._post(w, r, rank.machine.begin(wants))
         self._settle(w, r)
         return w
 
     def _timeout(self, w: World, r: int) -> World:
         w = self._copy(w, r)
+        rank, call = w.ranks[r], w.ranks[r].machine.call
+        if call is not None:
+            for p in rank.machine.waiting_for()[0]:
+                if p in rank.joined and rank.proposals[p][1] == call.members:
+                    w.misblame = (f"rank {r} timed out naming rank {p} as a member that did not join, though its "
+                                  f"proposal of members {list(call.members)} reached it during the call")
         w.faults -= 1
         w.faulted = True
         self._end_call(w, r)
@@ -301,6 +323,12 @@ class Explorer:
         elif isinstance(msg, Data):
             self._land(w, b, a, msg)
         else:
+            if isinstance(msg, Propose):
+                rank.proposals[a] = (msg.nonce, msg.ranks)
+                if rank.calling and m.call is not None and msg.ranks == m.call.members:
+                    rank.joined = rank.joined | {a}
+            elif isinstance(msg, Done):
+                rank.ended[a] = max(rank.ended.get(a, 0), msg.nonce)
             sends, broken = m.receive(a, msg)
             rank.broken.update(broken)
             self._post(w, b, sends)
@@ -334,6 +362,9 @@ class Explorer:
                 raise Violation(f"rank {r}: an outcome without a call")
             return
         if isinstance(out, Joined):
+            for p, nonce in zip(out.members, out.view):
+                if p != r:
+                    rank.ended[p] = max(rank.ended.get(p, 0), nonce)
             rec, sends = m.finish()
             self._post(w, r, sends)
             rank.calling = False
@@ -351,6 +382,8 @@ class Explorer:
 
     # -- checks -----------------------------------------------------------------------------------------------
     def _check(self, w: World, path: tuple[str, ...]) -> None:
+        if w.misblame:
+            raise Violation(w.misblame + _trace(path))
         idents: dict[int, tuple[int, int]] = {}
         for r, rank in enumerate(w.ranks):
             if not rank.alive:

@@ -24,7 +24,9 @@ every thread the backend starts is named `tb-...`).
 
 Every op runs through the module's `executor`: by default the op itself on the CPU views, at once; the
 timed Apple-silicon GPU (`testing.apple_gpu`) puts its own there, which models each op's time on an in-order
-device timeline and may skip the arithmetic (see that module).
+device timeline and may skip the arithmetic (see that module). `torch.<name>.Event()` stands for
+torch.mps.Event (`record`, `query`, `synchronize`): a point on the executor's timeline, done at once
+without one.
 
 What it does not emulate (by default): asynchronous execution (ops run at once), separate device memory (a fake
 tensor's `data_ptr()` is its host address, but the backend treats it as unreadable: it is not a CPU
@@ -91,6 +93,32 @@ class Executor(Protocol):
     def synchronize(self) -> None:
         """Block until every op issued so far is done."""
 
+    def record(self) -> Any:
+        """A point at the current end of the timeline: an object with `query()` and `synchronize()`."""
+
+
+class _Event:
+    """torch.mps.Event's interface on the fake device: a point on its executor's timeline, recorded by
+    `record()`; without an executor every op is done when issued, so the event is done at once."""
+
+    def __init__(self, module: "_Module") -> None:
+        self._module = module
+        self._at: Any = None
+
+    def record(self, stream: object = None) -> None:
+        executor = self._module.executor
+        self._at = executor.record() if executor is not None else None
+
+    def query(self) -> bool:
+        return self._at is None or bool(self._at.query())
+
+    def synchronize(self) -> None:
+        if self._at is not None:
+            self._at.synchronize()
+
+    def wait(self, stream: object = None) -> None:
+        """Make later work wait for this event: one in-order timeline does already."""
+
 
 class _Module:
     """What torch expects of a device module (torch.<name>), plus this process's op log and executor."""
@@ -120,6 +148,9 @@ class _Module:
     def synchronize(self, device: object = None) -> None:
         if self.executor is not None:
             self.executor.synchronize()
+
+    def Event(self, enable_timing: bool = False) -> _Event:  # noqa: N802 - as torch.mps.Event
+        return _Event(self)
 
 
 def module(name: str = DEFAULT_NAME) -> _Module:

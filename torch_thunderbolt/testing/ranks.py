@@ -36,6 +36,7 @@ from torch_thunderbolt.transport import shm_segment
 
 from . import leftovers
 from .program import WORKDIR_ENV, saved_name
+from .zygote import TORCH_PRELOAD, Zygote, ZygoteProcess
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -144,7 +145,7 @@ class RankResult:
 class Rank:
     """One running (or finished) rank; its output goes to files so a scenario can read it while it runs."""
     rank: int
-    proc: subprocess.Popen
+    proc: "subprocess.Popen | ZygoteProcess"
     out_path: Path
     err_path: Path
     exited_at: float | None = None  # wall clock (time.time()), comparable with what ranks print
@@ -246,11 +247,24 @@ def program_argv(program: Program) -> list[str]:
     return ["-m", text]
 
 
+def start_zygote(setup: Setup = LOOPBACK, preload: Sequence[str] = TORCH_PRELOAD) -> Zygote:
+    """A zygote (testing.zygote) for ranks of `setup`: started with the environment they share (PYTHONPATH,
+    OMP_NUM_THREADS=1, `setup.env`), so what it preloads is what they would import."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(setup.strip)}
+    env.update({"PYTHONPATH": os.pathsep.join([*setup.pythonpath, str(REPO)]), "OMP_NUM_THREADS": "1"})
+    env.update(setup.env)
+    return Zygote(preload, env)
+
+
 def start_ranks(program: Program, world: int, workdir: Path, *, args: Sequence[str] = (),
                 env: Env | None = None, setup: Setup = LOOPBACK,
-                per_rank: Mapping[int, Env] | None = None) -> Ranks:
+                per_rank: Mapping[int, Env] | None = None, zygote: Zygote | None = None) -> Ranks:
     """Start `world` ranks of `program` (with `args`) in `workdir`, their working directory, where their
-    output goes (rank<r>.out/.err). The caller must kill_all the result (or use it in a `with`)."""
+    output goes (rank<r>.out/.err). The caller must kill_all the result (or use it in a `with`). `zygote`:
+    fork them from it (testing.zygote: no interpreter start, no torch import) instead of starting
+    interpreters; its PYTHONPATH is the ranks' (it was started with it)."""
+    if zygote is not None and setup.wrap is not None:
+        raise ValueError("ranks forked from a zygote cannot be wrapped (setup.wrap): start them as processes")
     workdir.mkdir(parents=True, exist_ok=True)
     base = {k: v for k, v in os.environ.items() if not k.startswith(setup.strip)}
     base.update({"MASTER_ADDR": setup.master_addr,
@@ -263,6 +277,8 @@ def start_ranks(program: Program, world: int, workdir: Path, *, args: Sequence[s
     def spawn(r: int, extra: Env, stem: str) -> Rank:
         e = {**base, **setup.rank_env(r, world), **(env or {}), **(per_rank or {}).get(r, {}), **extra}
         out, err = workdir / f"{stem}.out", workdir / f"{stem}.err"
+        if zygote is not None:
+            return Rank(r, ZygoteProcess(zygote, zygote.spawn(argv[1:], e, workdir, out, err)), out, err)
         with open(out, "w") as fo, open(err, "w") as fe:
             p = subprocess.Popen([*(setup.wrap(r) if setup.wrap else []), *argv], env=e, stdout=fo, stderr=fe,
                                  start_new_session=True, cwd=workdir)
@@ -280,11 +296,13 @@ def start_ranks(program: Program, world: int, workdir: Path, *, args: Sequence[s
 
 def run_ranks(program: Program, world: int, workdir: Path, *, args: Sequence[str] = (), env: Env | None = None,
               setup: Setup = LOOPBACK, per_rank: Mapping[int, Env] | None = None, timeout: float = 60.0,
-              expect_ok: bool = True) -> list[RankResult]:
+              expect_ok: bool = True, zygote: Zygote | None = None) -> list[RankResult]:
     """Run `world` ranks of `program` to the end; every process is killed when `timeout` seconds run out
-    (an AssertionError with each rank's stderr). With `expect_ok`, every rank must exit 0."""
+    (an AssertionError with each rank's stderr). With `expect_ok`, every rank must exit 0. `zygote`: as
+    for start_ranks."""
     with _segment_check(setup.segments, workdir):
-        with start_ranks(program, world, workdir, args=args, env=env, setup=setup, per_rank=per_rank) as ranks:
+        with start_ranks(program, world, workdir, args=args, env=env, setup=setup, per_rank=per_rank,
+                         zygote=zygote) as ranks:
             if not ranks.wait(time.time() + timeout):
                 ranks.kill_all()
                 detail = "\n".join(f"--- rank {r.rank} stderr:\n{r.stderr()[-2000:]}" for r in ranks)

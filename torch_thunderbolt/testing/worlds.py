@@ -5,6 +5,9 @@
   rank's sockets directly (forge frames, stall one side) without spawning processes.
 - `rdma_world`: RDMA transports between threads over a fake verbs fabric (testing.fake_verbs), rank r on
   the fabric's r-th device, for tests that inject faults or reach into one rank's queue pairs.
+- `tcp_pair`: two TCP transports over loopback streams this process connects itself (one per source
+  address: several cables), optionally sealed and on the darwin socket model, for tests that cut,
+  stall or fail one stream.
 - `exchange_world`: threads swapping tensors through shared slots, for code that takes an `exchange=`
   (the compression pipeline) and must be tested without any transport.
 - `SetUpOnThreads`: ranks started one at a time as threads, each running a set-up over one TCPStore, for
@@ -118,6 +121,39 @@ def rdma_world(world: int, fabric: Any, cfg: Config | None = None, timeout: floa
     cfg = dataclasses.replace(cfg or Config(), verbs="fake", verbs_fabric=path, transport="rdma")
     with _threads_connected(world, lambda store, r: connect_rdma(store, r, world, cfg, timeout), timeout) as ts:
         yield ts
+
+
+def tcp_pair(sources: Sequence[str] = ("127.0.0.1", "127.0.0.2"), *, sealed: bool = False,
+             darwin: Any = None, **options: Any) -> "tuple[Transport, Transport]":
+    """Transports of ranks 0 and 1 joined by one loopback stream per source address (TCP_NODELAY). `sealed`:
+    every frame carries a MAC (THUNDERBOLT_INTEGRITY=mac); `darwin`: a `testing.darwin.Xnu` whose sockets
+    they use, under the darwin platform. `options` go to tcp_transport (stripe_bytes=...)."""
+    import os
+    import socket
+
+    from torch_thunderbolt.protocol.integrity import stream_keys
+    from torch_thunderbolt.transport.tcp import tcp_transport
+
+    client: list[Any] = []
+    server: list[Any] = []
+    with socket.create_server(("127.0.0.1", 0)) as lst:
+        port = lst.getsockname()[1]
+        for src in sources:
+            c = socket.create_connection(("127.0.0.1", port), source_address=(src, 0))
+            s, _ = lst.accept()
+            for x in (c, s):
+                x.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client.append(c)
+            server.append(s)
+    if darwin is not None:
+        from torch_thunderbolt.testing.darwin import DARWIN
+
+        client, server = [darwin.wrap(x) for x in client], [darwin.wrap(x) for x in server]
+        options = {**options, "plat": DARWIN}
+    sessions = [os.urandom(32) for _ in sources]
+    seal = [(r, {1 - r: [stream_keys(k, r, 1 - r) for k in sessions]}) if sealed else None for r in (0, 1)]
+    return (tcp_transport(0, 2, {1: server}, seal=seal[0], **options),
+            tcp_transport(1, 2, {0: client}, seal=seal[1], **options))
 
 
 @contextlib.contextmanager

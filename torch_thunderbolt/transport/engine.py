@@ -1054,7 +1054,7 @@ class Transport:
                         out = disagree
                     if out is not None or now >= deadline:
                         out = out or (None if stale else disagree)
-                        silent, unconfirmed = engine.agreement.waiting_for()
+                        silent, unconfirmed, ended = engine.agreement.waiting_for()
                         if stale and disagree.peer in silent:
                             proposed = (disagree.peer, disagree.ranks)
                         engine._say(engine.agreement.abandon())
@@ -1078,6 +1078,13 @@ class Transport:
                                f"groups you no longer use")
         late = sorted(name(p) for p in silent) or sorted(name(p) for p in unconfirmed)
         how = "did not join the new group" if silent else "joined but did not confirm the new group"
+        if not late and ended:
+            # Every member joined; some gave up first (their deadline came a moment before this one): nobody to
+            # exclude, so the call is simply made again.
+            gave_up = sorted(name(p) for p in ended)
+            raise CollectiveTimeout(f"rank {self.rank}: Timed out in {what}: ranks {gave_up} joined the new group "
+                                    f"but their calls ended first (timed out or failed): call again on every rank "
+                                    f"that stays", ranks=[])
         note = ""
         if proposed is not None:
             note = (f" (rank {name(proposed[0])} proposed nothing during this call; the last it proposed, before "

@@ -213,6 +213,140 @@ def collectives() -> None:
     result(out)
 
 
+def staging_overlaps() -> None:
+    """Two ranks, exact mode: collectives issued on device tensors whose kernels the timeline has not reached
+    (a `charge` of `lead` seconds stands for the backward kernels ahead of a DDP bucket). Per op: how long
+    issuing took the host, whether it was complete at once, when it was done (from the lead's start), the
+    device's idle time between the kernels before and after it (the host spends `host` seconds issuing the
+    next ones, as autograd does), and the values."""
+    import torch.distributed as dist
+
+    import torch_thunderbolt  # noqa: F401 - registers the backend
+
+    gpu = apple_gpu.install("m4-pro", exact=True)
+    log = fake_device.install()
+    dist.init_process_group("thunderbolt", device_id=gpu.device, timeout=datetime.timedelta(seconds=60))
+    r, w = dist.get_rank(), dist.get_world_size()
+    lead, host = 0.3, 0.05
+    out: dict[str, object] = {"lead_s": lead}
+    for name, n in (("all_reduce_1MB", 300_000), ("all_reduce_small", 5), ("all_gather_1MB", 300_000),
+                    ("all_reduce_transposed", 300_000)):
+        base = torch.arange(n, dtype=torch.float32) % 7 + r
+        # (transposed: a strided view, which is copied to the host through a contiguous device copy)
+        x = base.to(gpu.device).view(600, 500).t() if name.endswith("transposed") else base.to(gpu.device)
+        gathered = torch.empty(w * n, device=gpu.device)
+        dist.barrier()
+        gpu.synchronize()
+        gpu.record_spans(True)
+        charged = time.monotonic()  # the timeline is idle: the lead ends no earlier than charged + lead
+        gpu.charge(lead)
+        x.mul_(2)  # queued after the lead: the op must see it
+        t0 = time.monotonic()
+        if name.startswith("all_gather"):
+            work = dist.all_gather_into_tensor(gathered, x, async_op=True)
+        else:
+            work = dist.all_reduce(x, async_op=True)
+        issued = time.monotonic() - t0
+        complete_at_issue = work.is_completed()
+        time.sleep(host)  # the host issuing the next kernels
+        gpu.charge(lead)
+        work.wait()
+        done = time.monotonic() - charged
+        gpu.synchronize()
+        spans = gpu.record_spans(False)
+        idle = sum(max(0.0, b[0] - a[1]) for a, b in zip(spans, spans[1:]))
+        if name.startswith("all_gather"):
+            want = torch.cat([(torch.arange(n, dtype=torch.float32) % 7 + q) * 2 for q in range(w)])
+            exact = bool(torch.equal(gathered.cpu(), want))
+        else:
+            want = sum((torch.arange(n, dtype=torch.float32) % 7 + q) * 2 for q in range(w))
+            if name.endswith("transposed"):
+                want = want.view(600, 500).t()
+            exact = bool(torch.equal(x.cpu(), want))
+        out[name] = {"issue_s": issued, "complete_at_issue": complete_at_issue, "done_s": done, "idle_s": idle,
+                     "exact": exact}
+    out["on_backend_threads"] = log.on_backend_threads()
+    dist.destroy_process_group()
+    result(out)
+
+
+def ddp_hand_over() -> None:
+    """Two ranks, exact mode, every kernel 20 ms long (`launch_s`): DDP on a 6-layer MLP, one bucket per
+    layer or so, each bucket's all_reduce issued on the device bucket from a comm hook that notes when the
+    call returned. Per rank: when the last hook returned after backward() began, the backward's modelled
+    time, the hooks' count, whether the gradients equal the CPU's sum over ranks, and the ops on backend
+    threads."""
+    import copy as copy_
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import torch_thunderbolt  # noqa: F401 - registers the backend
+
+    gpu = apple_gpu.install("m4-pro", exact=True, launch_s=0.02)
+    log = fake_device.install()
+    dist.init_process_group("thunderbolt", device_id=gpu.device, timeout=datetime.timedelta(seconds=60))
+    r, w = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    cpu = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
+    model = DDP(copy_.deepcopy(cpu).to(gpu.device), bucket_cap_mb=32 * 33 * 4 / 2**20)
+    returned: list[float] = []
+
+    def hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks the annotations it finds
+        work = dist.all_reduce(bucket.buffer(), async_op=True)  # sums: the reference sums too
+        returned.append(time.monotonic())
+        return work.get_future().then(lambda f: f.value()[0])
+
+    model.register_comm_hook(None, hook)
+    xs = [torch.randn(8, 32, generator=torch.Generator().manual_seed(q)) for q in range(w)]
+    out: dict[str, object] = {}
+    for step in range(2):  # the second step, after DDP's first-iteration bucket rebuild, is measured
+        model.zero_grad(set_to_none=True)
+        loss = model(xs[r].to(gpu.device)).sum()
+        gpu.synchronize()
+        returned.clear()
+        busy0 = gpu.busy_seconds()
+        t0 = time.monotonic()
+        loss.backward()
+        gpu.synchronize()
+        out = {"last_return_s": max(returned) - t0, "backward_s": gpu.busy_seconds() - busy0,
+               "hooks": len(returned)}
+    for x in xs:
+        cpu(x).sum().backward()  # accumulates: the sum over ranks
+    out["exact"] = all(torch.equal(p.grad.cpu(), q.grad) for p, q in zip(model.module.parameters(), cpu.parameters()))
+    out["on_backend_threads"] = log.on_backend_threads()
+    dist.destroy_process_group()
+    result(out)
+
+
+def staging_timeout() -> None:
+    """Two ranks, exact mode, a group with a 1 s timeout: an all_reduce of a tensor the device reaches only
+    after 3 s. What waiting on it raises, and after how long."""
+    import torch.distributed as dist
+
+    import torch_thunderbolt  # noqa: F401 - registers the backend
+
+    gpu = apple_gpu.install("m4-pro", exact=True)
+    dist.init_process_group("thunderbolt", device_id=gpu.device, timeout=datetime.timedelta(seconds=60))
+    group = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    x = torch.ones(300_000).to(gpu.device)
+    dist.barrier(group=group)
+    gpu.synchronize()
+    t0 = time.monotonic()
+    gpu.charge(3.0)
+    work = dist.all_reduce(x, group=group, async_op=True)
+    issued = time.monotonic() - t0
+    error = ""
+    try:
+        work.wait()
+    except Exception as exc:  # noqa: BLE001 - reported
+        error = f"{type(exc).__name__}: {exc}"
+    raised = time.monotonic() - t0
+    gpu.synchronize()
+    dist.destroy_process_group()
+    result({"issue_s": issued, "raised_s": raised, "error": error})
+
+
 def calibration() -> None:
     """The calibration table (docs/devices.md): every published row against the model."""
     result(apple_gpu.calibration_table())
@@ -220,4 +354,6 @@ def calibration() -> None:
 
 if __name__ == "__main__":
     main({"matmul_timing": matmul_timing, "async_semantics": async_semantics, "exact_matches_cpu": exact_matches_cpu,
-          "large_model": large_model, "collectives": collectives, "calibration": calibration})
+          "large_model": large_model, "collectives": collectives, "staging_overlaps": staging_overlaps,
+          "staging_timeout": staging_timeout, "ddp_hand_over": ddp_hand_over,
+          "calibration": calibration})

@@ -42,24 +42,31 @@ def host_allreduce_hook(group, bucket):  # noqa: ANN001, ANN201 - DDP checks the
 
 
 def traced_allreduce_hook(state, bucket):  # noqa: ANN001, ANN201 - DDP checks the annotations it finds
-    """An all_reduce of the bucket through host memory that notes, in `state`'s list, when the bucket was
-    handed over (its copy to a host buffer kept per bucket waits for the device to reach it, as the backend's
-    staging does), issued and done (a watcher thread waits on the host tensor's work: nothing on the device).
-    A diagnostic: it sums without averaging."""
-    group, marks, buffers = state
+    """A bucket's all_reduce that notes, in `state`'s list, when the bucket was handed over, when the call
+    returned (`issued`: the issuing thread was held until then) and when its bytes were exchanged (`done`: a
+    watcher thread waits on host work only, never on the device). A diagnostic: it sums without averaging.
+    Each backend's own path: thunderbolt takes the device bucket itself (its copy to host memory queued on
+    the device, device.py); gloo, which has no device kernels, a copy to a host buffer kept per bucket,
+    which waits for the device to reach the bucket."""
+    group, marks, buffers, staged = state
     handed = time.monotonic()
     src = bucket.buffer().detach()
-    flat = buffers.get(bucket.index())
-    if flat is None or flat.numel() != src.numel():
-        flat = buffers[bucket.index()] = torch.empty(src.numel(), dtype=src.dtype)
-    flat.copy_(src)
+    if staged or src.is_cpu:
+        flat = buffers.get(bucket.index())
+        if flat is None or flat.numel() != src.numel():
+            flat = buffers[bucket.index()] = torch.empty(src.numel(), dtype=src.dtype)
+        flat.copy_(src)
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        host, nbytes = work, flat.numel() * flat.element_size()
+    else:
+        work = dist.all_reduce(src, group=group, async_op=True)
+        host, nbytes = getattr(work, "host", work), src.numel() * src.element_size()
     issued = time.monotonic()
-    work = dist.all_reduce(flat, group=group, async_op=True)
 
     def watch() -> None:
-        work.wait()
-        marks.append({"bucket": bucket.index(), "bytes": flat.numel() * flat.element_size(), "handed": handed,
-                      "issued": issued, "done": time.monotonic()})
+        host.wait()
+        marks.append({"bucket": bucket.index(), "bytes": nbytes, "handed": handed, "issued": issued,
+                      "done": time.monotonic()})
 
     threading.Thread(target=watch, name="bench-timeline", daemon=True).start()
     return work.get_future().then(lambda f: f.value()[0])
@@ -124,7 +131,7 @@ class _Trainer:
         self.state: Any = None
         self.marks: list[dict] = []
         if traced:
-            self.hook, self.state = traced_allreduce_hook, (group, self.marks, {})
+            self.hook, self.state = traced_allreduce_hook, (group, self.marks, {}, kind == "gloo")
         elif case.hook != "none":
             self.hook, self.state = HOOKS[case.hook], hooks.CompressionState(process_group=group)
         elif self.staged:
@@ -161,8 +168,7 @@ def traced_step(cfg: vit.ViTConfig, case: Case, group: Any, kind: str, device: D
                 labels: torch.Tensor) -> dict:
     """One step with the exchange, traced, on a model of its own (after one untraced step): when the device
     was busy, and when each bucket was handed over, issued and done, in ms from the step's start. The buckets
-    go through `traced_allreduce_hook` (staged through host memory in the hook, as the backend stages a
-    device bucket), so the trace shows the same path for every backend."""
+    go through `traced_allreduce_hook`, each backend's own path."""
     trainer = _Trainer(cfg, case, group, kind, device, traced=True)
     trainer.fwd_bwd(images, labels)
     deadline = time.monotonic() + 60.0
@@ -251,8 +257,7 @@ def describe_trace(trace: dict) -> list[str]:
     waits = sum(m["issued"] - m["handed"] for m in buckets)
     lines.append(f"  exchange: {len(buckets)} buckets, {total / 1e6:.0f} MB; first issued at {first['issued']:.0f} ms, last "
                  f"done at {last['done']:.0f} ms; {covered / 1e6:.0f} MB ({covered / total:.2f}) done before the "
-                 f"backward ended; handing buckets over (copy to the host, waiting for the device) took {waits:.0f} ms "
-                 "of the backward's host thread")
+                 f"backward ended; handing buckets over took {waits:.0f} ms of the backward's host thread")
     span = max(last["done"] - first["issued"], 1e-9)
     lines.append(f"  the exchange moved {total / 1e6 / span * 1e3:.0f} MB/s from its first issue to its end; the step "
                  f"ended at {trace['step_ms']:.0f} ms")

@@ -53,8 +53,8 @@ def run_rank(cfg: BenchConfig, env: RankEnv, backend: Config, out: TextIO = sys.
 
             for key, traces in model.get("traces", {}).items():
                 for b, trace in zip(cfg.backends, traces):
-                    say(f"# timeline of one step, {b.label}, {key} (rank {env.rank}; buckets staged through host "
-                        "memory in a hook, as the backend stages device buckets):")
+                    say(f"# timeline of one step, {b.label}, {key} (rank {env.rank}; each bucket by the "
+                        "backend's own path, in a tracing hook):")
                     say("\n".join("#" + line for line in ddp.describe_trace(trace)))
         else:
             records, model = _llama(cfg, env, groups, kinds, device)

@@ -39,6 +39,7 @@ again).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -55,7 +56,9 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from torch_thunderbolt.testing import leftovers
-from torch_thunderbolt.testing.ranks import HYBRID, LOOPBACK, SHM, Ranks, SegmentCheck, Setup, rank_pids, start_ranks
+from torch_thunderbolt.testing.ranks import (HYBRID, LOOPBACK, SHM, Ranks, SegmentCheck, Setup, rank_pids, start_ranks,
+                                             start_zygote)
+from torch_thunderbolt.testing.zygote import Zygote
 from torch_thunderbolt.transport import shm_segment
 
 from .programs import campaign as campaign_program
@@ -311,9 +314,10 @@ def hang_limit(timeout: float) -> float:
     return 3 * timeout + HANG_MARGIN
 
 
-def run_trial(trial: Trial, workdir: Path, *, code: str | None = None) -> TrialOutcome:
+def run_trial(trial: Trial, workdir: Path, *, code: str | None = None, zygote: Zygote | None = None) -> TrialOutcome:
     """Run `trial` with its ranks in `workdir` (their output stays there); `code`: run the ranks on another
-    copy of the package (a directory holding torch_thunderbolt), to try a patch side by side."""
+    copy of the package (a directory holding torch_thunderbolt), to try a patch side by side; `zygote`: fork
+    the ranks from it (started on the same `code`) instead of starting interpreters."""
     import torch.distributed as dist
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -329,7 +333,7 @@ def run_trial(trial: Trial, workdir: Path, *, code: str | None = None) -> TrialO
         program = Path(campaign_program.__file__)
     try:
         ranks = start_ranks(program, trial.world, workdir, args=["trial"], setup=setup,
-                            env={campaign_program.SPEC_ENV: trial.spec()})
+                            env={campaign_program.SPEC_ENV: trial.spec()}, zygote=zygote)
         reader = _Reader(ranks)
         try:
             _drive(trial, ranks, reader, store, outcome)
@@ -700,19 +704,30 @@ class Summary:
 
 def run_campaign(trials: int, seed: int, workdir: Path, *, timeout: float = TIMEOUT,
                  transports: Sequence[str] = TRANSPORTS, worlds: Sequence[int] = WORLDS, code: str | None = None,
-                 keep: bool = False, progress: Any = None, records: list[dict[str, Any]] | None = None) -> Summary:
+                 keep: bool = False, progress: Any = None, records: list[dict[str, Any]] | None = None,
+                 fork: bool = False) -> Summary:
     """Trials `seed` .. `seed + trials - 1`, each in `workdir/seed<s>` (removed when it passed, unless
     `keep`). `progress(outcome, summary)` is called after each (the summary so far); `records` collects
-    each trial's record."""
+    each trial's record. `fork`: the ranks are forked from one process that imported torch (testing.zygote),
+    which saves most of a short trial's time; what is tested after the import is the same."""
+    with contextlib.ExitStack() as stack:
+        zygote = (stack.enter_context(start_zygote(LOOPBACK.but(pythonpath=(code,) if code else ())))
+                  if fork else None)
+        return _campaign(trials, seed, workdir, timeout, transports, worlds, code, keep, progress, records, zygote)
+
+
+def _campaign(trials: int, seed: int, workdir: Path, timeout: float, transports: Sequence[str],
+              worlds: Sequence[int], code: str | None, keep: bool, progress: Any,
+              records: list[dict[str, Any]] | None, zygote: Zygote | None) -> Summary:
     summary = Summary()
     for s in range(seed, seed + trials):
         trial = make_trial(s, timeout, transports, worlds)
         where = workdir / f"seed{s}"
-        outcome = run_trial(trial, where, code=code)
+        outcome = run_trial(trial, where, code=code, zygote=zygote)
         if outcome.setup and not any(getattr(outcome, k) for k in TrialOutcome.PROBLEMS if k != "setup"):
             # (ranks that could not even set up on a busy machine: once more, said in the notes)
             shutil.rmtree(where, ignore_errors=True)
-            again = run_trial(trial, where, code=code)
+            again = run_trial(trial, where, code=code, zygote=zygote)
             again.notes.insert(0, f"run again: the first run could not set up ({outcome.setup[0][:200]})")
             outcome = again
         summary.add(outcome)
@@ -737,6 +752,9 @@ def main(argv: Iterable[str] | None = None) -> None:
     ap.add_argument("--workdir", type=Path, help="where the ranks run (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep every trial's directory, not only failing ones")
     ap.add_argument("--code", help="run the ranks on the package in this directory (a patch side by side)")
+    ap.add_argument("--fork", action="store_true",
+                    help="fork the ranks from one process that imported torch (testing.zygote): trials take about "
+                         "half the time; the ranks' code after the import is the same")
     args = ap.parse_args(list(argv) if argv is not None else None)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tb-campaign-"))
     records: list[dict[str, Any]] = []
@@ -756,7 +774,7 @@ def main(argv: Iterable[str] | None = None) -> None:
 
     summary = run_campaign(args.trials, args.seed, workdir, timeout=args.timeout,
                            transports=args.transport or TRANSPORTS, worlds=args.world or WORLDS, code=args.code,
-                           keep=args.keep, progress=progress, records=records)
+                           keep=args.keep, progress=progress, records=records, fork=args.fork)
     print(summary.text())
     print(f"trial directories: {workdir}")
     write(summary)
