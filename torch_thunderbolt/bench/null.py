@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from .spec import FLOOR_LABEL, NULL_BACKEND
 
-__all__ = ["FLOOR_LABEL", "NULL_BACKEND", "NullProcessGroup", "NullWork", "create_process_group", "register"]
+__all__ = ["FLOOR_LABEL", "NULL_BACKEND", "BenchGroup", "NullProcessGroup", "NullWork", "create_process_group",
+           "register"]
 DEVICES = ["cpu"]
 
 
@@ -57,20 +58,24 @@ class NullWork(dist._Work):
         return fut
 
 
-class NullProcessGroup(dist.ProcessGroup):
-    """Every collective and send/recv returns a completed NullWork without touching a tensor."""
+class BenchGroup(dist.ProcessGroup):
+    """What every Python ProcessGroup of the benchmark answers torch with (as ThunderboltProcessGroup does):
+    its name (`BACKEND`), the group name and description torch gives it, and itself for every device's
+    backend. Collectives are its subclasses' (torch's ProcessGroup raises for the others)."""
+
+    BACKEND = ""
+    supports_splitting = False
 
     def __init__(self, rank: int, size: int) -> None:
         super().__init__(rank, size)
         self._group_name = ""
         self._group_desc = ""
 
-    # -- identity, and torch's device -> backend lookups (as ThunderboltProcessGroup answers them) --------
     def getBackendName(self) -> str:
-        return NULL_BACKEND
+        return self.BACKEND
 
     def name(self) -> str:
-        return NULL_BACKEND
+        return self.BACKEND
 
     def setGroupName(self, name: str) -> None:
         self._group_name = name
@@ -84,14 +89,18 @@ class NullProcessGroup(dist.ProcessGroup):
     def getGroupDesc(self) -> str:
         return self._group_desc
 
-    supports_splitting = False
-
-    def _get_backend(self, device: Any) -> "NullProcessGroup":
+    def _get_backend(self, device: Any) -> "BenchGroup":
         return self
 
     @property
     def _device_types(self) -> list[torch.device]:
         return [torch.device(d) for d in DEVICES]
+
+
+class NullProcessGroup(BenchGroup):
+    """Every collective and send/recv returns a completed NullWork without touching a tensor."""
+
+    BACKEND = NULL_BACKEND
 
     # -- collectives: nothing moved, nothing computed -------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None) -> NullWork:

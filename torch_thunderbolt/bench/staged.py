@@ -18,53 +18,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .null import DEVICES, BenchGroup, NullWork  # (a NullWork is one done when handed out)
+
 STAGED_BACKEND = "gloo_staged"
-DEVICES = ["cpu"]
 
-__all__ = ["STAGED_BACKEND", "StagedWork", "StagedGlooProcessGroup", "create_process_group", "register",
-           "new_staged_group"]
-
-
-class StagedWork(dist._Work):
-    """Done when handed out: the staged copies and gloo's own work were waited for before it was made."""
-
-    def __init__(self, result: list[torch.Tensor]) -> None:
-        super().__init__()
-        self._result = result
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self) -> BaseException | None:
-        return None
-
-    def result(self) -> Any:
-        return self._result
-
-    def source_rank(self) -> int:
-        return -1
-
-    def synchronize(self) -> None:
-        pass
-
-    def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(self._result)
-        return fut
+__all__ = ["STAGED_BACKEND", "StagedGlooProcessGroup", "create_process_group", "register", "new_staged_group"]
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
     return t if t.device.type == "cpu" else t.to("cpu")
 
 
-class StagedGlooProcessGroup(dist.ProcessGroup):
+class StagedGlooProcessGroup(BenchGroup):
     """all_reduce and all_gather of `inner` (a gloo group of the same ranks) on tensors of any device."""
+
+    BACKEND = STAGED_BACKEND
 
     def __init__(self, inner: Any, rank: int, size: int) -> None:
         super().__init__(rank, size)
@@ -75,37 +43,8 @@ class StagedGlooProcessGroup(dist.ProcessGroup):
             raise ValueError(f"rank {rank}: the {STAGED_BACKEND} group has {size} ranks but its gloo group has "
                              f"{inner.size()}: expected the same ranks")
         self.inner = inner
-        self._group_name = ""
-        self._group_desc = ""
 
-    def getBackendName(self) -> str:
-        return STAGED_BACKEND
-
-    def name(self) -> str:
-        return STAGED_BACKEND
-
-    def setGroupName(self, name: str) -> None:
-        self._group_name = name
-
-    def getGroupName(self) -> str:
-        return self._group_name
-
-    def setGroupDesc(self, desc: str) -> None:
-        self._group_desc = desc
-
-    def getGroupDesc(self) -> str:
-        return self._group_desc
-
-    supports_splitting = False
-
-    def _get_backend(self, device: Any) -> "StagedGlooProcessGroup":
-        return self
-
-    @property
-    def _device_types(self) -> list[torch.device]:
-        return [torch.device(d) for d in DEVICES]
-
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> StagedWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> NullWork:
         hosts = [_host(t) for t in tensors]
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for h in hosts:
@@ -113,14 +52,14 @@ class StagedGlooProcessGroup(dist.ProcessGroup):
         for t, h in zip(tensors, hosts):
             if h is not t:
                 t.copy_(h)
-        return StagedWork(tensors)
+        return NullWork(tensors)
 
-    def _allgather_base(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> StagedWork:
+    def _allgather_base(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> NullWork:
         out = _host(output) if output.device.type == "cpu" else torch.empty(output.shape, dtype=output.dtype)
         dist.all_gather_into_tensor(out, _host(x).contiguous(), group=self.inner)
         if out is not output:
             output.copy_(out)
-        return StagedWork([output])
+        return NullWork([output])
 
 
 def create_process_group(dist_opts: Any, backend_opts: Any = None) -> StagedGlooProcessGroup:
