@@ -44,7 +44,6 @@ class Zygote:
         self._out = self._proc.stdout
         self._buf = b""
         self.exits: dict[int, int] = {}  # pid -> exit status, as reported
-        self._pids: list[int] = []
         ready = self._next(time.monotonic() + ready_seconds)
         if ready.get("ready") is not True:
             self.close()
@@ -59,7 +58,6 @@ class Zygote:
         while True:
             msg = self._next(time.monotonic() + 30.0)
             if "pid" in msg:
-                self._pids.append(msg["pid"])
                 return int(msg["pid"])
             if "failed" in msg:
                 raise RuntimeError(f"the zygote could not fork {argv}: {msg['failed']}")
