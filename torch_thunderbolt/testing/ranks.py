@@ -250,10 +250,16 @@ def program_argv(program: Program) -> list[str]:
 def start_zygote(setup: Setup = LOOPBACK, preload: Sequence[str] = TORCH_PRELOAD) -> Zygote:
     """A zygote (testing.zygote) for ranks of `setup`: started with the environment they share (PYTHONPATH,
     OMP_NUM_THREADS=1, `setup.env`), so what it preloads is what they would import."""
+    return Zygote(preload, _shared_env(setup, {}))
+
+
+def _shared_env(setup: Setup, run: Env) -> dict[str, str]:
+    """What every rank of `setup` gets (and its zygote): ours without `strip`, PYTHONPATH, OMP_NUM_THREADS=1,
+    then `run` (the run's own variables), then `setup.env`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(setup.strip)}
-    env.update({"PYTHONPATH": os.pathsep.join([*setup.pythonpath, str(REPO)]), "OMP_NUM_THREADS": "1"})
+    env.update({"PYTHONPATH": os.pathsep.join([*setup.pythonpath, str(REPO)]), "OMP_NUM_THREADS": "1", **run})
     env.update(setup.env)
-    return Zygote(preload, env)
+    return env
 
 
 def start_ranks(program: Program, world: int, workdir: Path, *, args: Sequence[str] = (),
@@ -266,12 +272,10 @@ def start_ranks(program: Program, world: int, workdir: Path, *, args: Sequence[s
     if zygote is not None and setup.wrap is not None:
         raise ValueError("ranks forked from a zygote cannot be wrapped (setup.wrap): start them as processes")
     workdir.mkdir(parents=True, exist_ok=True)
-    base = {k: v for k, v in os.environ.items() if not k.startswith(setup.strip)}
-    base.update({"MASTER_ADDR": setup.master_addr,
-                 "MASTER_PORT": str(setup.master_port if setup.master_port is not None else free_port()),
-                 "WORLD_SIZE": str(world), "PYTHONPATH": os.pathsep.join([*setup.pythonpath, str(REPO)]),
-                 "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", WORKDIR_ENV: str(workdir)})
-    base.update(setup.env)
+    base = _shared_env(setup, {
+        "MASTER_ADDR": setup.master_addr,
+        "MASTER_PORT": str(setup.master_port if setup.master_port is not None else free_port()),
+        "WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1", WORKDIR_ENV: str(workdir)})
     argv = [sys.executable, *program_argv(program), *args]
 
     def spawn(r: int, extra: Env, stem: str) -> Rank:
